@@ -1,0 +1,171 @@
+"""The pipeline config: one YAML file (or dict) describing model, plugins, server.
+
+Validation is two-stage. The fixed sections are ``msgspec`` structs; each plugin section
+is ``{plugin: name, **options}`` and its options are validated against the chosen
+implementation's own ``Config`` struct (see :func:`resolve_plugin_config`). Every error
+is a :class:`ConfigError` whose message starts with the dotted path of the bad key.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Annotated, Any, Literal
+
+import msgspec
+import yaml
+
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+
+
+class ConfigError(ValueError):
+    """A bad pipeline or CLI value; the message names the field."""
+
+
+class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class ModelSection(_Section):
+    path: str = "smollm2-135m-instruct"
+    name: str | None = None  # served model name; defaults to the path's last component
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    max_model_len: Annotated[int, msgspec.Meta(ge=2)] | None = None
+    tokenizer: str | None = None  # an HF directory, if not beside the weights
+
+
+class ServerSection(_Section):
+    host: str = "127.0.0.1"
+    port: Port = 8000
+    api_keys: list[str] | None = None
+    api_keys_env: str | None = None  # name of an env var with comma-separated keys
+    auth_exempt_paths: list[str] = msgspec.field(default_factory=lambda: ["/health"])
+    max_waiting_requests: PositiveInt = 1024
+    max_body_bytes: PositiveInt = 4 * 1024 * 1024
+    max_n: PositiveInt = 16
+    max_stop_strings: PositiveInt = 16
+    max_stop_string_len: PositiveInt = 256
+    max_top_logprobs: Annotated[int, msgspec.Meta(ge=0)] = 20
+    max_messages: PositiveInt = 512
+    request_timeout_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    shutdown_grace_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0
+    log_requests: bool = True
+    log_prompts: bool = False
+
+
+class TracingSection(_Section):
+    exporter: Literal["none", "console", "otlp"] = "none"
+    endpoint: str | None = None
+
+
+class ObservabilitySection(_Section):
+    metrics: bool = True
+    tracing: TracingSection = msgspec.field(default_factory=TracingSection)
+
+
+class PipelineConfig(_Section):
+    model: ModelSection = msgspec.field(default_factory=ModelSection)
+    device: Literal["cpu", "cuda", "auto"] = "cpu"
+    seed: int = 0
+    scheduler: dict[str, Any] = msgspec.field(default_factory=lambda: {"plugin": "fcfs"})
+    kv_cache: dict[str, Any] = msgspec.field(default_factory=lambda: {"plugin": "paged"})
+    attention: dict[str, Any] = msgspec.field(default_factory=lambda: {"plugin": "torch"})
+    sampler: dict[str, Any] = msgspec.field(default_factory=lambda: {"plugin": "default"})
+    speculative: dict[str, Any] | None = None
+    server: ServerSection = msgspec.field(default_factory=ServerSection)
+    observability: ObservabilitySection = msgspec.field(default_factory=ObservabilitySection)
+
+
+PLUGIN_SECTIONS = {
+    "scheduler": "schedulers",
+    "kv_cache": "kv_backends",
+    "attention": "attention_backends",
+    "sampler": "samplers",
+    "speculative": "speculative_decoders",
+}
+
+
+def load_pipeline(source: str | os.PathLike | dict | PipelineConfig | None = None, **overrides: Any) -> PipelineConfig:
+    """Read a pipeline from a YAML path, a dict or an existing config, applying top-level overrides."""
+    if isinstance(source, PipelineConfig):
+        raw: dict[str, Any] = msgspec.to_builtins(source)
+    elif isinstance(source, dict):
+        raw = dict(source)
+    elif source is None:
+        raw = {}
+    else:
+        raw = _read_yaml(str(source))
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(raw.get(key), dict) and key in ("model", "server", "observability"):
+            raw[key] = {**raw[key], **value}
+        else:
+            raw[key] = value
+    return convert(raw, PipelineConfig)
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"pipeline file not found: {path}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    return data
+
+
+_PATH_RE = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+
+
+def convert(raw: Any, struct: type, prefix: str = "") -> Any:
+    """``msgspec.convert`` with errors rewritten as ``path.to.key: expected X, got Y``."""
+    try:
+        return msgspec.convert(raw, struct)
+    except msgspec.ValidationError as e:
+        raise ConfigError(format_validation_error(e, raw, prefix)) from None
+
+
+def format_validation_error(err: msgspec.ValidationError, raw: Any, prefix: str = "") -> str:
+    m = _PATH_RE.match(str(err))
+    assert m is not None
+    msg, path = m.group("msg"), m.group("path") or ""
+    keys = [k for k in re.split(r"\.|\[(\d+)\]", path) if k]
+    if msg.startswith("Object contains unknown field"):
+        field = msg.split("`")[1]
+        keys.append(field)
+        msg = "unknown key"
+    dotted = ".".join(filter(None, [prefix, *keys])) or "(top level)"
+    msg = msg.replace("`", "")
+    if msg.startswith("Expected"):
+        msg = "e" + msg[1:]
+        value = _lookup(raw, keys)
+        if value is not _MISSING:
+            msg += f", got {value!r}"
+    return f"{dotted}: {msg}"
+
+
+_MISSING = object()
+
+
+def _lookup(raw: Any, keys: list[str]) -> Any:
+    for k in keys:
+        if isinstance(raw, dict) and k in raw:
+            raw = raw[k]
+        elif isinstance(raw, list) and k.isdigit() and int(k) < len(raw):
+            raw = raw[int(k)]
+        else:
+            return _MISSING
+    return raw
+
+
+def api_keys(server: ServerSection) -> list[str]:
+    """The configured API keys: the explicit list plus those in ``api_keys_env``."""
+    keys = list(server.api_keys or [])
+    if server.api_keys_env:
+        keys += [k.strip() for k in os.environ.get(server.api_keys_env, "").split(",") if k.strip()]
+    return keys

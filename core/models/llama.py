@@ -1,0 +1,173 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over one flat varlen batch of tokens.
+
+Differences between the three are config switches (q/k/v bias, tied embeddings,
+head_dim, RoPE scaling). Attention is delegated to the chosen attention backend, which
+reads and writes the paged KV cache; the model itself holds no per-request state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from modserve.core.interfaces import AttentionBackend, AttentionMetadata, LayerKVCache
+from modserve.core.models.rope import RotaryTable, apply_rotary
+from modserve.core.models.spec import ModelSpec
+
+
+class RMSNorm(nn.Module):
+    """HF's RMSNorm: normalise in float32, cast back, then scale."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        self.qkv_proj = nn.Linear(spec.hidden_size, sum(self.split), bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=False)
+        self.backend = backend
+
+    def forward(self, x, cos, sin, cache: LayerKVCache, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        t = x.shape[0]
+        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        out = self.backend.forward(q, k, v.view(t, self.num_kv_heads, self.head_dim), cache, meta)
+        return self.o_proj(out.reshape(t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.intermediate = spec.intermediate_size
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = Attention(spec, backend)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MLP(spec)
+
+    def forward(self, x, cos, sin, cache, meta) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, max_positions: int, num_layers: int | None = None):
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, backend) for _ in range(num_layers or spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.max_positions = max_positions
+        self.rotary: RotaryTable | None = None  # built by to_device, never on the meta device
+
+    def to_device(self, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+        self.to(device=device, dtype=dtype)
+        s = self.spec
+        self.rotary = RotaryTable(s.head_dim, self.max_positions, s.rope_theta, s.rope_scaling, device)
+        return self
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        caches: list[LayerKVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` after the final norm."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.lookup(positions, x.dtype)
+        for layer, cache in zip(self.layers, caches):
+            x = layer(x, cos, sin, cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    # ----------------------------------------------------------------- weight loading
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up; unknown or missing names are errors."""
+        params = dict(self.named_parameters())
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        loaded: set[str] = set()
+        num_layers = len(self.layers)
+        for name, tensor in tensors:
+            name = name.removeprefix("model.")
+            if name.startswith("layers."):
+                if int(name.split(".")[1]) >= num_layers:
+                    continue  # a truncated (draft) model keeps only its first layers
+            if "rotary_emb" in name:
+                continue
+            target, part = _fused_target(name)
+            if part is None:
+                if target not in params:
+                    raise ValueError(f"unexpected weight {name!r} for {self.spec.model_type}")
+                _copy(params[target], tensor, name)
+                loaded.add(target)
+                continue
+            group = pending.setdefault(target, {})
+            group[part] = tensor
+            parts = ("q", "k", "v") if "qkv" in target else ("gate", "up")
+            if all(p in group for p in parts):
+                _copy(params[target], torch.cat([group[p] for p in parts], dim=0), target)
+                loaded.add(target)
+                del pending[target]
+        if self.spec.tie_word_embeddings:
+            loaded.add("lm_head.weight")
+        missing = sorted(set(params) - loaded - {"lm_head.weight"} if self.spec.tie_word_embeddings else set(params) - loaded)
+        if missing or pending:
+            raise ValueError(f"weights missing from checkpoint: {(missing or sorted(pending))[:5]}")
+
+
+_FUSED = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+}
+
+
+def _fused_target(name: str) -> tuple[str, str | None]:
+    parts = name.split(".")
+    for i, p in enumerate(parts):
+        if p in _FUSED:
+            fused, part = _FUSED[p]
+            return ".".join(parts[:i] + [fused] + parts[i + 1 :]), part
+    return name, None
+
+
+def _copy(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:
+    if param.shape != tensor.shape:
+        raise ValueError(f"weight {name!r}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}")
+    with torch.no_grad():
+        param.copy_(tensor)

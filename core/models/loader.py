@@ -1,0 +1,127 @@
+"""Finds a model by path or name and builds it: HF directory, ``.gguf`` file, or the embedded default."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+
+from modserve.core.interfaces import AttentionBackend
+from modserve.core.models.gguf_reader import find_smollm2_gguf, read_gguf
+from modserve.core.models.llama import LlamaForCausalLM
+from modserve.core.models.spec import ModelSpec
+from modserve.core.tokenizer import TokenizerBundle
+
+EMBEDDED_MODELS = {"smollm2-135m-instruct": find_smollm2_gguf}
+
+
+class ModelNotFoundError(FileNotFoundError):
+    pass
+
+
+@dataclass
+class ModelSource:
+    """What was found at a model path, before any weights are read."""
+
+    path: str
+    kind: str  # "hf" | "gguf"
+    default_name: str
+
+
+def locate(path: str) -> ModelSource:
+    """Resolve ``path`` to an HF directory, a GGUF file or an embedded model name."""
+    if path in EMBEDDED_MODELS:
+        return ModelSource(EMBEDDED_MODELS[path](), "gguf", path)
+    if os.path.isdir(path):
+        if not os.path.exists(os.path.join(path, "config.json")):
+            raise ModelNotFoundError(f"model directory {path!r} has no config.json")
+        return ModelSource(path, "hf", os.path.basename(os.path.normpath(path)))
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return ModelSource(path, "gguf", os.path.basename(path).removesuffix(".gguf"))
+    raise ModelNotFoundError(
+        f"model not found: {path!r} is not an HF directory (with config.json), a .gguf file, "
+        f"or a known model name ({', '.join(EMBEDDED_MODELS)})"
+    )
+
+
+@dataclass
+class LoadedModel:
+    spec: ModelSpec
+    model: LlamaForCausalLM
+    tokenizer: TokenizerBundle
+
+
+def load_model(
+    source: ModelSource,
+    make_backend: Callable[[ModelSpec], AttentionBackend],
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int | None,
+    tokenizer_path: str | None = None,
+    num_layers: int | None = None,
+) -> LoadedModel:
+    """Read config, tokenizer and weights; build the model on ``device`` in ``dtype``.
+
+    ``make_backend`` builds the attention backend once the model's shape is known.
+    """
+    if source.kind == "hf":
+        cfg = _hf_config(source.path)
+        gen = _read_json(os.path.join(source.path, "generation_config.json"))
+        if "eos_token_id" in gen:
+            cfg = {**cfg, "eos_token_id": gen["eos_token_id"]}
+        spec = ModelSpec.from_hf_config(cfg, os.path.join(source.path, "config.json"))
+        tokenizer = TokenizerBundle.from_hf_dir(tokenizer_path or source.path, spec.eos_token_ids)
+        tensors: Iterator[tuple[str, torch.Tensor]] = _safetensors(source.path)
+    else:
+        g = read_gguf(source.path, dtype=dtype)
+        spec = ModelSpec.from_hf_config(g.config, source.path)
+        tokenizer = TokenizerBundle(g.tokenizer, g.chat_template, g.bos_token, g.eos_token, list(g.eos_token_ids))
+        if tokenizer_path:
+            tokenizer = TokenizerBundle.from_hf_dir(tokenizer_path, g.eos_token_ids)
+        tensors = iter(g.tensors.items())
+    spec.eos_token_ids = tokenizer.eos_token_ids or spec.eos_token_ids
+    tokenizer.eos_token_ids = spec.eos_token_ids
+    if max_model_len is not None and max_model_len > spec.max_position_embeddings:
+        raise ValueError(
+            f"model.max_model_len: {max_model_len} exceeds the model's max_position_embeddings "
+            f"{spec.max_position_embeddings}"
+        )
+    with torch.device("meta"):
+        model = LlamaForCausalLM(spec, make_backend(spec), max_model_len or spec.max_position_embeddings, num_layers)
+    model.to_empty(device="cpu")
+    if spec.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.load_weights(tensors)
+    model.to_device(device, dtype)
+    model.eval().requires_grad_(False)
+    return LoadedModel(spec, model, tokenizer)
+
+
+def _hf_config(path: str) -> dict:
+    return _read_json(os.path.join(path, "config.json"))
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.exists(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        files = sorted({os.path.join(path, f) for f in _read_json(index)["weight_map"].values()})
+    else:
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ModelNotFoundError(f"no *.safetensors weights in {path!r}")
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)

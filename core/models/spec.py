@@ -1,0 +1,68 @@
+"""The model's shape, read from an HF ``config.json`` dict (GGUF metadata is mapped to one)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+
+
+@dataclass
+class ModelSpec:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    sliding_window: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelSpec:
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"{source}: unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        heads = cfg["num_attention_heads"]
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "llama3", "linear"):
+            raise ValueError(f"{source}: unsupported rope type {rope_type!r}; supported: default, llama3, linear")
+        eos = cfg.get("eos_token_id")
+        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type == "mistral") else None
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling={**rope, "rope_type": rope_type} if rope_type != "default" else None,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            sliding_window=sliding,
+            eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+            bos_token_id=cfg.get("bos_token_id"),
+        )

@@ -1,0 +1,77 @@
+"""Flattens one step's scheduled tokens into a varlen batch and runs the model on it.
+
+Batch layout (DESIGN.md): ``input_ids[T]``, ``positions[T]``, ``slot_mapping[T]``,
+``query_start_loc[B+1]``, ``seq_lens[B]``, ``block_tables[B, max_blocks]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from modserve.core.interfaces import AttentionBackend, AttentionMetadata, KVBackend, SchedulerOutput
+from modserve.core.models.llama import LlamaForCausalLM
+
+
+@dataclass
+class StepBatch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv: KVBackend, attention: AttentionBackend, device: torch.device):
+        self.model = model
+        self.kv = kv
+        self.attention = attention
+        self.device = device
+        self.block_size = kv.block_size
+
+    def prepare(self, sched: SchedulerOutput) -> StepBatch:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_lens, seq_lens, tables = [], [], []
+        for s in sched.scheduled:
+            req, start = s.request, s.request.num_computed_tokens
+            end = start + s.num_tokens
+            tokens = req.all_token_ids[start:end]
+            if len(tokens) < s.num_tokens:  # draft tokens follow the known ones
+                tokens = tokens + req.spec_token_ids[: s.num_tokens - len(tokens)]
+            input_ids += tokens
+            positions += range(start, end)
+            query_lens.append(s.num_tokens)
+            seq_lens.append(end)
+            tables.append(self.kv.block_table(req))
+        dev = self.device
+        width = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        pos = torch.tensor(positions, dtype=torch.int64)
+        owner = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
+        slots = block_tables[owner, pos // self.block_size].to(torch.int64) * self.block_size + pos % self.block_size
+        qsl = [0]
+        for q in query_lens:
+            qsl.append(qsl[-1] + q)
+        seq = torch.tensor(seq_lens, dtype=torch.int32)
+        meta = AttentionMetadata(
+            num_tokens=len(input_ids),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=seq.to(dev),
+            context_lens=(seq - torch.tensor(query_lens, dtype=torch.int32)).to(dev),
+            slot_mapping=slots.to(dev),
+            block_tables=block_tables.to(dev),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+        )
+        return StepBatch(torch.tensor(input_ids, dtype=torch.int64, device=dev), pos.to(dev), meta)
+
+    @torch.inference_mode()
+    def execute(self, batch: StepBatch, logits_rows: list[int]) -> torch.Tensor:
+        """Run the model; return float32 logits for the flat token rows in ``logits_rows``."""
+        self.attention.prepare(batch.meta)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv.layer_caches(), batch.meta)
+        rows = torch.tensor(logits_rows, dtype=torch.int64, device=hidden.device)
+        return self.model.compute_logits(hidden[rows])

@@ -1,0 +1,81 @@
+"""Per-request sampling options, named and defaulted like vLLM's so users feel at home."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """How to pick each next token and when to stop.
+
+    Validation happens on construction; every error names the field and the bad value.
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N logprobs per generated token (0: only the chosen one)
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    speculative: bool = True  # a request may opt out of speculative decoding
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        _check(self.n >= 1, "n", "must be >= 1", self.n)
+        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1", self.max_tokens)
+        _check(self.min_tokens >= 0, "min_tokens", "must be >= 0", self.min_tokens)
+        _check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"must be <= max_tokens ({self.max_tokens})",
+            self.min_tokens,
+        )
+        _check(0.0 <= self.temperature <= 2.0, "temperature", "must be in [0, 2]", self.temperature)
+        _check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]", self.top_p)
+        _check(self.top_k >= 0, "top_k", "must be -1, 0 (disabled) or >= 1", self.top_k)
+        _check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]", self.min_p)
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]", self.presence_penalty)
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]", self.frequency_penalty)
+        _check(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", "must be in (0, 2]", self.repetition_penalty)
+        _check(self.logprobs is None or self.logprobs >= 0, "logprobs", "must be >= 0", self.logprobs)
+        _check(
+            self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+            "prompt_logprobs",
+            "must be >= 0",
+            self.prompt_logprobs,
+        )
+        _check(all(s for s in self.stop), "stop", "must not contain empty strings", self.stop)
+        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0", self.stop_token_ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def with_changes(self, **changes) -> SamplingParams:
+        return msgspec.structs.replace(self, **changes)
+
+
+def _check(ok: bool, field: str, rule: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"{field}: {rule}, got {value!r}")

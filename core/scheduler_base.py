@@ -1,0 +1,170 @@
+"""The one scheduling rule, shared by the shipped schedulers; policies override small hooks.
+
+Each step: every running request gets ``num_tokens_with_spec - num_computed_tokens``
+tokens (capped by the budget and ``long_prefill_token_threshold``), in running order;
+then waiting requests are admitted while seats, budget and blocks last. Chunked prefill,
+prefix hits, decodes and draft tokens all fall out of that rule. When a running request
+cannot get blocks, the policy's victim is preempted by recompute (its blocks freed,
+its progress reset, queued at the front; prefix caching usually brings it back).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Annotated
+
+import msgspec
+
+from modserve.core.interfaces import (
+    KVBackend,
+    PrefixHit,
+    ScheduledRequest,
+    Scheduler,
+    SchedulerLimits,
+    SchedulerOutput,
+)
+from modserve.core.request import Request, RequestStatus
+
+
+class SchedulerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    max_num_seqs: Annotated[int, msgspec.Meta(ge=1)] = 64
+    max_num_batched_tokens: Annotated[int, msgspec.Meta(ge=1)] = 2048
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: no cap
+
+
+class BaseScheduler(Scheduler):
+    Config = SchedulerConfig
+
+    def __init__(self, config: SchedulerConfig, kv: KVBackend, limits: SchedulerLimits) -> None:
+        self.config = config
+        self.kv = kv
+        self.limits = limits
+        self.running: list[Request] = []
+        self.waiting: deque[Request] = deque()
+        self.num_preemptions = 0
+
+    # ----------------------------------------------------------------- policy hooks
+
+    def enqueue(self, request: Request, front: bool = False) -> None:
+        """Put a request in the waiting queue (front: a preempted request resumes first)."""
+        if front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
+
+    def next_waiting(self) -> Request | None:
+        return self.waiting[0] if self.waiting else None
+
+    def pick_victim(self, needy: Request) -> Request:
+        """The running request to preempt so that ``needy`` can grow (FCFS: the newest)."""
+        return self.running[-1]
+
+    def may_admit(self) -> bool:
+        """Whether waiting requests may join this step (a static batcher says no while busy)."""
+        return True
+
+    # ----------------------------------------------------------------- Scheduler
+
+    def add_request(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.enqueue(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def finish_requests(self, requests: list[Request]) -> None:
+        for req in requests:
+            if req in self.running:
+                self.running.remove(req)
+            elif req in self.waiting:
+                self.waiting.remove(req)
+            self.kv.free(req)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, ScheduledRequest] = {}
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._token_count(req, req.num_tokens_with_spec - req.num_computed_tokens, budget)
+            if n <= 0:
+                i += 1
+                continue
+            while not self.kv.allocate(req, n):
+                victim = self.pick_victim(req)
+                budget += self._preempt(victim, scheduled, out)
+                if victim is req:
+                    break
+                if self.running.index(req) < i:  # a victim before req shifted the list
+                    i -= 1
+            else:
+                scheduled[req.request_id] = ScheduledRequest(req, n)
+                budget -= n
+                i += 1
+        if not out.preempted and self.may_admit():
+            budget = self._admit(budget, scheduled)
+        out.scheduled = list(scheduled.values())
+        return out
+
+    # ----------------------------------------------------------------- internals
+
+    def _token_count(self, req: Request, remaining: int, budget: int) -> int:
+        n = min(remaining, budget)
+        if self.config.long_prefill_token_threshold:
+            n = min(n, self.config.long_prefill_token_threshold)
+        return n
+
+    def _admit(self, budget: int, scheduled: dict[str, ScheduledRequest]) -> int:
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.next_waiting()
+            if req is None:
+                break
+            hit = self.kv.lookup_prefix(req) if req.num_computed_tokens == 0 else PrefixHit()
+            remaining = req.num_tokens - req.num_computed_tokens - hit.num_tokens
+            if not self.config.enable_chunked_prefill and remaining > budget:
+                break
+            n = self._token_count(req, remaining, budget)
+            if not self.kv.allocate(req, n, hit):
+                break
+            self.waiting.remove(req)
+            self._record_admission(req, hit)
+            req.num_computed_tokens += hit.num_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled[req.request_id] = ScheduledRequest(req, n)
+            budget -= n
+        return budget
+
+    def _record_admission(self, req: Request, hit: PrefixHit) -> None:
+        if req.metrics.first_scheduled_time is None:
+            req.metrics.first_scheduled_time = time.monotonic()
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = hit.num_tokens
+        record = getattr(self.kv, "record_prefix_query", None)
+        if record is not None:
+            record(req.num_tokens, hit.num_tokens)
+
+    def _preempt(self, victim: Request, scheduled: dict[str, ScheduledRequest], out: SchedulerOutput) -> int:
+        """Free the victim's blocks and requeue it at the front; returns budget it gave back."""
+        self.running.remove(victim)
+        self.kv.free(victim)
+        victim.num_computed_tokens = 0
+        victim.spec_token_ids = []
+        victim.num_preemptions += 1
+        victim.status = RequestStatus.WAITING
+        self.num_preemptions += 1
+        out.preempted.append(victim)
+        self.enqueue(victim, front=True)
+        refunded = scheduled.pop(victim.request_id, None)
+        return refunded.num_tokens if refunded else 0

@@ -1,0 +1,24 @@
+"""Per-step counters handed to ``on_step_finished`` observers (metrics, tracing, loggers)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepStats:
+    step: int
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # 0.0 .. 1.0
+    num_scheduled_tokens: int = 0
+    num_prompt_tokens: int = 0  # prompt tokens computed this step (prefix hits excluded)
+    num_generation_tokens: int = 0  # tokens appended to outputs this step
+    num_preemptions: int = 0
+    prefix_queries: int = 0  # tokens looked up in the prefix cache this step
+    prefix_hits: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    step_time_s: float = 0.0
+    model_time_s: float = 0.0  # inside the model forward (the rest is engine overhead)
+    finished_request_ids: list[str] = field(default_factory=list)

@@ -1,0 +1,176 @@
+"""KV backend ``paged``: block tables over one preallocated tensor per layer, with prefix caching.
+
+Capacity is ``num_blocks`` or a ``memory_gb`` budget. ``kv_dtype: int8`` stores K/V as
+int8 with a float32 scale per token and head (quantized on write by the attention
+backend), so the same budget holds about 3.8x as many fp32 blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from array import array
+from typing import Annotated, Literal
+
+import msgspec
+import torch
+
+from modserve.core.hookspecs import hookimpl
+from modserve.core.interfaces import KVBackend, KVSpec, LayerKVCache, PrefixHit
+from modserve.core.request import Request
+from modserve.plugins.kv_backends.block_pool import BlockPool
+
+MODSERVE_CONTRACT = "1.0"
+
+
+class PagedConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 16
+    num_blocks: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    memory_gb: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    prefix_caching: bool = True
+    kv_dtype: Literal["auto", "int8"] = "auto"
+
+    def __post_init__(self) -> None:
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size: expected a power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.memory_gb is not None:
+            raise ValueError("num_blocks and memory_gb are exclusive: give one")
+
+
+def bytes_per_block(cfg: PagedConfig, spec: KVSpec) -> int:
+    per_token_head = spec.head_dim * (1 if cfg.kv_dtype == "int8" else spec.dtype.itemsize)
+    if cfg.kv_dtype == "int8":
+        per_token_head += 4  # float32 scale
+    return 2 * spec.num_layers * cfg.block_size * spec.num_kv_heads * per_token_head
+
+
+class PagedKVBackend(KVBackend):
+    Config = PagedConfig
+
+    def __init__(self, config: PagedConfig, spec: KVSpec) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        if config.num_blocks is not None:
+            self.num_blocks = config.num_blocks
+        else:
+            budget = (config.memory_gb or 1.0) * 2**30
+            self.num_blocks = int(budget // bytes_per_block(config, spec))
+        if self.num_blocks * self.block_size < spec.max_model_len:
+            raise ValueError(
+                f"kv_cache: {self.num_blocks} blocks of {self.block_size} tokens hold "
+                f"{self.num_blocks * self.block_size} tokens, fewer than max_model_len {spec.max_model_len}; "
+                "raise num_blocks/memory_gb or lower model.max_model_len"
+            )
+        self.pool = BlockPool(self.num_blocks)
+        self._caches = [self._layer_cache(spec) for _ in range(spec.num_layers)]
+        self._blocks: dict[str, list[int]] = {}
+        self._hashes: dict[str, list[bytes]] = {}
+        self._num_published: dict[str, int] = {}
+        self._hash_key = os.urandom(16)  # per deployment: block keys are not predictable
+        self.prefix_queries = 0  # tokens looked up
+        self.prefix_hits = 0  # tokens found
+
+    def _layer_cache(self, spec: KVSpec) -> LayerKVCache:
+        shape = (self.num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
+        if self.config.kv_dtype == "int8":
+            return LayerKVCache(
+                k=torch.zeros(shape, dtype=torch.int8, device=spec.device),
+                v=torch.zeros(shape, dtype=torch.int8, device=spec.device),
+                k_scale=torch.zeros(shape[:3], dtype=torch.float32, device=spec.device),
+                v_scale=torch.zeros(shape[:3], dtype=torch.float32, device=spec.device),
+            )
+        return LayerKVCache(
+            k=torch.zeros(shape, dtype=spec.dtype, device=spec.device),
+            v=torch.zeros(shape, dtype=spec.dtype, device=spec.device),
+        )
+
+    # ----------------------------------------------------------------- block hashes
+
+    def _block_hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
+        """Chained hashes of the request's first ``num_full_blocks`` blocks (memoised)."""
+        hashes = self._hashes.setdefault(request.request_id, [])
+        bs = self.block_size
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            h = hashlib.blake2b(key=self._hash_key, digest_size=16)
+            h.update(hashes[-1] if hashes else (request.cache_salt or "").encode())
+            h.update(array("q", request.all_token_ids[i * bs : (i + 1) * bs]).tobytes())
+            hashes.append(h.digest())
+        return hashes[:num_full_blocks]
+
+    def _tokens(self, request: Request, i: int) -> tuple[int, ...]:
+        return tuple(request.all_token_ids[i * self.block_size : (i + 1) * self.block_size])
+
+    # ----------------------------------------------------------------- KVBackend
+
+    def lookup_prefix(self, request: Request) -> PrefixHit:
+        if not self.config.prefix_caching:
+            return PrefixHit()
+        max_blocks = (request.num_tokens - 1) // self.block_size  # the last token is always recomputed
+        hit = PrefixHit()
+        for i, h in enumerate(self._block_hashes(request, max_blocks)):
+            block = self.pool.lookup(h, self._tokens(request, i))
+            if block is None:
+                break
+            hit.block_ids.append(block)
+        hit.num_tokens = len(hit.block_ids) * self.block_size
+        return hit
+
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hit_tokens
+
+    def allocate(self, request: Request, num_new_tokens: int, prefix_hit: PrefixHit | None = None) -> bool:
+        blocks = self._blocks.get(request.request_id, [])
+        hit = prefix_hit or PrefixHit()
+        needed_tokens = request.num_computed_tokens + hit.num_tokens + num_new_tokens
+        num_new_blocks = -(-needed_tokens // self.block_size) - len(blocks) - len(hit.block_ids)
+        idle_hits = sum(1 for b in hit.block_ids if self.pool.ref_cnt[b] == 0)
+        if num_new_blocks > self.pool.num_free - idle_hits:
+            return False
+        if hit.block_ids:
+            self.pool.touch(hit.block_ids)
+            blocks = blocks + hit.block_ids
+            self._num_published[request.request_id] = len(hit.block_ids)
+        if num_new_blocks > 0:
+            blocks = blocks + self.pool.allocate(num_new_blocks)
+        self._blocks[request.request_id] = blocks
+        return True
+
+    def free(self, request: Request) -> None:
+        blocks = self._blocks.pop(request.request_id, [])
+        self.pool.free(blocks[::-1])
+        self._num_published.pop(request.request_id, None)
+        if request.is_finished:
+            self._hashes.pop(request.request_id, None)
+
+    def block_table(self, request: Request) -> list[int]:
+        return self._blocks.get(request.request_id, [])
+
+    def cache_blocks(self, request: Request, num_verified_tokens: int) -> None:
+        if not self.config.prefix_caching:
+            return
+        rid = request.request_id
+        done = self._num_published.get(rid, 0)
+        full = min(num_verified_tokens // self.block_size, len(self._blocks.get(rid, ())))
+        if full <= done:
+            return
+        blocks = self._blocks[rid]
+        for i, h in enumerate(self._block_hashes(request, full)[done:], start=done):
+            self.pool.cache(blocks[i], h, self._tokens(request, i))
+        self._num_published[rid] = full
+
+    def layer_caches(self) -> list[LayerKVCache]:
+        return self._caches
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_cache()
+
+
+@hookimpl
+def register_kv_backends():
+    return {"paged": PagedKVBackend}

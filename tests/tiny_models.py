@@ -1,0 +1,83 @@
+"""Tiny random Llama / Mistral / Qwen2 checkpoints with a real byte-level BPE tokenizer.
+
+Built offline with ``transformers`` config classes and ``save_pretrained``; the HF model
+object is returned too, as the reference oracle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+VOCAB = 384
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. " * 4,
+    "def add(a, b):\n    return a + b\n" * 4,
+    "Hello, world! Привет, мир! 你好，世界! café naïve 😀 " * 4,
+    "Once upon a time there was a small model that served tokens very fast. " * 4,
+]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tokenizer(path: str) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>", "bos_token": None}, f)
+    return tok
+
+
+def build_model(path: str, arch: str = "llama", seed: int = 0, **overrides):
+    """Save a tiny random checkpoint to ``path``; return the HF model (float32, eval)."""
+    import transformers
+
+    os.makedirs(path, exist_ok=True)
+    tok = build_tokenizer(path)
+    common = dict(
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=tok.token_to_id("<|im_end|>"),
+        bos_token_id=None,
+        pad_token_id=0,
+    )
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(**{**common, "tie_word_embeddings": True, **overrides})
+        cls = transformers.LlamaForCausalLM
+    elif arch == "mistral":
+        cfg = transformers.MistralConfig(**{**common, "sliding_window": None, "head_dim": 32, **overrides})
+        cls = transformers.MistralForCausalLM
+    elif arch == "qwen2":
+        cfg = transformers.Qwen2Config(**{**common, "tie_word_embeddings": False, **overrides})
+        cls = transformers.Qwen2ForCausalLM
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = cls(cfg)
+    with torch.no_grad():  # larger weights than the default init give peaky, diverse greedy outputs
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.15)
+            elif p.dim() == 1 and arch == "qwen2":
+                p.normal_(0, 0.1) if p.shape[0] != cfg.hidden_size else p.fill_(1.0)
+    model.save_pretrained(path)
+    return model.eval()
