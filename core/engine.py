@@ -102,9 +102,13 @@ class Engine:
         if sched.scheduled:
             batch = self.runner.prepare(sched)
             rows, sampled_reqs = self._sample_rows(sched)
+            prompt_rows = self._prompt_logprob_rows(sched)
             t_model = time.perf_counter()
-            logits = self.runner.execute(batch, rows)
+            logits = self.runner.execute(batch, rows + [r for _, _, r in prompt_rows])
             stats.model_time_s = time.perf_counter() - t_model
+            if prompt_rows:
+                self._record_prompt_logprobs(prompt_rows, logits[len(rows) :])
+                logits = logits[: len(rows)]
             counters = [r.num_output_tokens for r in sampled_reqs]
             sampled = self.sampler.sample(logits, SamplingBatch.build(sampled_reqs, counters, self.c.spec.vocab_size, logits.device))
             outputs = self._update(sched, sampled_reqs, sampled, stats)
@@ -128,6 +132,32 @@ class Engine:
                 rows.append(end - 1)
                 reqs.append(s.request)
         return rows, reqs
+
+    def _prompt_logprob_rows(self, sched: SchedulerOutput) -> list[tuple[Request, int, int]]:
+        """(request, prompt position, flat row) for prompt tokens whose logprobs were asked for.
+
+        The logits at position p score prompt token p + 1."""
+        out, start = [], 0
+        for s in sched.scheduled:
+            req = s.request
+            if req.sampling_params.prompt_logprobs is not None:
+                first = req.num_computed_tokens
+                for p in range(first, min(first + s.num_tokens, req.num_prompt_tokens - 1)):
+                    out.append((req, p, start + p - first))
+            start += s.num_tokens
+        return out
+
+    def _record_prompt_logprobs(self, rows: list[tuple[Request, int, int]], logits) -> None:
+        logprobs = logits.log_softmax(dim=-1)
+        targets = [req.prompt_token_ids[p + 1] for req, p, _ in rows]
+        chosen = logprobs[range(len(rows)), targets].tolist()
+        n = max(req.sampling_params.prompt_logprobs for req, _, _ in rows)
+        top_lp, top_ids = logprobs.topk(max(n, 1), dim=-1)
+        top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+        for i, (req, p, _) in enumerate(rows):
+            if len(req.prompt_logprobs) == p:  # a recomputed (preempted) prompt is not recorded twice
+                k = req.sampling_params.prompt_logprobs
+                req.prompt_logprobs.append((chosen[i], list(zip(top_ids[i][:k], top_lp[i][:k]))))
 
     def _update(self, sched, sampled_reqs, sampled, stats: StepStats) -> list[RequestOutput]:
         for s in sched.scheduled:

@@ -83,7 +83,8 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def build_components(source: Any = None, registry: PluginRegistry | None = None, **overrides: Any) -> EngineComponents:
-    r = resolve(source, registry, **overrides)
+    """Each engine gets its own registry unless given one, so observers added to it stay its own."""
+    r = resolve(source, registry or PluginRegistry(), **overrides)
     p = r.pipeline
     device = pick_device(p.device)
     dtype = pick_dtype(p.model.dtype, device)

@@ -83,6 +83,11 @@ class OutputProcessor:
         )
         if finished:
             del self._state[request.request_id]
+        prompt_logprobs = None
+        if request.sampling_params.prompt_logprobs is not None:
+            prompt_logprobs = [None] + [
+                self._logprob_entry(rec, tok) for rec, tok in zip(request.prompt_logprobs, request.prompt_token_ids[1:])
+            ]
         return RequestOutput(
             request_id=request.request_id,
             prompt=None,
@@ -90,6 +95,7 @@ class OutputProcessor:
             outputs=[completion],
             finished=finished,
             error=request.error,
+            prompt_logprobs=prompt_logprobs,
             num_cached_tokens=max(request.num_cached_tokens, 0),
         )
 

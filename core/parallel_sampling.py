@@ -37,5 +37,6 @@ def merge(parent_id: str, prompt: str | None, children: list[RequestOutput]) -> 
         outputs=outputs,
         finished=all(c.finished for c in children),
         error=next((c.error for c in children if c.error), None),
+        prompt_logprobs=first.prompt_logprobs,
         num_cached_tokens=first.num_cached_tokens,
     )

