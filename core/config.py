@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import typing
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -127,26 +128,50 @@ def convert(raw: Any, struct: type, prefix: str = "") -> Any:
     try:
         return msgspec.convert(raw, struct)
     except msgspec.ValidationError as e:
-        raise ConfigError(format_validation_error(e, raw, prefix)) from None
+        raise ConfigError(format_validation_error(e, raw, prefix, struct)) from None
 
 
-def format_validation_error(err: msgspec.ValidationError, raw: Any, prefix: str = "") -> str:
+def format_validation_error(err: msgspec.ValidationError, raw: Any, prefix: str = "", struct: type | None = None) -> str:
     m = _PATH_RE.match(str(err))
     assert m is not None
     msg, path = m.group("msg"), m.group("path") or ""
     keys = [k for k in re.split(r"\.|\[(\d+)\]", path) if k]
     if msg.startswith("Object contains unknown field"):
-        field = msg.split("`")[1]
-        keys.append(field)
+        keys.append(msg.split("`")[1])
         msg = "unknown key"
-    dotted = ".".join(filter(None, [prefix, *keys])) or "(top level)"
+    elif sub := re.match(r"^(\w+): (.*)$", msg, re.S):  # a __post_init__ check naming its field
+        keys.append(sub.group(1))
+        msg = sub.group(2)
+    elif msg.startswith("Invalid enum value"):
+        choices = _literal_choices(struct, keys)
+        msg = f"expected one of {', '.join(map(str, choices))}" if choices else "invalid value"
+        value = _lookup(raw, keys)
+        msg += f", got {value!r}" if value is not _MISSING else ""
     msg = msg.replace("`", "")
     if msg.startswith("Expected"):
-        msg = "e" + msg[1:]
+        msg = "e" + re.sub(r", got \w+$", "", msg[1:])
         value = _lookup(raw, keys)
         if value is not _MISSING:
             msg += f", got {value!r}"
+    dotted = ".".join(filter(None, [prefix, *keys])) or "(top level)"
     return f"{dotted}: {msg}"
+
+
+def _literal_choices(struct: type | None, keys: list[str]) -> tuple:
+    """The allowed values of a ``Literal`` field at ``keys`` inside ``struct``, if it is one."""
+    tp: Any = struct
+    for key in keys:
+        fields = {f.name: f.type for f in msgspec.structs.fields(tp)} if msgspec.inspect.type_info(tp) else {}
+        tp = fields.get(key)
+        for arg in typing.get_args(tp) or ():  # Optional[Struct] -> Struct
+            if isinstance(arg, type) and issubclass(arg, msgspec.Struct):
+                tp = arg
+        if tp is None:
+            return ()
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is Literal:
+        return args
+    return tuple(a for arg in args if typing.get_origin(arg) is Literal for a in typing.get_args(arg))
 
 
 _MISSING = object()

@@ -36,6 +36,8 @@ def resolve(source: Any = None, registry: PluginRegistry | None = None, **overri
     plugins = {}
     for section in ("scheduler", "kv_cache", "attention", "sampler", "speculative"):
         raw = getattr(pipeline, section)
+        if section == "attention" and isinstance(raw, dict) and raw.get("plugin") == "auto":
+            raw = pipeline.attention = {**raw, "plugin": auto_attention(pipeline.device)}
         if raw is not None:
             plugins[section] = registry.resolve(section, raw)
     return ResolvedPipeline(pipeline, plugins, locate(pipeline.model.path), registry)
@@ -66,6 +68,11 @@ class EngineComponents:
             "block_size": self.kv.block_size,
             "plugins": {s: (getattr(p, s) or {}).get("plugin") for s in ("scheduler", "kv_cache", "attention", "sampler", "speculative")},
         }
+
+
+def auto_attention(device: str) -> str:
+    """``attention: {plugin: auto}``: Triton kernels on CUDA, the torch backend elsewhere."""
+    return "triton" if pick_device(device).type == "cuda" else "torch"
 
 
 def pick_device(name: str) -> torch.device:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import types
+import typing
 from dataclasses import dataclass
 from functools import lru_cache
 from types import ModuleType
@@ -129,4 +131,19 @@ def config_fields(cls: type) -> list[tuple[str, str, Any]]:
 
 
 def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+    """Readable type of a config field: ``int >= 1``, ``float | None``, ``'auto' | 'int8'``."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Annotated:
+        meta = next((a for a in args[1:] if isinstance(a, msgspec.Meta)), None)
+        bounds = []
+        for attr, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+            if meta is not None and getattr(meta, attr) is not None:
+                bounds.append(f"{op} {getattr(meta, attr)}")
+        return " ".join([_type_name(args[0]), *bounds])
+    if origin is typing.Literal:
+        return " | ".join(repr(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in args)
+    if origin is not None:
+        return f"{origin.__name__}[{', '.join(_type_name(a) for a in args)}]"
+    return "None" if tp is type(None) else getattr(tp, "__name__", str(tp))

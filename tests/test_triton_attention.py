@@ -25,9 +25,10 @@ from modserve.plugins.attention import triton_backend, triton_kernels  # noqa: E
 from modserve.plugins.attention.triton_backend import TritonAttention  # noqa: E402
 
 CPU = torch.device("cpu")
-# Bound on max|out - ref| / max|ref|. fp16: P and the output are rounded to fp16; bf16:
-# only the output is (its dots run in fp32 under the interpreter).
-REL_TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 1.6e-2}
+# Bound on max|out - ref| / max|ref|. fp16: P and the output are rounded to fp16. bf16: its
+# dots run in fp32 under the interpreter, but the interpreter truncates fp32 -> bf16 (GPUs
+# round to nearest), so the output is up to one bf16 ulp off.
+REL_TOL = {torch.float32: 5e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 SMALL_TILES = TritonAttention.Config(prefill_block_m=16, block_n=16)
 
 
@@ -190,8 +191,9 @@ def test_write_kv_int8_stores_the_bytes_kv_quant_does(dtype, block_size):
 # ----------------------------------------------------------------------------- prefill
 
 PREFILL_CASES = {
-    # ctx 0 (fresh prompt), 16 (block-aligned prefix hit), 37 (earlier chunk), tiny tail
-    "fp32-gqa-bs16": dict(context_lens=[0, 16, 37, 5], query_lens=[33, 20, 7, 2]),
+    # ctx 0 (fresh prompt), 16 (block-aligned prefix hit), 37 (earlier chunk), tiny tail,
+    # 9 (a query tile whose last token starts a new key tile)
+    "fp32-gqa-bs16": dict(context_lens=[0, 16, 37, 5, 9], query_lens=[33, 20, 7, 2, 12]),
     "fp16-group3-bs32": dict(context_lens=[32, 0, 45], query_lens=[9, 26, 3], heads=6, dtype=torch.float16,
                              block_size=32),
     "bf16-mha": dict(context_lens=[16, 3], query_lens=[19, 4], heads=2, kv_heads=2, dtype=torch.bfloat16),
@@ -206,14 +208,8 @@ PREFILL_CASES = {
 @pytest.mark.parametrize("name", PREFILL_CASES)
 def test_prefill_matches_reference(name):
     case = make_case(**PREFILL_CASES[name], seed=len(name))
-    out, backend = run_attention(case)
+    out, _ = run_attention(case)
     assert case.meta.backend_state.decode_reqs is None
-    assert_close(out, case)
-
-
-def test_prefill_with_default_tiles():
-    case = make_case([0, 70], [100, 30], dtype=torch.float16, seed=3)
-    out, _ = run_attention(case, TritonAttention.Config())
     assert_close(out, case)
 
 
@@ -263,6 +259,13 @@ def test_forward_mixed_batch_writes_cache_and_attends():
     slots = case.meta.slot_mapping
     assert torch.equal(case.cache.k.view(-1, 2, 64)[slots], case.k)
     assert torch.equal(case.cache.v.view(-1, 2, 64)[slots], case.v)
+    assert_close(out, case)
+
+
+def test_mixed_batch_with_default_tiles():
+    """The default 128-row prefill tiles and 64-key tiles (the small-tile tests cross more tile edges)."""
+    case = make_case([0, 70, 40], [100, 30, 1], dtype=torch.float16, seed=3)
+    out, _ = run_attention(case, TritonAttention.Config())
     assert_close(out, case)
 
 

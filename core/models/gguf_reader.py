@@ -84,14 +84,15 @@ def read_gguf(path: str, dtype: torch.dtype = torch.float32) -> GGUFModel:
     if arch not in _ARCHITECTURES:
         raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHITECTURES)}")
     config = _config(meta, arch, {tensor.name for tensor in reader.tensors}, path)
+    tokenizer = build_tokenizer(meta)  # before the slow part, so an unsupported tokenizer fails fast
     tensors = {_hf_name(tensor.name, path): _load_tensor(tensor, arch, config, dtype) for tensor in reader.tensors}
     config["vocab_size"] = tensors["model.embed_tokens.weight"].shape[0]
-    tokens = meta.get("tokenizer.ggml.tokens") or []
-    bos_id, eos_ids = _bos_id(meta), _eos_ids(meta)
+    tokens = meta["tokenizer.ggml.tokens"]
+    bos_id, eos_ids = meta.get("tokenizer.ggml.bos_token_id"), _eos_ids(meta)
     return GGUFModel(
         config=config,
         tensors=tensors,
-        tokenizer=build_tokenizer(meta),
+        tokenizer=tokenizer,
         chat_template=meta.get("tokenizer.chat_template"),
         bos_token=tokens[bos_id] if bos_id is not None else None,
         eos_token=tokens[eos_ids[0]] if eos_ids else None,
@@ -124,6 +125,7 @@ def _config(meta: dict[str, Any], arch: str, tensor_names: set[str], path: str) 
 
     heads = key("attention.head_count")
     hidden = key("embedding_length")
+    eos_ids = _eos_ids(meta)
     config = {
         "architectures": [_ARCHITECTURES[arch]],
         "model_type": arch,
@@ -137,8 +139,8 @@ def _config(meta: dict[str, Any], arch: str, tensor_names: set[str], path: str) 
         "rope_theta": key("rope.freq_base", 10000.0),
         "max_position_embeddings": key("context_length"),
         "tie_word_embeddings": "output.weight" not in tensor_names,
-        "bos_token_id": _bos_id(meta),
-        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else eos_ids or None,
         "attention_bias": "blk.0.attn_q.bias" in tensor_names,
     }
     rope_scaling = _rope_scaling(meta, arch)
@@ -157,10 +159,6 @@ def _rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
     if original:
         scaling["original_max_position_embeddings"] = original
     return scaling
-
-
-def _bos_id(meta: dict[str, Any]) -> int | None:
-    return meta.get("tokenizer.ggml.bos_token_id")
 
 
 def _eos_ids(meta: dict[str, Any]) -> list[int]:
@@ -257,8 +255,8 @@ def _add_special_tokens(tokenizer: Tokenizer, tokens: list[str], token_types: li
 def _post_processor(meta: dict[str, Any], tokens: list[str]) -> processors.TemplateProcessing | None:
     """Prepend BOS / append EOS when `tokenizer.ggml.add_{bos,eos}_token` say so (absent: neither)."""
     template, specials = ["$A"], []
-    if meta.get("tokenizer.ggml.add_bos_token") and _bos_id(meta) is not None:
-        bos_id = _bos_id(meta)
+    if meta.get("tokenizer.ggml.add_bos_token") and "tokenizer.ggml.bos_token_id" in meta:
+        bos_id = meta["tokenizer.ggml.bos_token_id"]
         template.insert(0, tokens[bos_id])
         specials.append((tokens[bos_id], bos_id))
     if meta.get("tokenizer.ggml.add_eos_token") and "tokenizer.ggml.eos_token_id" in meta:

@@ -1,0 +1,339 @@
+"""AsyncEngine: the engine loop on its own thread, one async output stream per request.
+
+The :class:`~modserve.core.engine.Engine` is not thread-safe, so only the loop thread
+touches it. The event loop submits and aborts through a thread-safe inbox and gets each
+step's outputs back through ``call_soon_threadsafe``: it never waits on model work.
+``n > 1`` fans out into child requests (:mod:`modserve.core.parallel_sampling`) whose
+outputs merge back into one stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+
+from modserve.core import parallel_sampling
+from modserve.core.engine import Engine
+from modserve.core.outputs import RequestOutput
+from modserve.core.sampling_params import SamplingParams
+
+log = logging.getLogger("modserve.engine")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop thread died; nothing can be served any more."""
+
+
+class ServerBusyError(RuntimeError):
+    """Not admitted: the waiting queue is full or the server is draining (HTTP 503)."""
+
+    def __init__(self, message: str, code: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+
+class RequestAbortedError(RuntimeError):
+    """The server aborted the request (shutdown grace period over)."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine finished the request with ``finish_reason == "error"``."""
+
+
+@dataclass
+class _Add:
+    stream: RequestStream
+    prompt_token_ids: list[int]
+    params: list[SamplingParams]
+    priority: int
+    cache_salt: str | None
+    user: str | None
+
+
+@dataclass
+class _Abort:
+    request_ids: list[str] | None  # None: every request in the engine
+
+
+_STOP = object()
+
+
+class AsyncEngine:
+    """Owns the loop thread; ``generate`` admits a request and returns its stream."""
+
+    def __init__(self, engine: Engine, max_waiting_requests: int | None = None) -> None:
+        self.engine = engine
+        self.pipeline = engine.c.pipeline
+        self.model_name = engine.c.model_name
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.c.spec.vocab_size
+        self.tokenizer = engine.tokenizer
+        self.max_waiting_requests = max_waiting_requests or self.pipeline.server.max_waiting_requests
+        self.draining = False
+        self.dead_reason: str | None = None
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._submitted = 0  # sequences put in the inbox (event loop thread only)
+        self._consumed = 0  # sequences taken out of it (loop thread only)
+        self._num_waiting = 0  # the engine's waiting queue after the last step (loop thread only)
+        self._streams: set[RequestStream] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._dead = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    # ----------------------------------------------------------------- event loop side
+
+    def start(self) -> None:
+        """Start the loop thread; call from the event loop that will consume the streams."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="modserve-engine", daemon=True)
+        self._thread.start()
+
+    def check_prompt(self, prompt_token_ids: list[int]) -> None:
+        """Raise ValueError for a prompt the engine would refuse (reads only immutable model facts)."""
+        self.engine.check_prompt(prompt_token_ids)
+
+    def check_capacity(self, num_seqs: int) -> None:
+        """Raise unless ``num_seqs`` more sequences may wait (call before a batch of ``generate``)."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(f"engine loop died: {self.dead_reason}")
+        if self.draining:
+            raise ServerBusyError("the server is shutting down", "shutting_down", retry_after_s=5)
+        waiting = self._num_waiting + self._submitted - self._consumed
+        if waiting + num_seqs > self.max_waiting_requests:
+            raise ServerBusyError(
+                f"the server is overloaded: {waiting} sequences are waiting "
+                f"(server.max_waiting_requests is {self.max_waiting_requests})",
+                "overloaded",
+                retry_after_s=1,
+            )
+
+    def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        user: str | None = None,
+        prompt: str | None = None,
+    ) -> RequestStream:
+        """Admit one request (raises :class:`ServerBusyError` / :class:`EngineDeadError` at once).
+
+        The caller must ``abort()`` the stream when it stops reading early, e.g. in a
+        ``finally``; aborting a finished stream does nothing.
+        """
+        kids = parallel_sampling.child_params(params)
+        self.check_capacity(len(kids))
+        ids = [parallel_sampling.child_id(request_id, i, len(kids)) for i in range(len(kids))]
+        stream = RequestStream(self, request_id, prompt, ids)
+        self._streams.add(stream)
+        self._idle.clear()
+        self._submitted += len(ids)
+        self._inbox.put(_Add(stream, list(prompt_token_ids), kids, priority, cache_salt, user))
+        return stream
+
+    @property
+    def num_active(self) -> int:
+        return len(self._streams)
+
+    async def drain(self, grace_s: float) -> None:
+        """Refuse new requests, give in-flight ones ``grace_s`` to finish, then abort the rest."""
+        self.draining = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), grace_s)
+        except asyncio.TimeoutError:
+            log.warning("shutdown grace period over: aborting %d in-flight requests", self.num_active)
+            self._inbox.put(_Abort(None))
+            try:
+                await asyncio.wait_for(self._idle.wait(), 5.0)
+            except asyncio.TimeoutError:
+                pass
+
+    async def wait_dead(self) -> str:
+        await self._dead.wait()
+        return self.dead_reason or "unknown"
+
+    async def stop(self) -> None:
+        """Abort whatever is left and join the loop thread."""
+        self.draining = True
+        if self._thread is not None and self._thread.is_alive():
+            self._inbox.put(_STOP)
+            await asyncio.to_thread(self._thread.join, 10.0)
+
+    def _abort(self, request_ids: list[str]) -> None:
+        self._inbox.put(_Abort(request_ids))
+
+    def _stream_done(self, stream: RequestStream) -> None:
+        self._streams.discard(stream)
+        if not self._streams:
+            self._idle.set()
+
+    def _dispatch(self, batches: list[tuple[RequestStream, list[RequestOutput] | BaseException]]) -> None:
+        for stream, item in batches:
+            stream._push(item)
+
+    def _on_death(self) -> None:
+        for stream in list(self._streams):
+            stream._push(EngineDeadError(f"engine loop died: {self.dead_reason}"))
+        self._dead.set()
+
+    # ----------------------------------------------------------------- loop thread side
+
+    def _run(self) -> None:
+        routes: dict[str, RequestStream] = {}
+        try:
+            while True:
+                cmds = self._take(block=not self.engine.has_unfinished())
+                outputs: list[RequestOutput] = []
+                for cmd in cmds:
+                    if cmd is _STOP:
+                        self._send(self.engine.abort_request(list(self.engine.requests)), routes)
+                        return
+                    outputs += self._apply(cmd, routes)
+                if cmds or self.engine.has_unfinished():
+                    outputs += self.engine.step()  # also refreshes step stats after aborts
+                self._num_waiting = self.engine.scheduler.num_waiting
+                self._send(outputs, routes)
+        except BaseException as e:  # the engine's state is unknown now: fail everything
+            log.exception("engine loop died")
+            self.dead_reason = f"{type(e).__name__}: {e}"
+            self._call(self._on_death)
+
+    def _take(self, block: bool) -> list:
+        cmds = [self._inbox.get()] if block else []
+        while True:
+            try:
+                cmds.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return cmds
+
+    def _apply(self, cmd, routes: dict[str, RequestStream]) -> list[RequestOutput]:
+        if isinstance(cmd, _Abort):
+            ids = list(self.engine.requests) if cmd.request_ids is None else cmd.request_ids
+            return self.engine.abort_request(ids)
+        stream, added = cmd.stream, []
+        try:
+            for cid, params in zip(stream.child_ids, cmd.params):
+                self.engine.add_request(
+                    cmd.prompt_token_ids, params, request_id=cid, priority=cmd.priority,
+                    cache_salt=cmd.cache_salt, user=cmd.user,
+                )
+                added.append(cid)
+                routes[cid] = stream
+        except ValueError as e:
+            for cid in added:
+                routes.pop(cid)
+            self.engine.abort_request(added)
+            self._call(self._dispatch, [(stream, e)])
+        finally:
+            self._num_waiting = self.engine.scheduler.num_waiting
+            self._consumed += len(stream.child_ids)
+        return []
+
+    def _send(self, outputs: list[RequestOutput], routes: dict[str, RequestStream]) -> None:
+        grouped: dict[RequestStream, list[RequestOutput]] = {}
+        for out in outputs:
+            stream = routes.pop(out.request_id) if out.finished else routes.get(out.request_id)
+            if stream is not None:
+                grouped.setdefault(stream, []).append(out)
+        if grouped:
+            self._call(self._dispatch, list(grouped.items()))
+
+    def _call(self, fn, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+
+class RequestStream:
+    """Async iterator over one request's outputs, its ``n`` children merged.
+
+    Each item holds only the choices that advanced since the previous item (their
+    ``text_delta``/``token_ids_delta`` folded together when the reader lagged); the last
+    item has ``finished=True``.
+    """
+
+    def __init__(self, owner: AsyncEngine, request_id: str, prompt: str | None, child_ids: list[str]) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.child_ids = child_ids
+        self._owner = owner
+        self._index = {cid: i for i, cid in enumerate(child_ids)}
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._unfinished = set(child_ids)  # as pushed by the engine
+        self._unread = set(child_ids)  # as seen by the reader
+        self.closed = False
+
+    def abort(self) -> None:
+        """Stop the request in the engine (its KV blocks return within a step)."""
+        if not self.closed:
+            self._close()
+            self._owner._abort(sorted(self._unfinished))
+
+    def _close(self) -> None:
+        self.closed = True
+        self._owner._stream_done(self)
+
+    def _push(self, item: list[RequestOutput] | BaseException) -> None:
+        if self.closed:
+            return
+        self._queue.put_nowait(item)
+        if isinstance(item, BaseException):
+            self._close()
+            return
+        self._unfinished.difference_update(o.request_id for o in item if o.finished)
+        if not self._unfinished:
+            self._close()
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if not self._unread:
+            raise StopAsyncIteration
+        items = [await self._queue.get()]
+        while not self._queue.empty():
+            items.append(self._queue.get_nowait())
+        latest: dict[int, RequestOutput] = {}
+        for item in items:
+            if isinstance(item, BaseException):
+                self._unread.clear()
+                raise item
+            for out in item:
+                self._check(out)
+                i = self._index[out.request_id]
+                if i in latest:
+                    _fold(latest[i], out)
+                latest[i] = out
+                if out.finished:
+                    self._unread.discard(out.request_id)
+        order = sorted(latest)
+        merged = parallel_sampling.merge(self.request_id, self.prompt, [latest[i] for i in order])
+        for completion, i in zip(merged.outputs, order):
+            completion.index = i
+        merged.finished = not self._unread
+        return merged
+
+    def _check(self, out: RequestOutput) -> None:
+        reason = out.outputs[0].finish_reason
+        if reason == "abort":
+            self._unread.clear()
+            raise RequestAbortedError("the request was aborted: the server is shutting down")
+        if reason == "error":
+            self._unread.clear()
+            raise RequestFailedError(out.error or "the engine failed this request")
+
+
+def _fold(earlier: RequestOutput, later: RequestOutput) -> None:
+    """Prefix ``later``'s deltas with ``earlier``'s, for a reader that missed a step."""
+    a, b = earlier.outputs[0], later.outputs[0]
+    b.text_delta = a.text_delta + b.text_delta
+    b.token_ids_delta = a.token_ids_delta + b.token_ids_delta

@@ -1,0 +1,138 @@
+"""``modserve`` command line: serve, validate, plugins, generate, bench.
+
+Errors in configs and arguments print one line naming the field and exit 2; nothing
+here imports torch until a command needs the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from modserve.core.config import ConfigError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args) or 0
+    except (ConfigError, ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"modserve {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def serve_main() -> int:
+    """The ``serve`` script: same as ``modserve serve``."""
+    return main(["serve", *sys.argv[1:]])
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="modserve", description="A plugin-based, modular LLM serving engine.")
+    sub = p.add_subparsers(dest="command")
+
+    s = sub.add_parser("serve", help="run the OpenAI-compatible server")
+    s.add_argument("-c", "--config", help="pipeline YAML (default: the embedded SmolLM2 pipeline)")
+    s.add_argument("--host")
+    s.add_argument("--port", type=int)
+    s.set_defaults(func=_cmd_serve)
+
+    v = sub.add_parser("validate", help="check a pipeline YAML without loading the model")
+    v.add_argument("-c", "--config", required=True, nargs="+")
+    v.set_defaults(func=_cmd_validate)
+
+    pl = sub.add_parser("plugins", help="list registered plugins per kind with their config fields")
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(func=_cmd_plugins)
+
+    g = sub.add_parser("generate", help="generate from prompts offline (one line of output per prompt)")
+    g.add_argument("-c", "--config")
+    g.add_argument("prompts", nargs="+")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--chat", action="store_true", help="wrap each prompt as a user chat message")
+    g.set_defaults(func=_cmd_generate)
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench_command")
+    from modserve.core.bench.throughput import add_arguments as add_throughput
+
+    add_throughput(bsub.add_parser("throughput", help="offline throughput (all requests at once)"))
+    return p
+
+
+def _cmd_serve(args) -> int:
+    from modserve.core.server.app import serve
+
+    return serve(args.config, host=args.host, port=args.port)
+
+
+def _cmd_validate(args) -> int:
+    from modserve.core.engine_factory import resolve
+
+    for path in args.config:
+        r = resolve(path)
+        plugins = ", ".join(f"{k}={getattr(r.pipeline, k)['plugin']}" for k in r.plugins)
+        print(f"{path}: ok (model {r.source.path} [{r.source.kind}]; {plugins})")
+    return 0
+
+
+def _cmd_plugins(args) -> int:
+    from modserve.core import hookspecs
+    from modserve.core.plugin_manager import KINDS, config_fields, default_registry
+
+    reg = default_registry()
+    listing = {
+        kind: [
+            {
+                "name": impl.name,
+                "class": f"{impl.cls.__module__}.{impl.cls.__qualname__}",
+                "source": impl.source,
+                "contract": impl.contract,
+                "config": [{"name": n, "type": t, "default": _jsonable(d)} for n, t, d in config_fields(impl.cls)],
+            }
+            for impl in sorted(reg.implementations(kind).values(), key=lambda i: i.name)
+        ]
+        for kind in KINDS
+    }
+    if args.json:
+        print(json.dumps({"contract": hookspecs.CONTRACT_VERSION, "plugins": listing}, indent=2))
+        return 0
+    print(f"modserve plugin contract {hookspecs.CONTRACT_VERSION}")
+    for kind, impls in listing.items():
+        print(f"\n{kind}:")
+        for impl in impls:
+            print(f"  {impl['name']:<12} {impl['class']}  [{impl['source']}, contract {impl['contract']}]")
+            for f in impl["config"]:
+                print(f"      {f['name']}: {f['type']} = {f['default']!r}")
+    return 0
+
+
+def _jsonable(value):
+    try:
+        json.dumps(value)
+        return value
+    except TypeError:
+        return repr(value)
+
+
+def _cmd_generate(args) -> int:
+    from modserve import LLM, SamplingParams
+
+    llm = LLM(args.config)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    if args.chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
+    else:
+        outs = llm.generate(args.prompts, params)
+    for out in outs:
+        print(json.dumps(out.outputs[0].text, ensure_ascii=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

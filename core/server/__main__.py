@@ -1,0 +1,21 @@
+"""``python -m modserve.core.server -c pipeline.yaml [--host H] [--port P]`` (what ``serve`` runs)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from modserve.core.server.app import serve
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m modserve.core.server", description="Run the OpenAI-compatible server.")
+    p.add_argument("-c", "--config", help="pipeline YAML (default: the embedded SmolLM2 pipeline)")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    args = p.parse_args(argv)
+    return serve(args.config, host=args.host, port=args.port)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

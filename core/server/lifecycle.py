@@ -1,0 +1,98 @@
+"""Runs the app on uvicorn with modserve's rules for stopping.
+
+uvicorn alone closes its listener at the first SIGTERM (new clients get connection
+refused, not a 503) and re-raises the signal once done (exit status -15). Here SIGTERM
+starts a drain instead: new requests get 503, in-flight ones have
+``server.shutdown_grace_s`` to finish, the rest are aborted, and the process exits 0.
+A second signal forces the exit. If the engine loop thread dies, the server stops and
+``run`` returns 1 within seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+import uvicorn
+
+from modserve.core.async_engine import AsyncEngine
+
+log = logging.getLogger("modserve.server")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """Bind before loading the model, so a busy port fails fast (the socket listens later)."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class Runner:
+    def __init__(self, app, engine: AsyncEngine, sock: socket.socket, grace_s: float) -> None:
+        config = uvicorn.Config(app, lifespan="on", log_config=None, access_log=False, timeout_graceful_shutdown=5)
+        self.server = _Server(config, self)
+        self.engine = engine
+        self.sock = sock
+        self.grace_s = grace_s
+        self.exit_code = 0
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._drain: asyncio.Task | None = None
+        self._watch: asyncio.Task | None = None
+
+    @property
+    def port(self) -> int:
+        return self.sock.getsockname()[1]
+
+    def run(self) -> int:
+        """Serve until drained or the engine dies; returns the process exit code."""
+        try:
+            asyncio.run(self.server.serve(sockets=[self.sock]))
+        except SystemExit as e:  # uvicorn exits this way when the app's startup fails
+            return e.code if isinstance(e.code, int) and e.code else 1
+        return self.exit_code
+
+    def shutdown(self) -> None:
+        """Thread-safe: begin the drain, as SIGTERM does."""
+        self.loop.call_soon_threadsafe(self._on_signal)
+
+    def _on_signal(self) -> None:
+        if self._drain is None:
+            log.info("shutdown requested: refusing new requests, %d in flight", self.engine.num_active)
+            self._drain = asyncio.ensure_future(self._drain_then_exit())
+        else:
+            log.warning("second shutdown signal: exiting now")
+            self.server.should_exit = self.server.force_exit = True
+
+    async def _drain_then_exit(self) -> None:
+        await self.engine.drain(self.grace_s)
+        self.server.should_exit = True
+
+    async def _watchdog(self) -> None:
+        reason = await self.engine.wait_dead()
+        log.error("engine loop died (%s): stopping the server", reason)
+        self.exit_code = 1
+        self.server.should_exit = True
+
+
+class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, runner: Runner) -> None:
+        super().__init__(config)
+        self.runner = runner
+
+    async def serve(self, sockets=None) -> None:
+        self.runner.loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        self.runner._watch = asyncio.ensure_future(self.runner._watchdog())
+
+    def handle_exit(self, sig, frame) -> None:
+        self.runner.loop.call_soon_threadsafe(self.runner._on_signal)

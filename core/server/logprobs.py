@@ -1,0 +1,48 @@
+"""Engine logprob entries (``{token_id: Logprob}`` per token) in the two OpenAI shapes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from modserve.core.outputs import Logprob
+from modserve.core.server.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+
+Entry = dict[int, Logprob] | None
+
+
+def completion_logprobs(
+    entries: list[Entry], token_ids: list[int], token_text: Callable[[int], str], offset: int = 0
+) -> CompletionLogprobs:
+    """Legacy completions shape; an entry of ``None`` (a prompt's first token) gives nulls.
+
+    ``text_offset`` counts characters from ``offset`` (where this piece of text starts)."""
+    out = CompletionLogprobs([], [], [], [])
+    for entry, tok in zip(entries, token_ids):
+        chosen = entry.get(tok) if entry else None
+        text = chosen.token if chosen is not None and chosen.token is not None else token_text(tok)
+        out.tokens.append(text)
+        out.token_logprobs.append(chosen.logprob if chosen is not None else None)
+        out.top_logprobs.append({_text(lp, token_text): lp.logprob for lp in entry.values()} if entry else None)
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
+def chat_logprobs(
+    entries: list[dict[int, Logprob]], token_ids: list[int], top_n: int, token_text: Callable[[int], str]
+) -> ChatLogprobs:
+    """Chat shape: the chosen token plus the ``top_n`` most likely ones, with UTF-8 bytes."""
+    content = []
+    for entry, tok in zip(entries, token_ids):
+        top = [
+            TopLogprob(text, lp.logprob, list(text.encode()))
+            for lp in sorted(entry.values(), key=lambda lp: -lp.logprob)[:top_n]
+            for text in [_text(lp, token_text)]
+        ]
+        text = _text(entry[tok], token_text)
+        content.append(TokenLogprob(text, entry[tok].logprob, list(text.encode()), top))
+    return ChatLogprobs(content)
+
+
+def _text(lp: Logprob, token_text: Callable[[int], str]) -> str:
+    return lp.token if lp.token is not None else token_text(lp.token_id)

@@ -1,0 +1,88 @@
+"""Request fields -> ``SamplingParams``, with the server's limits and the context-length rule.
+
+Ranges that ``SamplingParams`` checks itself come back as its ``field: rule`` message
+(a 400 naming the field). Anything that would fail later inside the engine thread
+(out-of-vocabulary stop ids, seeds beyond int64) is refused here, because an exception
+there would take every other request down with it.
+"""
+
+from __future__ import annotations
+
+from modserve.core.sampling_params import SamplingParams
+from modserve.core.server.errors import bad_request, from_value_error
+from modserve.core.server.protocol import SamplingFields
+from modserve.core.server.state import ServerState
+
+_INT64_MAX = 2**63 - 1
+
+
+def sampling_params(
+    body: SamplingFields,
+    state: ServerState,
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
+    logprobs_param: str,
+    prompt_logprobs: int | None = None,
+) -> SamplingParams:
+    cfg, vocab = state.config, state.engine.vocab_size
+    if body.n > cfg.max_n:
+        raise bad_request(f"n: must be <= {cfg.max_n} (server.max_n), got {body.n}", "n")
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stop) > cfg.max_stop_strings:
+        raise bad_request(f"stop: at most {cfg.max_stop_strings} stop strings (server.max_stop_strings), got {len(stop)}", "stop")
+    if any(len(s) > cfg.max_stop_string_len for s in stop):
+        raise bad_request(f"stop: each stop string must be <= {cfg.max_stop_string_len} characters", "stop")
+    max_logprobs = min(cfg.max_top_logprobs, vocab)
+    if logprobs is not None and logprobs > max_logprobs:
+        raise bad_request(f"{logprobs_param}: must be <= {max_logprobs}, got {logprobs}", logprobs_param)
+    stop_ids = list(body.stop_token_ids or [])
+    bad = next((t for t in stop_ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise bad_request(f"stop_token_ids: {bad} is outside the vocabulary [0, {vocab})", "stop_token_ids")
+    if body.seed is not None and body.seed + body.n - 1 > _INT64_MAX:
+        raise bad_request(f"seed: seed + n - 1 must fit in int64, got seed {body.seed}", "seed")
+    optional = {
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "top_k": 0 if body.top_k is not None and body.top_k >= vocab else body.top_k,  # >= vocab: no cut
+        "min_p": body.min_p,
+        "presence_penalty": body.presence_penalty,
+        "frequency_penalty": body.frequency_penalty,
+        "repetition_penalty": body.repetition_penalty,
+    }
+    try:
+        return SamplingParams(
+            n=body.n,
+            max_tokens=max_tokens,
+            min_tokens=body.min_tokens,
+            seed=body.seed,
+            stop=stop,
+            stop_token_ids=stop_ids,
+            ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=body.skip_special_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            **{k: v for k, v in optional.items() if v is not None},
+        )
+    except ValueError as e:
+        raise from_value_error(e) from None
+
+
+def fit_to_prompt(params: SamplingParams, prompt_token_ids: list[int], state: ServerState, param: str) -> SamplingParams:
+    """Check the prompt; default ``max_tokens`` to the room left; 400 if prompt + max_tokens > max_model_len."""
+    max_len, n_prompt = state.engine.max_model_len, len(prompt_token_ids)
+    max_tokens = params.max_tokens if params.max_tokens is not None else max(1, max_len - n_prompt)
+    if n_prompt + max_tokens > max_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_len} tokens, but {n_prompt + max_tokens} were requested: "
+            f"{n_prompt} in the prompt plus max_tokens {max_tokens}. Shorten the prompt or lower max_tokens.",
+            param,
+            "context_length_exceeded",
+        )
+    try:
+        state.engine.check_prompt(prompt_token_ids)
+        return params if params.max_tokens == max_tokens else params.with_changes(max_tokens=max_tokens)
+    except ValueError as e:
+        raise from_value_error(e) from None

@@ -1,0 +1,221 @@
+"""Request and response bodies of the OpenAI-compatible API as ``msgspec`` structs.
+
+Requests decode strictly (no type coercion) but ignore unknown fields, so clients such
+as ``vllm bench serve`` or lm-evaluation-harness may send extras. Value ranges that
+``SamplingParams`` already checks are left to it; only limits of the wire format live
+here.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import UNSET, Meta, Struct, UnsetType
+
+PositiveInt = Annotated[int, Meta(ge=1)]
+NonNegInt = Annotated[int, Meta(ge=0)]
+Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+
+
+# ----------------------------------------------------------------- requests
+
+
+class StreamOptions(Struct, kw_only=True):
+    include_usage: bool = False
+
+
+class SamplingFields(Struct, kw_only=True):
+    """Fields shared by completions and chat (OpenAI's plus vLLM's sampling extras)."""
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: PositiveInt = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: Int64 | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: NonNegInt = 0
+    priority: Int64 = 0
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    # a string, a list of strings, a list of token ids, or a list of token-id lists
+    prompt: str | list[str | int | list[int]]
+    max_tokens: PositiveInt | None = 16
+    logprobs: NonNegInt | None = None
+    echo: bool = False
+
+
+class ContentPart(Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(Struct, kw_only=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    messages: list[ChatMessage]
+    max_tokens: PositiveInt | None = None
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool = False
+    top_logprobs: NonNegInt | None = None
+    add_generation_prompt: bool = True
+
+
+class TokenizeRequest(Struct, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ----------------------------------------------------------------- responses
+
+
+class Usage(Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(Struct):
+    text_offset: list[int]
+    token_logprobs: list[float | None]
+    tokens: list[str]
+    top_logprobs: list[dict[str, float] | None]
+
+
+class CompletionChoice(Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class Completion(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    object: str = "text_completion"
+    usage: Usage | None | UnsetType = UNSET  # a stream shows it only with include_usage
+
+
+class TopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Struct):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(Struct):
+    content: str
+    role: str = "assistant"
+
+
+class ChatChoice(Struct):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletion(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: str = "chat.completion"
+
+
+class Delta(Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(Struct):
+    index: int
+    delta: Delta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    object: str = "chat.completion.chunk"
+    usage: Usage | None | UnsetType = UNSET
+
+
+class ModelCard(Struct):
+    id: str
+    created: int
+    max_model_len: int
+    object: str = "model"
+    owned_by: str = "modserve"
+
+
+class ModelList(Struct):
+    data: list[ModelCard]
+    object: Literal["list"] = "list"
+
+
+class TokenizeResponse(Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(Struct):
+    prompt: str
+
+
+class ErrorBody(Struct):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(Struct):
+    error: ErrorBody
+
+
+encoder = msgspec.json.Encoder()

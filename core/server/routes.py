@@ -1,0 +1,87 @@
+"""The small endpoints: models, health, metrics, tokenize, detokenize; and the route table."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from modserve.core.server.body import decode_body
+from modserve.core.server.chat import create_chat_completion, encode_messages
+from modserve.core.server.completions import create_completion
+from modserve.core.server.errors import APIError, bad_request
+from modserve.core.server.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    encoder,
+)
+from modserve.core.server.state import ServerState
+
+
+def _json(obj) -> Response:
+    return Response(encoder.encode(obj), media_type="application/json")
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+async def list_models(request: Request) -> Response:
+    s = _state(request)
+    return _json(ModelList([ModelCard(s.model_name, s.created, s.engine.max_model_len)]))
+
+
+async def health(request: Request) -> Response:
+    """200 while serving; 503 once draining for shutdown or when the engine loop has died."""
+    engine = _state(request).engine
+    if engine.dead_reason is not None:
+        raise APIError(503, f"engine loop died: {engine.dead_reason}", code="engine_dead")
+    if engine.draining:
+        raise APIError(503, "the server is shutting down", code="shutting_down")
+    return _json({"status": "ok"})
+
+
+async def metrics(request: Request) -> Response:
+    s = _state(request)
+    if s.metrics is None:
+        raise APIError(404, "metrics are disabled (observability.metrics: false)", code="not_found")
+    return Response(s.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def tokenize(request: Request) -> Response:
+    s = _state(request)
+    body = await decode_body(request, TokenizeRequest, s.config.max_body_bytes)
+    s.check_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("give exactly one of prompt or messages", "prompt")
+    if body.messages is not None:
+        tokens = encode_messages(body.messages, body.add_generation_prompt, s)
+    else:
+        tokens = s.engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    return _json(TokenizeResponse(len(tokens), s.engine.max_model_len, tokens))
+
+
+async def detokenize(request: Request) -> Response:
+    s = _state(request)
+    body = await decode_body(request, DetokenizeRequest, s.config.max_body_bytes)
+    s.check_model(body.model)
+    vocab = s.engine.vocab_size
+    bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise bad_request(f"tokens: {bad} is outside the vocabulary [0, {vocab})", "tokens")
+    return _json(DetokenizeResponse(s.engine.tokenizer.decode(body.tokens)))
+
+
+ROUTES = [
+    Route("/v1/models", list_models, methods=["GET"]),
+    Route("/v1/completions", create_completion, methods=["POST"]),
+    Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
+    Route("/health", health, methods=["GET"]),
+    Route("/metrics", metrics, methods=["GET"]),
+    Route("/tokenize", tokenize, methods=["POST"]),
+    Route("/detokenize", detokenize, methods=["POST"]),
+]

@@ -1,0 +1,122 @@
+"""Prometheus metrics named like vLLM's (prefix ``modserve:``, label ``model_name``).
+
+Fed only by observer hooks (per request and per step, never per token), so a
+third-party plugin can export its own metrics the same way. Each observer owns a
+``CollectorRegistry``: several servers in one process do not clash.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from modserve.core.hookspecs import hookimpl
+from modserve.core.request import Request
+from modserve.core.stats import StepStats
+
+MODSERVE_CONTRACT = "1.0"
+
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0]
+
+
+def token_buckets(max_model_len: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_model_len`` (vLLM's 1-2-5 series)."""
+    out, base = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * base > max_model_len:
+                return out
+            out.append(float(m * base))
+        base *= 10
+
+
+class MetricsObserver:
+    """Register on an engine's plugin manager; ``render()`` gives the exposition text."""
+
+    def __init__(self, model_name: str, max_model_len: int, kv: Any = None) -> None:
+        self.registry = CollectorRegistry()
+        self._model_name = model_name
+        self._kv = kv if hasattr(kv, "prefix_queries") else None
+        self._prefix_seen = (0, 0)
+        label = {"model_name": model_name}
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(f"modserve:{name}", doc, list(label), registry=self.registry).labels(**label)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(f"modserve:{name}", doc, list(label), registry=self.registry).labels(**label)
+
+        def histogram(name: str, doc: str, buckets: list[float]) -> Any:
+            return Histogram(f"modserve:{name}", doc, list(label), registry=self.registry, buckets=buckets).labels(**label)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests added.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.num_preemptions = counter("num_preemptions", "Requests preempted (by recompute).")
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self._success = Counter(
+            "modserve:request_success", "Requests finished, by reason.", ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS)
+        self.itl = histogram(
+            "inter_token_latency_seconds", "Each request's mean gap between output tokens.", ITL_BUCKETS
+        )
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS)
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt tokens per request.", token_buckets(max_model_len)
+        )
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Generated tokens per request.", token_buckets(max_model_len)
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    @hookimpl
+    def on_request_added(self, request: Request) -> None:
+        self.prompt_tokens.inc(request.num_prompt_tokens)
+
+    @hookimpl
+    def on_step_finished(self, stats: StepStats) -> None:
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.kv_cache_usage_perc.set(stats.kv_usage)
+        self.generation_tokens.inc(stats.num_generation_tokens)
+        self.num_preemptions.inc(stats.num_preemptions)
+        queries, hits = self._prefix_delta(stats)
+        self.prefix_cache_queries.inc(queries)
+        self.prefix_cache_hits.inc(hits)
+
+    @hookimpl
+    def on_request_finished(self, request: Request) -> None:
+        m = request.metrics
+        self._success.labels(model_name=self._model_name, finished_reason=request.finish_reason or "unknown").inc()
+        self.request_prompt_tokens.observe(request.num_prompt_tokens)
+        self.request_generation_tokens.observe(request.num_output_tokens)
+        self.e2e.observe((m.finished_time or m.arrival_time) - m.arrival_time)
+        if m.first_scheduled_time is not None:
+            self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
+        if m.first_token_time is not None:
+            self.ttft.observe(m.first_token_time - m.arrival_time)
+        if m.last_token_time is not None and m.first_token_time is not None and request.num_output_tokens > 1:
+            self.itl.observe((m.last_token_time - m.first_token_time) / (request.num_output_tokens - 1))
+
+    def _prefix_delta(self, stats: StepStats) -> tuple[int, int]:
+        """This step's prefix-cache queries and hits.
+
+        ``Engine.step`` does not fill ``StepStats.prefix_queries/prefix_hits`` yet, so when
+        the KV backend keeps running totals (the paged backend does) they are diffed instead.
+        """
+        if self._kv is None:
+            return stats.prefix_queries, stats.prefix_hits
+        total = (getattr(self._kv, "prefix_queries", 0), getattr(self._kv, "prefix_hits", 0))
+        seen, self._prefix_seen = self._prefix_seen, total
+        return total[0] - seen[0], total[1] - seen[1]

@@ -1,0 +1,132 @@
+"""Every config, CLI and input error names the field and the bad value."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from modserve import LLM, SamplingParams
+from modserve.core.config import ConfigError
+from modserve.core.engine_factory import resolve
+from modserve.core.models.loader import ModelNotFoundError
+
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
+
+CONFIG_ERRORS = [
+    ({"kv_cache": {"plugin": "paged", "blok_size": 16}}, "kv_cache.blok_size: unknown key"),
+    ({"scheduler": {"plugin": "fcfs", "max_num_seqs": "many"}}, "scheduler.max_num_seqs: expected int, got 'many'"),
+    ({"scheduler": {"plugin": "fcfs", "max_num_seqs": -3}}, "scheduler.max_num_seqs: expected int >= 1, got -3"),
+    ({"kv_cache": {"plugin": "paged", "block_size": 12}}, "kv_cache.block_size: expected a power of two, got 12"),
+    ({"kv_cache": {"plugin": "paged", "num_blocks": 4, "memory_gb": 1}}, "kv_cache: num_blocks and memory_gb are exclusive"),
+    ({"kv_cache": {"plugin": "paged", "kv_dtype": "int4"}}, "kv_cache.kv_dtype: expected one of auto, int8, got 'int4'"),
+    ({"scheduler": {"plugin": "fifo"}}, "scheduler.plugin: unknown scheduler 'fifo'; available: fcfs"),
+    ({"attention": {"plugin": "flash"}}, "attention.plugin: unknown attention backend 'flash'; available: torch, triton"),
+    ({"scheduler": {"max_num_seqs": 4}}, "scheduler.plugin: required; available: fcfs"),
+    ({"scheduler": "fcfs"}, "scheduler: expected object, got 'fcfs'"),
+    ({"modle": {}}, "modle: unknown key"),
+    ({"model": {"dtype": "float64"}}, "model.dtype: expected one of float32, bfloat16, float16, auto, got 'float64'"),
+    ({"model": {"max_model_len": 1}}, "model.max_model_len: expected int >= 2, got 1"),
+    ({"device": "tpu"}, "device: expected one of cpu, cuda, auto, got 'tpu'"),
+    ({"server": {"port": 70000}}, "server.port: expected int <= 65535, got 70000"),
+    ({"server": {"api_keys": ["a", 3]}}, "server.api_keys.1: expected str, got 3"),
+    ({"observability": {"tracing": {"exporter": "jaeger"}}}, "observability.tracing.exporter: expected one of none, console, otlp"),
+]
+
+
+@pytest.mark.parametrize("config,message", CONFIG_ERRORS, ids=[m.split(":")[0] for _, m in CONFIG_ERRORS])
+def test_config_error_names_the_field(config, message):
+    with pytest.raises(ConfigError) as e:
+        resolve(config)
+    assert message in str(e.value)
+
+
+def test_missing_model_and_files(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="model not found: '/nope' is not an HF directory"):
+        resolve({"model": {"path": "/nope"}})
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelNotFoundError, match="has no config.json"):
+        resolve({"model": {"path": str(tmp_path / "empty")}})
+    with pytest.raises(ConfigError, match="pipeline file not found"):
+        resolve(str(tmp_path / "missing.yaml"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        resolve(str(bad))
+    bad.write_text("- a list")
+    with pytest.raises(ConfigError, match="expected a mapping at the top level"):
+        resolve(str(bad))
+
+
+def test_engine_build_errors(tiny_llama, tmp_path):
+    path = tiny_llama[0]
+    with pytest.raises(ValueError, match="fewer than max_model_len 512"):
+        LLM(model=path, kv_cache={"plugin": "paged", "num_blocks": 4})
+    with pytest.raises(ValueError, match="model.max_model_len: 4096 exceeds the model's max_position_embeddings 512"):
+        LLM({"model": {"path": path, "max_model_len": 4096}})
+    cfg = (tmp_path / "config.json")
+    cfg.write_text('{"model_type": "gpt2"}')
+    with pytest.raises(ValueError, match="unsupported model_type 'gpt2'"):
+        LLM(model=str(tmp_path))
+
+
+def test_prompt_errors(tiny_llama):
+    llm = LLM({"model": {"path": tiny_llama[0], "max_model_len": 64}, "kv_cache": {"plugin": "paged", "num_blocks": 16}})
+    with pytest.raises(ValueError, match="prompt: 70 tokens leave no room to generate within max_model_len 64"):
+        llm.generate({"prompt_token_ids": [5] * 70})
+    with pytest.raises(ValueError, match=r"token id 99999 is outside the vocabulary \[0, "):
+        llm.generate({"prompt_token_ids": [5, 99999]})
+    with pytest.raises(ValueError, match="prompt: must contain at least one token"):
+        llm.generate({"prompt_token_ids": []})
+    with pytest.raises(ValueError, match="sampling_params: got 2 for 1 prompts"):
+        llm.generate(["a"], [SamplingParams(), SamplingParams()])
+    with pytest.raises(ValueError, match="needs 'prompt' or 'prompt_token_ids'"):
+        llm.generate({"text": "a"})
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"max_tokens": 0}, "max_tokens: must be >= 1, got 0"),
+        ({"temperature": 2.5}, "temperature: must be in [0, 2], got 2.5"),
+        ({"top_p": 0.0}, "top_p: must be in (0, 1], got 0.0"),
+        ({"top_k": -2}, "top_k: must be -1, 0 (disabled) or >= 1, got -2"),
+        ({"min_p": 1.5}, "min_p: must be in [0, 1], got 1.5"),
+        ({"n": 0}, "n: must be >= 1, got 0"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens: must be <= max_tokens (2), got 5"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty: must be in (0, 2], got 0.0"),
+        ({"presence_penalty": 3.0}, "presence_penalty: must be in [-2, 2], got 3.0"),
+        ({"logprobs": -1}, "logprobs: must be >= 0, got -1"),
+        ({"stop": ["", "x"]}, "stop: must not contain empty strings"),
+    ],
+)
+def test_sampling_params_errors(kwargs, message):
+    with pytest.raises(ValueError) as e:
+        SamplingParams(**kwargs)
+    assert message in str(e.value)
+
+
+def _cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "modserve.core.cli", *args], capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_cli_validate_and_plugins(tmp_path):
+    ok = _cli("validate", "-c", os.path.join(EXAMPLES, "pipeline.yaml"))
+    assert ok.returncode == 0, ok.stderr
+    assert "ok (model" in ok.stdout
+    bad = tmp_path / "p.yaml"
+    bad.write_text("kv_cache: {plugin: paged, block_size: 12}\n")
+    r = _cli("validate", "-c", str(bad))
+    assert r.returncode == 2
+    assert r.stderr.strip() == "modserve validate: error: kv_cache.block_size: expected a power of two, got 12"
+    listing = _cli("plugins")
+    assert listing.returncode == 0
+    for name in ("fcfs", "paged", "torch", "triton", "default", "block_size: int >= 1 <= 1024 = 16"):
+        assert name in listing.stdout
+    import json
+
+    data = json.loads(_cli("plugins", "--json").stdout)
+    assert data["contract"] == "1.0"
+    assert [p["name"] for p in data["plugins"]["schedulers"]] == ["fcfs"]
