@@ -59,6 +59,11 @@ class ModserveSpec:
     def register_speculative_decoders(self) -> dict[str, type]:
         """Return ``{name: cls}`` for classes implementing :class:`~modserve.core.interfaces.Proposer`."""
 
+    @hookspec
+    def register_eviction_policies(self) -> dict[str, type]:
+        """Return ``{name: cls}`` for classes implementing :class:`~modserve.core.interfaces.EvictionPolicy`
+        (chosen by the ``paged`` KV backend's ``eviction`` option)."""
+
     # ----- observers: called per request or per step, never per token -------------------
 
     @hookspec

@@ -124,6 +124,36 @@ class KVBackend(ABC):
         """Forget cached block contents (optional)."""
 
 
+class EvictionPolicy(ABC):
+    """Orders a KV backend's idle blocks: which one is handed out (and its cached
+    contents evicted) next. Idle blocks with no cached contents are always taken first.
+
+    The pool calls ``add`` when a block becomes idle (``cached``: its contents are in the
+    prefix cache), ``remove`` when a prefix hit takes an idle block back, ``hit`` when a
+    cached block is reused by a prefix hit (idle or not), and ``pop`` to pick a block.
+    """
+
+    Config: ClassVar[type[msgspec.Struct]]
+
+    @abstractmethod
+    def add(self, block: int, cached: bool) -> None: ...
+
+    @abstractmethod
+    def remove(self, block: int) -> None: ...
+
+    @abstractmethod
+    def pop(self) -> int: ...
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def __contains__(self, block: int) -> bool: ...
+
+    def hit(self, block: int) -> None:  # noqa: B027 - optional: frequency-aware policies count hits
+        """A prefix hit reused this block."""
+
+
 # ----------------------------------------------------------------------------- attention
 
 

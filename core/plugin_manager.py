@@ -25,12 +25,13 @@ from modserve.core.config import PLUGIN_SECTIONS, ConfigError, convert
 BUILTIN_PLUGIN_MODULES = (
     "modserve.plugins.schedulers.fcfs",
     "modserve.plugins.kv_backends.paged",
+    "modserve.plugins.kv_backends.lru",
     "modserve.plugins.attention.torch_backend",
     "modserve.plugins.attention.triton_backend",
     "modserve.plugins.samplers.default",
 )
 
-KINDS = tuple(PLUGIN_SECTIONS.values())
+KINDS = (*PLUGIN_SECTIONS.values(), "eviction_policies")
 
 
 class PluginContractError(RuntimeError):

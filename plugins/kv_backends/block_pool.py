@@ -1,23 +1,26 @@
-"""Fixed-size KV blocks with ref counts, an LRU free queue and a content-hash index.
+"""Fixed-size KV blocks with ref counts, a free queue and a content-hash index.
 
-Freed blocks keep their contents: hashed ones go to the free queue's tail (reused last),
-unhashed ones to its head (reused first). A cached block is evicted lazily, only when
-its slot is handed out again. A hash hit also compares the stored token ids, so a hash
+Freed blocks keep their contents; the eviction policy (LRU by default: hashed blocks
+to the queue's tail, unhashed to its head) decides which idle block is handed out next.
+A cached block is evicted lazily, only when its slot is handed out again. A hash hit also compares the stored token ids, so a hash
 collision can never serve another prompt's KV.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from modserve.core.interfaces import EvictionPolicy
+from modserve.plugins.kv_backends.lru import LRUEviction
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, policy: EvictionPolicy | None = None) -> None:
         self.num_blocks = num_blocks
         self.ref_cnt = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
-        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.free_queue = policy or LRUEviction()
+        for block in range(num_blocks):
+            self.free_queue.add(block, cached=False)
         self.cached: dict[bytes, int] = {}
 
     @property
@@ -30,7 +33,7 @@ class BlockPool:
             raise RuntimeError(f"block pool exhausted: asked for {n}, {len(self.free_queue)} free")
         out = []
         for _ in range(n):
-            block, _ = self.free_queue.popitem(last=False)
+            block = self.free_queue.pop()
             self._evict(block)
             self.ref_cnt[block] = 1
             out.append(block)
@@ -40,8 +43,9 @@ class BlockPool:
         """Share blocks found by a prefix hit: +1 ref, out of the free queue if idle."""
         for block in blocks:
             if self.ref_cnt[block] == 0:
-                del self.free_queue[block]
+                self.free_queue.remove(block)
             self.ref_cnt[block] += 1
+            self.free_queue.hit(block)
 
     def free(self, blocks: list[int]) -> None:
         """Drop one ref from each block; idle ones return to the free queue.
@@ -54,9 +58,7 @@ class BlockPool:
             if self.ref_cnt[block] < 0:
                 raise RuntimeError(f"block {block} freed twice")
             if self.ref_cnt[block] == 0:
-                self.free_queue[block] = None
-                if self.block_hash[block] is None:
-                    self.free_queue.move_to_end(block, last=False)
+                self.free_queue.add(block, cached=self.block_hash[block] is not None)
 
     def lookup(self, block_hash: bytes, tokens: tuple[int, ...]) -> int | None:
         block = self.cached.get(block_hash)

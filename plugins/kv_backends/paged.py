@@ -29,6 +29,7 @@ class PagedConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     memory_gb: Annotated[float, msgspec.Meta(gt=0)] | None = None
     prefix_caching: bool = True
     kv_dtype: Literal["auto", "int8"] = "auto"
+    eviction: str = "lru"  # an eviction policy plugin (``modserve plugins`` lists them)
 
     def __post_init__(self) -> None:
         if self.block_size & (self.block_size - 1):
@@ -61,7 +62,7 @@ class PagedKVBackend(KVBackend):
                 f"{self.num_blocks * self.block_size} tokens, fewer than max_model_len {spec.max_model_len}; "
                 "raise num_blocks/memory_gb or lower model.max_model_len"
             )
-        self.pool = BlockPool(self.num_blocks)
+        self.pool = BlockPool(self.num_blocks, eviction_policy(config.eviction))
         self._caches = [self._layer_cache(spec) for _ in range(spec.num_layers)]
         self._blocks: dict[str, list[int]] = {}
         self._hashes: dict[str, list[bytes]] = {}
@@ -169,6 +170,16 @@ class PagedKVBackend(KVBackend):
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_cache()
+
+
+def eviction_policy(name: str):
+    from modserve.core.plugin_manager import default_registry
+
+    policies = default_registry().implementations("eviction_policies")
+    if name not in policies:
+        raise ValueError(f"kv_cache.eviction: unknown eviction policy {name!r}; available: {', '.join(sorted(policies))}")
+    cls = policies[name].cls
+    return cls(cls.Config())
 
 
 @hookimpl
