@@ -150,11 +150,15 @@ class AsyncEngine:
             await asyncio.wait_for(self._idle.wait(), grace_s)
         except asyncio.TimeoutError:
             log.warning("shutdown grace period over: aborting %d in-flight requests", self.num_active)
-            self._inbox.put(_Abort(None))
+            self.abort_all()
             try:
                 await asyncio.wait_for(self._idle.wait(), 5.0)
             except asyncio.TimeoutError:
                 pass
+
+    def abort_all(self) -> None:
+        """Abort every request in the engine (their streams raise :class:`RequestAbortedError`)."""
+        self._inbox.put(_Abort(None))
 
     async def wait_dead(self) -> str:
         await self._dead.wait()

@@ -12,13 +12,17 @@ import random
 import time
 
 from modserve.core.engine_factory import EngineComponents, build_components
-from modserve.core.interfaces import SchedulerOutput
 from modserve.core.output_processor import OutputProcessor
 from modserve.core.outputs import RequestOutput
+from modserve.core.parallel_sampling import child_id, child_params
+from modserve.core.prompt_logprobs import record_prompt_logprobs
 from modserve.core.request import Request, RequestStatus
-from modserve.core.sampling_batch import SamplingBatch, fresh_seed
+from modserve.core.sample_plan import SamplePlan
+from modserve.core.sampling_batch import fresh_seed
 from modserve.core.sampling_params import SamplingParams
+from modserve.core.speculative_base import SpeculationGovernor
 from modserve.core.stats import StepStats
+from modserve.core.token_selection import Chosen, select_tokens
 
 
 class Engine:
@@ -28,11 +32,14 @@ class Engine:
         self.kv = components.kv
         self.runner = components.runner
         self.sampler = components.sampler
+        self.proposer = components.proposer
+        self.governor = SpeculationGovernor(components.proposer.config) if components.proposer else None
         self.hooks = components.registry.pm.hook
         self.tokenizer = components.tokenizer
         self.max_model_len = components.max_model_len
         self.requests: dict[str, Request] = {}
         self.outputs = OutputProcessor(components.tokenizer)
+        self._forks: dict[str, list[Request]] = {}  # n > 1: leader id -> siblings forked after its prompt
         self._rng = random.Random(components.pipeline.seed)
         self._ids = itertools.count()
         self._step = 0
@@ -52,21 +59,33 @@ class Engine:
         priority: int = 0,
         cache_salt: str | None = None,
         user: str | None = None,
-    ) -> Request:
-        """Validate and enqueue one sequence (``n`` is handled by the callers' fan-out)."""
+    ) -> list[Request]:
+        """Validate and enqueue a request; ``n > 1`` makes n sequences ``child_id(request_id, i, n)``.
+
+        Only the first sequence computes the prompt; the others fork from it (sharing its
+        KV blocks) when its prompt is done. Returns the n sequences.
+        """
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in the engine")
         self.check_prompt(prompt_token_ids)
-        if params.seed is None:
-            params = params.with_changes(seed=fresh_seed(self._rng))
-        eos = () if params.ignore_eos else tuple(self.c.spec.eos_token_ids)
-        req = Request(request_id, list(prompt_token_ids), params, eos, priority, cache_salt, user)
-        self.requests[request_id] = req
-        self.outputs.add(req)
-        self.scheduler.add_request(req)
-        self.hooks.on_request_added(request=req)
-        return req
+        kids = child_params(params)
+        ids = [child_id(request_id, i, len(kids)) for i in range(len(kids))]
+        if any(i in self.requests for i in ids):
+            raise ValueError(f"request_id {request_id!r} is already in the engine")
+        seqs = []
+        for cid, cp in zip(ids, kids):
+            if cp.seed is None:
+                cp = cp.with_changes(seed=fresh_seed(self._rng))
+            eos = () if cp.ignore_eos else tuple(self.c.spec.eos_token_ids)
+            req = Request(cid, list(prompt_token_ids), cp, eos, priority, cache_salt, user)
+            self.requests[cid] = req
+            self.outputs.add(req)
+            seqs.append(req)
+        self.scheduler.add_request(seqs[0])
+        if len(seqs) > 1:
+            self._forks[seqs[0].request_id] = seqs[1:]
+        for req in seqs:
+            self.hooks.on_request_added(request=req)
+        return seqs
 
     def check_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -82,8 +101,13 @@ class Engine:
             raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {vocab})")
 
     def abort_request(self, request_ids: list[str], reason: str = "abort", error: str | None = None) -> list[RequestOutput]:
-        """Remove requests now (their blocks return to the pool) and return their final outputs."""
+        """Remove requests now (their blocks return to the pool) and return their final outputs.
+
+        Aborting a leader also aborts its siblings that have not forked yet."""
         reqs = [self.requests[r] for r in request_ids if r in self.requests]
+        reqs += [s for r in reqs for s in self._forks.pop(r.request_id, ()) if s not in reqs]
+        for siblings in self._forks.values():
+            siblings[:] = [s for s in siblings if s not in reqs]
         for req in reqs:
             req.finish_reason, req.error = reason, error
         return self._finish(reqs)
@@ -95,102 +119,73 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        preemptions_before = self.scheduler_preemptions()
+        preemptions_before = getattr(self.scheduler, "num_preemptions", 0)
         sched = self.scheduler.schedule()
         stats = StepStats(self._step, 0, 0, 0.0, num_scheduled_tokens=sched.num_tokens)
         outputs: list[RequestOutput] = []
         if sched.scheduled:
             batch = self.runner.prepare(sched)
-            rows, sampled_reqs = self._sample_rows(sched)
-            prompt_rows = self._prompt_logprob_rows(sched)
+            plan = SamplePlan.build(sched, self._forks)
             t_model = time.perf_counter()
-            logits = self.runner.execute(batch, rows + [r for _, _, r in prompt_rows])
+            logits = self.runner.execute(batch, plan.rows)
             stats.model_time_s = time.perf_counter() - t_model
-            if prompt_rows:
-                self._record_prompt_logprobs(prompt_rows, logits[len(rows) :])
-                logits = logits[: len(rows)]
-            counters = [r.num_output_tokens for r in sampled_reqs]
-            sampled = self.sampler.sample(logits, SamplingBatch.build(sampled_reqs, counters, self.c.spec.vocab_size, logits.device))
-            outputs = self._update(sched, sampled_reqs, sampled, stats)
+            if plan.prompt_rows:
+                record_prompt_logprobs(plan.prompt_rows, logits[plan.num_sample_rows :])
+            chosen = select_tokens(self.sampler, logits[: plan.num_sample_rows], plan.entries, self.c.spec.vocab_size)
+            outputs = self._update(sched, plan, chosen, stats)
+            self._propose_drafts([e.request for e in plan.entries if e.request.finish_reason is None])
         self._step += 1
-        stats.num_preemptions = self.scheduler_preemptions() - preemptions_before
+        stats.num_preemptions = getattr(self.scheduler, "num_preemptions", 0) - preemptions_before
         stats.num_running, stats.num_waiting = self.scheduler.num_running, self.scheduler.num_waiting
         stats.kv_usage = self.kv.usage()
         stats.step_time_s = time.perf_counter() - t0
         self.hooks.on_step_finished(stats=stats)
         return outputs
 
-    def scheduler_preemptions(self) -> int:
-        return getattr(self.scheduler, "num_preemptions", 0)
+    # ----------------------------------------------------------------- internals
 
-    def _sample_rows(self, sched: SchedulerOutput) -> tuple[list[int], list[Request]]:
-        """The flat row whose logits give each request's next token (requests that caught up)."""
-        rows, reqs, end = [], [], 0
-        for s in sched.scheduled:
-            end += s.num_tokens
-            if s.request.num_computed_tokens + s.num_tokens >= s.request.num_tokens:
-                rows.append(end - 1)
-                reqs.append(s.request)
-        return rows, reqs
-
-    def _prompt_logprob_rows(self, sched: SchedulerOutput) -> list[tuple[Request, int, int]]:
-        """(request, prompt position, flat row) for prompt tokens whose logprobs were asked for.
-
-        The logits at position p score prompt token p + 1."""
-        out, start = [], 0
-        for s in sched.scheduled:
-            req = s.request
-            if req.sampling_params.prompt_logprobs is not None:
-                first = req.num_computed_tokens
-                for p in range(first, min(first + s.num_tokens, req.num_prompt_tokens - 1)):
-                    out.append((req, p, start + p - first))
-            start += s.num_tokens
-        return out
-
-    def _record_prompt_logprobs(self, rows: list[tuple[Request, int, int]], logits) -> None:
-        logprobs = logits.log_softmax(dim=-1)
-        targets = [req.prompt_token_ids[p + 1] for req, p, _ in rows]
-        chosen = logprobs[range(len(rows)), targets].tolist()
-        n = max(req.sampling_params.prompt_logprobs for req, _, _ in rows)
-        top_lp, top_ids = logprobs.topk(max(n, 1), dim=-1)
-        top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
-        for i, (req, p, _) in enumerate(rows):
-            if len(req.prompt_logprobs) == p:  # a recomputed (preempted) prompt is not recorded twice
-                k = req.sampling_params.prompt_logprobs
-                req.prompt_logprobs.append((chosen[i], list(zip(top_ids[i][:k], top_lp[i][:k]))))
-
-    def _update(self, sched, sampled_reqs, sampled, stats: StepStats) -> list[RequestOutput]:
+    def _update(self, sched, plan: SamplePlan, chosen: list[Chosen], stats: StepStats) -> list[RequestOutput]:
         for s in sched.scheduled:
             req = s.request
             stats.num_prompt_tokens += max(0, min(req.num_prompt_tokens - req.num_computed_tokens, s.num_tokens))
             req.num_computed_tokens += s.num_tokens
-            self.kv.cache_blocks(req, req.num_computed_tokens)
-        token_ids = sampled.token_ids.tolist()
-        chosen = sampled.logprobs.tolist() if sampled.logprobs is not None else None
-        top_lp = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
-        top_ids = sampled.top_token_ids.tolist() if sampled.top_token_ids is not None else None
         now = time.monotonic()
         finished, outputs = [], []
-        for i, (req, tok) in enumerate(zip(sampled_reqs, token_ids)):
-            req.append_output_token(tok)
-            stats.num_generation_tokens += 1
-            if chosen is not None:
-                n = req.sampling_params.logprobs or 0
-                top = list(zip(top_ids[i][:n], top_lp[i][:n])) if top_ids is not None else []
-                req.logprobs.append((chosen[i], top))
+        for entry, ch in zip(plan.entries, chosen):
+            req = entry.request
+            if entry.fork_of is not None:  # an n > 1 sibling takes its leader's prompt KV
+                leader = entry.fork_of
+                req.num_computed_tokens = leader.num_computed_tokens if self.kv.fork(leader, req) else 0
+                self.scheduler.adopt(req)
+            req.num_computed_tokens -= ch.num_drafts - ch.num_accepted  # roll back rejected drafts
+            req.spec_token_ids = []
+            if ch.num_drafts:
+                self.kv.trim(req, req.num_computed_tokens + 1)
+                stats.num_draft_tokens += ch.num_drafts
+                stats.num_accepted_tokens += ch.num_accepted
+                stats.accepted_per_position.append(ch.num_accepted)
+            for i, tok in enumerate(ch.tokens):
+                req.append_output_token(tok)
+                stats.num_generation_tokens += 1
+                if ch.logprobs is not None:
+                    req.logprobs.append(ch.logprobs[i])
+                self._check_stop(req, tok)
+                if self.outputs.process(req, [tok]):
+                    req.finish_reason = "stop"
+                if req.finish_reason is not None:
+                    break
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             req.metrics.last_token_time = now
-            self._check_stop(req, tok)
-            if self.outputs.process(req, [tok]):
-                req.finish_reason = "stop"
-            if req.finish_reason is not None:
-                finished.append(req)
-            else:
-                outputs.append(self.outputs.output(req))
-        outputs += self._finish(finished)
+            (finished if req.finish_reason is not None else outputs).append(req)
+        for leader in {e.request.request_id for e in plan.entries} & self._forks.keys():
+            del self._forks[leader]
+        for s in sched.scheduled:
+            self.kv.cache_blocks(s.request, s.request.num_computed_tokens)
+        if self.governor is not None:
+            self.governor.record(stats.num_draft_tokens, stats.num_accepted_tokens)
         stats.finished_request_ids = [r.request_id for r in finished]
-        return outputs
+        return [self.outputs.output(r) for r in outputs] + self._finish(finished)
 
     def _check_stop(self, req: Request, tok: int) -> None:
         sp = req.sampling_params
@@ -204,6 +199,21 @@ class Engine:
         if (sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens) or req.num_tokens >= self.max_model_len:
             req.finish_reason = "length"
 
+    def _propose_drafts(self, decoding: list[Request]) -> None:
+        """Ask the proposer for the next step's draft tokens (speculative decoding)."""
+        if self.proposer is None or not self.governor.should_propose(self.scheduler.num_running):
+            return
+        k = self.proposer.config.num_speculative_tokens
+        eligible = [r for r in decoding if r.sampling_params.speculative and not r.sampling_params.needs_penalties]
+        if not eligible:
+            return
+        for req, drafts in zip(eligible, self.proposer.propose(eligible, k)):
+            sp = req.sampling_params
+            room = self.max_model_len - req.num_tokens - 1
+            if sp.max_tokens is not None:
+                room = min(room, sp.max_tokens - req.num_output_tokens - 1)
+            req.spec_token_ids = list(drafts[: max(0, min(k, room))])
+
     def _finish(self, reqs: list[Request]) -> list[RequestOutput]:
         for req in reqs:
             req.status = RequestStatus.FINISHED
@@ -212,6 +222,8 @@ class Engine:
         for req in reqs:
             req.metrics.finished_time = time.monotonic()
             del self.requests[req.request_id]
+            if self.proposer is not None:
+                self.proposer.release(req)
             outputs.append(self.outputs.output(req))
             self.hooks.on_request_finished(request=req)
         return outputs

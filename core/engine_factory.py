@@ -14,6 +14,7 @@ from modserve.core.models.loader import ModelSource, load_model, locate
 from modserve.core.models.spec import ModelSpec
 from modserve.core.plugin_manager import PluginRegistry, default_registry
 from modserve.core.runner import ModelRunner
+from modserve.core.speculative_base import ProposerContext
 from modserve.core.tokenizer import TokenizerBundle
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -58,7 +59,7 @@ class EngineComponents:
     sampler: Any
     attention: Any
     runner: ModelRunner
-    speculative: Any = None
+    proposer: Any = None
 
     def info(self) -> dict[str, Any]:
         p = self.pipeline
@@ -121,6 +122,11 @@ def build_components(source: Any = None, registry: PluginRegistry | None = None,
     samp_cls, samp_cfg = r.plugins["sampler"]
     sampler = samp_cls(samp_cfg, spec.vocab_size)
     runner = ModelRunner(loaded.model, kv, holder["attention"], device)
+    proposer = None
+    if "speculative" in r.plugins:
+        spec_cls, spec_cfg = r.plugins["speculative"]
+        ctx = ProposerContext(spec, r.source, loaded.model, loaded.tokenizer, dtype, device, max_model_len, make_attention)
+        proposer = spec_cls(spec_cfg, ctx)
     return EngineComponents(
         pipeline=p,
         registry=r.registry,
@@ -135,4 +141,5 @@ def build_components(source: Any = None, registry: PluginRegistry | None = None,
         sampler=sampler,
         attention=holder["attention"],
         runner=runner,
+        proposer=proposer,
     )

@@ -123,6 +123,28 @@ class KVBackend(ABC):
     def reset_prefix_cache(self) -> None:
         """Forget cached block contents (optional)."""
 
+    def swap_out(self, request: Request) -> bool:
+        """Copy the request's KV to host memory and free its device blocks (preemption by
+        swap). Returns False, changing nothing, when unsupported or the host pool is full."""
+        return False
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> bool:
+        """Bring a swapped-out request back into fresh device blocks with room for
+        ``num_new_tokens`` more. Returns False, changing nothing, without enough free blocks."""
+        raise NotImplementedError
+
+    def is_swapped(self, request: Request) -> bool:
+        return False
+
+    @abstractmethod
+    def fork(self, parent: Request, child: Request) -> bool:
+        """Give ``child`` the parent's KV (``n > 1`` siblings after the prompt). Paged backends
+        share the blocks by ref count and copy a shared block on its first write. Returns
+        False when the child got nothing and must recompute its prompt."""
+
+    def trim(self, request: Request, num_tokens: int) -> None:  # noqa: B027 - optional
+        """Release blocks beyond the first ``num_tokens`` tokens (rejected draft slots)."""
+
 
 class EvictionPolicy(ABC):
     """Orders a KV backend's idle blocks: which one is handed out (and its cached
@@ -267,6 +289,10 @@ class Scheduler(ABC):
     def schedule(self) -> SchedulerOutput: ...
 
     @abstractmethod
+    def adopt(self, request: Request) -> None:
+        """Take in a forked sibling: running if its KV is in place, else waiting to recompute."""
+
+    @abstractmethod
     def finish_requests(self, requests: list[Request]) -> None:
         """Remove finished or aborted requests (running or waiting) and free their blocks."""
 
@@ -313,10 +339,19 @@ class Sampler(ABC):
 
 
 class Proposer(ABC):
-    """Proposes draft tokens for running requests; the target model verifies them."""
+    """Proposes draft tokens for running requests; the target model verifies them.
+
+    Drafts are treated as deterministic proposals: verification accepts draft ``d`` with
+    probability ``p_target(d)``, which keeps the output distribution exactly the
+    target's whatever the proposer does. ``config`` subclasses
+    :class:`modserve.core.speculative_base.SpeculativeConfig`.
+    """
 
     Config: ClassVar[type[msgspec.Struct]]
 
     @abstractmethod
     def propose(self, requests: list[Request], k: int) -> list[list[int]]:
         """Up to ``k`` draft tokens per request (an empty list means none)."""
+
+    def release(self, request: Request) -> None:  # noqa: B027 - optional
+        """The request left the engine: drop any state kept for it."""

@@ -70,21 +70,18 @@ class LLM:
 
     def _run(self, encoded: list[tuple[list[int], str | None]], params_list: list[SamplingParams]) -> list[RequestOutput]:
         engine = self.engine
-        children: dict[str, RequestOutput] = {}
+        finished: dict[str, RequestOutput] = {}
         groups: list[tuple[str, str | None, list[str]]] = []
-        for i, ((token_ids, text), params) in enumerate(zip(encoded, params_list)):
-            parent = f"llm-{id(self)}-{engine._step}-{i}"
-            kids = parallel_sampling.child_params(params)
-            ids = [parallel_sampling.child_id(parent, j, len(kids)) for j in range(len(kids))]
-            for cid, cp in zip(ids, kids):
-                engine.add_request(token_ids, cp, request_id=cid)
-            groups.append((parent, text, ids))
         try:
+            for i, ((token_ids, text), params) in enumerate(zip(encoded, params_list)):
+                parent = f"llm-{id(self)}-{engine._step}-{i}"
+                seqs = engine.add_request(token_ids, params, request_id=parent)
+                groups.append((parent, text, [s.request_id for s in seqs]))
             while engine.has_unfinished():
                 for out in engine.step():
                     if out.finished:
-                        children[out.request_id] = out
+                        finished[out.request_id] = out
         except BaseException:
             engine.abort_request([cid for _, _, ids in groups for cid in ids])
             raise
-        return [parallel_sampling.merge(parent, text, [children[c] for c in ids]) for parent, text, ids in groups]
+        return [parallel_sampling.merge(parent, text, [finished[c] for c in ids]) for parent, text, ids in groups]

@@ -1,7 +1,8 @@
 """``n > 1``: one request fans out into n child sequences and their outputs merge back.
 
-Children share the prompt's KV through the prefix cache. A seeded parent gives child i
-the seed ``seed + i`` (as vLLM does), so the n samples differ but are reproducible.
+The engine computes the prompt once and forks the other children from it (they share
+its KV blocks). A seeded parent gives child i the seed ``seed + i`` (as vLLM does), so
+the n samples differ but are reproducible.
 """
 
 from __future__ import annotations

@@ -24,11 +24,16 @@ from modserve.core.config import PLUGIN_SECTIONS, ConfigError, convert
 
 BUILTIN_PLUGIN_MODULES = (
     "modserve.plugins.schedulers.fcfs",
+    "modserve.plugins.schedulers.priority",
+    "modserve.plugins.schedulers.static",
     "modserve.plugins.kv_backends.paged",
     "modserve.plugins.kv_backends.lru",
+    "modserve.plugins.kv_backends.contiguous",
     "modserve.plugins.attention.torch_backend",
     "modserve.plugins.attention.triton_backend",
     "modserve.plugins.samplers.default",
+    "modserve.plugins.speculative.ngram",
+    "modserve.plugins.speculative.draft_model",
 )
 
 KINDS = (*PLUGIN_SECTIONS.values(), "eviction_policies")

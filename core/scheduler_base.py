@@ -4,15 +4,16 @@ Each step: every running request gets ``num_tokens_with_spec - num_computed_toke
 tokens (capped by the budget and ``long_prefill_token_threshold``), in running order;
 then waiting requests are admitted while seats, budget and blocks last. Chunked prefill,
 prefix hits, decodes and draft tokens all fall out of that rule. When a running request
-cannot get blocks, the policy's victim is preempted by recompute (its blocks freed,
-its progress reset, queued at the front; prefix caching usually brings it back).
+cannot get blocks, the policy's victim is preempted: by recompute (its blocks freed, its
+progress reset, queued at the front; prefix caching usually brings it back) or by swap
+(its KV copied to host memory and copied back when it resumes).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -32,6 +33,7 @@ class SchedulerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_num_batched_tokens: Annotated[int, msgspec.Meta(ge=1)] = 2048
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: no cap
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
 
 
 class BaseScheduler(Scheduler):
@@ -65,6 +67,10 @@ class BaseScheduler(Scheduler):
         """Whether waiting requests may join this step (a static batcher says no while busy)."""
         return True
 
+    def victim_for_admission(self, candidate: Request) -> Request | None:
+        """A running request to preempt so that ``candidate`` can be admitted (FCFS: none)."""
+        return None
+
     # ----------------------------------------------------------------- Scheduler
 
     def add_request(self, request: Request) -> None:
@@ -81,6 +87,16 @@ class BaseScheduler(Scheduler):
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    def adopt(self, request: Request) -> None:
+        if request.metrics.first_scheduled_time is None:
+            request.metrics.first_scheduled_time = time.monotonic()
+        if request.num_computed_tokens:
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+        else:
+            request.status = RequestStatus.WAITING
+            self.enqueue(request, front=True)
 
     def finish_requests(self, requests: list[Request]) -> None:
         for req in requests:
@@ -113,7 +129,7 @@ class BaseScheduler(Scheduler):
                 budget -= n
                 i += 1
         if not out.preempted and self.may_admit():
-            budget = self._admit(budget, scheduled)
+            budget = self._admit(budget, scheduled, out)
         out.scheduled = list(scheduled.values())
         return out
 
@@ -125,20 +141,31 @@ class BaseScheduler(Scheduler):
             n = min(n, self.config.long_prefill_token_threshold)
         return n
 
-    def _admit(self, budget: int, scheduled: dict[str, ScheduledRequest]) -> int:
-        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _admit(self, budget: int, scheduled: dict[str, ScheduledRequest], out: SchedulerOutput) -> int:
+        while budget > 0:
             req = self.next_waiting()
             if req is None:
                 break
+            if len(self.running) >= self.config.max_num_seqs:
+                victim = self.victim_for_admission(req)
+                if victim is None:
+                    break
+                budget += self._preempt(victim, scheduled, out)
+                continue
             hit = PrefixHit()
+            swapped = self.kv.is_swapped(req)
             if req.num_computed_tokens == 0 and req.sampling_params.prompt_logprobs is None:
                 hit = self.kv.lookup_prefix(req)  # prompt logprobs need every prompt position computed
             remaining = req.num_tokens - req.num_computed_tokens - hit.num_tokens
             if not self.config.enable_chunked_prefill and remaining > budget:
                 break
             n = self._token_count(req, remaining, budget)
-            if not self.kv.allocate(req, n, hit):
-                break
+            if not (self.kv.swap_in(req, n) if swapped else self.kv.allocate(req, n, hit)):
+                victim = self.victim_for_admission(req)
+                if victim is None:
+                    break
+                budget += self._preempt(victim, scheduled, out)
+                continue
             self.waiting.remove(req)
             self._record_admission(req, hit)
             req.num_computed_tokens += hit.num_tokens
@@ -160,9 +187,10 @@ class BaseScheduler(Scheduler):
     def _preempt(self, victim: Request, scheduled: dict[str, ScheduledRequest], out: SchedulerOutput) -> int:
         """Free the victim's blocks and requeue it at the front; returns budget it gave back."""
         self.running.remove(victim)
-        self.kv.free(victim)
-        victim.num_computed_tokens = 0
         victim.spec_token_ids = []
+        if not (self.config.preemption_mode == "swap" and self.kv.swap_out(victim)):
+            self.kv.free(victim)  # recompute: the prefix cache usually brings most of it back
+            victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         victim.status = RequestStatus.WAITING
         self.num_preemptions += 1

@@ -19,6 +19,7 @@ class StepStats:
     prefix_hits: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # per verified request: drafts accepted
     step_time_s: float = 0.0
     model_time_s: float = 0.0  # inside the model forward (the rest is engine overhead)
     finished_request_ids: list[str] = field(default_factory=list)

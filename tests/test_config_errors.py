@@ -22,9 +22,9 @@ CONFIG_ERRORS = [
     ({"kv_cache": {"plugin": "paged", "block_size": 12}}, "kv_cache.block_size: expected a power of two, got 12"),
     ({"kv_cache": {"plugin": "paged", "num_blocks": 4, "memory_gb": 1}}, "kv_cache: num_blocks and memory_gb are exclusive"),
     ({"kv_cache": {"plugin": "paged", "kv_dtype": "int4"}}, "kv_cache.kv_dtype: expected one of auto, int8, got 'int4'"),
-    ({"scheduler": {"plugin": "fifo"}}, "scheduler.plugin: unknown scheduler 'fifo'; available: fcfs"),
-    ({"attention": {"plugin": "flash"}}, "attention.plugin: unknown attention backend 'flash'; available: torch, triton"),
-    ({"scheduler": {"max_num_seqs": 4}}, "scheduler.plugin: required; available: fcfs"),
+    ({"scheduler": {"plugin": "fifo"}}, "scheduler.plugin: unknown scheduler 'fifo'; available: "),
+    ({"attention": {"plugin": "flash"}}, "attention.plugin: unknown attention backend 'flash'; available: "),
+    ({"scheduler": {"max_num_seqs": 4}}, "scheduler.plugin: required; available: "),
     ({"scheduler": "fcfs"}, "scheduler: expected object, got 'fcfs'"),
     ({"modle": {}}, "modle: unknown key"),
     ({"model": {"dtype": "float64"}}, "model.dtype: expected one of float32, bfloat16, float16, auto, got 'float64'"),
@@ -41,6 +41,9 @@ def test_config_error_names_the_field(config, message):
     with pytest.raises(ConfigError) as e:
         resolve(config)
     assert message in str(e.value)
+    if "available: " in message:  # built-ins listed (installed example plugins may add more)
+        listed = str(e.value).split("available: ")[1].split(", ")
+        assert {"fcfs", "priority", "static"} <= set(listed) or {"torch", "triton"} <= set(listed)
 
 
 def test_missing_model_and_files(tmp_path):
@@ -106,6 +109,9 @@ def test_sampling_params_errors(kwargs, message):
     with pytest.raises(ValueError) as e:
         SamplingParams(**kwargs)
     assert message in str(e.value)
+    if "available: " in message:  # built-ins listed (installed example plugins may add more)
+        listed = str(e.value).split("available: ")[1].split(", ")
+        assert {"fcfs", "priority", "static"} <= set(listed) or {"torch", "triton"} <= set(listed)
 
 
 def _cli(*args, env=None):
@@ -129,4 +135,4 @@ def test_cli_validate_and_plugins(tmp_path):
 
     data = json.loads(_cli("plugins", "--json").stdout)
     assert data["contract"] == "1.0"
-    assert [p["name"] for p in data["plugins"]["schedulers"]] == ["fcfs"]
+    assert {"fcfs", "priority", "static"} <= {p["name"] for p in data["plugins"]["schedulers"]}

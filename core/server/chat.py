@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from msgspec import UNSET
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -37,7 +38,15 @@ from modserve.core.server.protocol import (
     encoder,
 )
 from modserve.core.server.state import ServerState
-from modserve.core.server.streaming import DONE, ClientDisconnected, EventStream, collect, iterate, sse, unless_disconnected
+from modserve.core.server.streaming import (
+    DONE,
+    ClientDisconnected,
+    EventStream,
+    collect,
+    iterate,
+    sse,
+    unless_disconnected,
+)
 from modserve.core.tokenizer import ChatTemplateError
 
 
@@ -45,13 +54,12 @@ async def create_chat_completion(request: Request) -> Response:
     state: ServerState = request.app.state.server
     body = await decode_body(request, ChatCompletionRequest, state.config.max_body_bytes)
     state.check_model(body.model)
-    prompt = Prompt(encode_messages(body.messages, body.add_generation_prompt, state), None)
+    prompt = Prompt(await run_in_threadpool(encode_messages, body.messages, body.add_generation_prompt, state), None)
     if body.top_logprobs and not body.logprobs:
         raise bad_request("top_logprobs: requires logprobs to be true", "top_logprobs")
-    top_n = body.top_logprobs or 0
     params = sampling_params(
         body, state, max_tokens=body.max_completion_tokens or body.max_tokens,
-        logprobs=top_n if body.logprobs else None, logprobs_param="top_logprobs",
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None, logprobs_param="top_logprobs",
     )
     params = fit_to_prompt(params, prompt.token_ids, state, "messages")
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -67,15 +75,15 @@ async def create_chat_completion(request: Request) -> Response:
         raise from_engine_error(e) from None
     finally:
         abort_all(streams)
-    choices = [ChatChoice(c.index, AssistantMessage(c.text), view.logprobs(c, c.logprobs), c.finish_reason, c.stop_reason) for c in final.outputs]
-    usage = view.usage(sum(len(c.token_ids) for c in final.outputs))
-    record(request).output_tokens = usage.completion_tokens
-    completion = ChatCompletion(response_id, view.created, state.model_name, choices, usage)
+    completion = view.response(final.outputs)
+    record(request).output_tokens = completion.usage.completion_tokens
     return Response(encoder.encode(completion), media_type="application/json")
 
 
 def encode_messages(messages: list[ChatMessage], add_generation_prompt: bool, state: ServerState) -> list[int]:
-    """Render through the chat template (text content only); 400 for what cannot be rendered."""
+    """Render through the chat template (text content only); 400 for what cannot be rendered.
+
+    Runs in a worker thread (a long conversation must not stall the event loop)."""
     if not messages:
         raise bad_request("messages: must contain at least one message", "messages")
     if len(messages) > state.config.max_messages:
@@ -102,6 +110,8 @@ def _text(content: str | list | None, where: str) -> str:
 
 
 class _View:
+    """Renders engine outputs for one chat request, streamed or whole."""
+
     def __init__(self, body: ChatCompletionRequest, state: ServerState, response_id: str, prompt_tokens: int) -> None:
         self.body = body
         self.state = state
@@ -109,14 +119,23 @@ class _View:
         self.created = int(time.time())
         self.prompt_tokens = prompt_tokens
 
-    def logprobs(self, c: CompletionOutput, entries: list | None) -> ChatLogprobs | None:
+    def logprobs(self, c: CompletionOutput, delta: bool) -> ChatLogprobs | None:
         if not self.body.logprobs:
             return None
-        ids = c.token_ids[len(c.token_ids) - len(entries) :] if entries else []
-        return chat_logprobs(entries or [], ids, self.body.top_logprobs or 0, self.state.engine.tokenizer.token_text)
+        token_ids = c.token_ids_delta if delta else c.token_ids
+        entries = c.logprobs[len(c.logprobs) - len(token_ids) :] if token_ids else []
+        return chat_logprobs(entries, token_ids, self.body.top_logprobs or 0, self.state.engine.tokenizer.token_text)
 
     def usage(self, generated: int) -> Usage:
         return Usage(self.prompt_tokens, generated, self.prompt_tokens + generated)
+
+    def response(self, outputs: list[CompletionOutput]) -> ChatCompletion:
+        choices = [
+            ChatChoice(c.index, AssistantMessage(c.text), self.logprobs(c, False), c.finish_reason, c.stop_reason)
+            for c in outputs
+        ]
+        usage = self.usage(sum(len(c.token_ids) for c in outputs))
+        return ChatCompletion(self.id, self.created, self.state.model_name, choices, usage)
 
     def chunk(self, choices: list[ChatChunkChoice], usage: Any) -> bytes:
         return sse(ChatCompletionChunk(self.id, self.created, self.state.model_name, choices, usage=usage))
@@ -126,16 +145,16 @@ class _View:
         usage = None if include_usage else UNSET
         generated = 0
         try:
-            yield self.chunk([ChatChunkChoice(i, Delta(role="assistant", content="")) for i in range(self.body.n)], usage)
+            roles = [ChatChunkChoice(i, Delta(role="assistant", content="")) for i in range(self.body.n)]
+            yield self.chunk(roles, usage)
             async for _, out in iterate([stream], self.state.config.request_timeout_s):
                 choices = []
                 for c in out.outputs:
-                    entries = c.logprobs[len(c.logprobs) - len(c.token_ids_delta) :] if c.logprobs else []
-                    if not (c.text_delta or c.finished or entries):
-                        continue
+                    generated += len(c.token_ids_delta)
+                    if not (c.text_delta or c.finished or (self.body.logprobs and c.token_ids_delta)):
+                        continue  # nothing to show yet (text held back for a possible stop string)
                     delta = Delta(content=c.text_delta) if c.text_delta else Delta()
-                    choices.append(ChatChunkChoice(c.index, delta, self.logprobs(c, entries), c.finish_reason))
-                    generated += len(c.token_ids) if c.finished else 0
+                    choices.append(ChatChunkChoice(c.index, delta, self.logprobs(c, True), c.finish_reason))
                 if choices:
                     yield self.chunk(choices, usage)
             if include_usage:

@@ -12,6 +12,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from msgspec import UNSET
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -25,22 +26,31 @@ from modserve.core.server.logprobs import completion_logprobs
 from modserve.core.server.params import fit_to_prompt, sampling_params
 from modserve.core.server.protocol import Completion, CompletionChoice, CompletionRequest, Usage, encoder
 from modserve.core.server.state import ServerState
-from modserve.core.server.streaming import DONE, ClientDisconnected, EventStream, collect, iterate, sse, unless_disconnected
+from modserve.core.server.streaming import (
+    DONE,
+    ClientDisconnected,
+    EventStream,
+    collect,
+    iterate,
+    sse,
+    unless_disconnected,
+)
 
 
 async def create_completion(request: Request) -> Response:
     state: ServerState = request.app.state.server
     body = await decode_body(request, CompletionRequest, state.config.max_body_bytes)
     state.check_model(body.model)
-    prompts = _prompts(body.prompt, state)
-    logprobs = body.logprobs
+    prompts = await run_in_threadpool(_prompts, body.prompt, state)  # a long prompt must not stall the event loop
     params = sampling_params(
-        body, state, max_tokens=body.max_tokens, logprobs=logprobs, logprobs_param="logprobs",
-        prompt_logprobs=logprobs if body.echo and logprobs is not None else None,
+        body, state, max_tokens=body.max_tokens, logprobs=body.logprobs, logprobs_param="logprobs",
+        prompt_logprobs=body.logprobs if body.echo else None,
     )
     per_prompt = [fit_to_prompt(params, p.token_ids, state, "prompt") for p in prompts]
     response_id = f"cmpl-{uuid.uuid4().hex}"
-    streams = start(request, state, response_id, "text_completion", prompts, per_prompt, priority=body.priority, user=body.user)
+    streams = start(
+        request, state, response_id, "text_completion", prompts, per_prompt, priority=body.priority, user=body.user
+    )
     view = _View(body, state, response_id, prompts)
     if body.stream:
         return EventStream(view.events(streams, request), on_close=lambda: abort_all(streams))
@@ -84,57 +94,54 @@ class _View:
         self.id = response_id
         self.created = int(time.time())
         self.prompts = prompts
-        self.token_text = state.engine.tokenizer.token_text
+        self.tokenizer = state.engine.tokenizer
 
-    def prompt_text(self, i: int) -> str:
-        p = self.prompts[i]
-        return p.text if p.text is not None else self.state.engine.tokenizer.decode(p.token_ids, skip_special_tokens=False)
+    def completion(self, choices: list[CompletionChoice], usage=UNSET) -> Completion:
+        return Completion(self.id, self.created, self.state.model_name, choices, usage=usage)
 
-    def choice(self, i: int, out: RequestOutput, c: CompletionOutput, text: str, token_ids: list[int], entries, first: bool, offset: int) -> CompletionChoice:
-        """``first``: this is the choice's first piece of text, where ``echo`` puts the prompt."""
+    def choice(self, i: int, out: RequestOutput, c: CompletionOutput, delta: bool, first: bool = True, offset: int = 0):
+        """Choice ``c`` of prompt ``i``: its whole text or this step's ``delta``.
+
+        ``first``: the choice's first piece of text, where ``echo`` puts the prompt;
+        ``offset``: where the piece starts, for ``logprobs.text_offset``."""
+        text, token_ids = (c.text_delta, c.token_ids_delta) if delta else (c.text, c.token_ids)
+        entries = c.logprobs[len(c.logprobs) - len(token_ids) :] if c.logprobs else []
         if self.body.echo and first:
-            text = self.prompt_text(i) + text
-            token_ids = self.prompts[i].token_ids + token_ids
-            entries = (out.prompt_logprobs or [None] * len(self.prompts[i].token_ids)) + entries
+            prompt = self.prompts[i]
+            text = (prompt.text if prompt.text is not None else self.tokenizer.decode(prompt.token_ids, False)) + text
+            token_ids = prompt.token_ids + token_ids
+            entries = (out.prompt_logprobs or [None] * len(prompt.token_ids)) + entries
         logprobs = None
         if self.body.logprobs is not None:
-            logprobs = completion_logprobs(entries, token_ids, self.token_text, offset)
+            logprobs = completion_logprobs(entries, token_ids, self.tokenizer.token_text, offset)
         return CompletionChoice(i * self.body.n + c.index, text, logprobs, c.finish_reason, c.stop_reason)
 
-    def response(self, finals: list[RequestOutput]) -> Completion:
-        choices = [
-            self.choice(i, out, c, c.text, c.token_ids, c.logprobs or [], True, 0)
-            for i, out in enumerate(finals)
-            for c in out.outputs
-        ]
-        return Completion(self.id, self.created, self.state.model_name, choices, usage=self.usage(finals))
-
-    def usage(self, finals: list[RequestOutput]) -> Usage:
+    def usage(self, generated: int) -> Usage:
         prompt = sum(len(p.token_ids) for p in self.prompts)
-        generated = sum(len(c.token_ids) for out in finals for c in out.outputs)
         return Usage(prompt, generated, prompt + generated)
+
+    def response(self, finals: list[RequestOutput]) -> Completion:
+        choices = [self.choice(i, out, c, delta=False) for i, out in enumerate(finals) for c in out.outputs]
+        return self.completion(choices, self.usage(sum(len(c.token_ids) for out in finals for c in out.outputs)))
 
     async def events(self, streams: list[RequestStream], request: Request) -> AsyncIterator[bytes]:
         include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
-        usage = None if include_usage else UNSET
         sent: dict[int, int] = {}  # choice -> characters of logprob tokens sent so far
         generated = 0
         try:
             async for i, out in iterate(streams, self.state.config.request_timeout_s):
                 for c in out.outputs:
+                    generated += len(c.token_ids_delta)
                     key = i * self.body.n + c.index
                     first = key not in sent
-                    entries = c.logprobs[len(c.logprobs) - len(c.token_ids_delta) :] if c.logprobs else []
-                    if not (c.text_delta or c.finished or entries or (first and self.body.echo)):
-                        continue
-                    offset = sent.get(key, 0)
-                    choice = self.choice(i, out, c, c.text_delta, c.token_ids_delta, entries, first, offset)
-                    sent[key] = offset + (sum(len(t) for t in choice.logprobs.tokens) if choice.logprobs else 0)
-                    generated += len(c.token_ids) if c.finished else 0
-                    yield sse(Completion(self.id, self.created, self.state.model_name, [choice], usage=usage))
+                    has_logprobs = self.body.logprobs is not None and c.token_ids_delta
+                    if not (c.text_delta or c.finished or has_logprobs or (first and self.body.echo)):
+                        continue  # nothing to show yet (text held back for a possible stop string)
+                    choice = self.choice(i, out, c, delta=True, first=first, offset=sent.get(key, 0))
+                    sent[key] = sent.get(key, 0) + (sum(map(len, choice.logprobs.tokens)) if choice.logprobs else 0)
+                    yield sse(self.completion([choice], None if include_usage else UNSET))
             if include_usage:
-                prompt = sum(len(p.token_ids) for p in self.prompts)
-                yield sse(Completion(self.id, self.created, self.state.model_name, [], usage=Usage(prompt, generated, prompt + generated)))
+                yield sse(self.completion([], self.usage(generated)))
         except Exception as e:
             yield sse(from_engine_error(e).body())
         finally:

@@ -75,8 +75,12 @@ def from_decode_error(err: msgspec.DecodeError) -> APIError:
     if not isinstance(err, msgspec.ValidationError):
         return bad_request(f"invalid JSON body: {err}", code="invalid_json")
     m = _AT_RE.match(str(err))
-    msg, path = m.group("msg").replace("`", ""), m.group("path") or None
-    return bad_request(f"{path}: {msg}" if path else msg, path)
+    msg, path = m.group("msg").replace("`", ""), m.group("path") or ""
+    missing = re.match(r"Object missing required field (\S+)", msg)
+    if missing:
+        path, msg = ".".join(filter(None, [path, missing.group(1)])), "required field is missing"
+    msg = msg[:1].lower() + msg[1:]
+    return bad_request(f"{path}: {msg}" if path else msg, path or None)
 
 
 def from_engine_error(err: Exception) -> APIError:

@@ -4,7 +4,7 @@ uvicorn alone closes its listener at the first SIGTERM (new clients get connecti
 refused, not a 503) and re-raises the signal once done (exit status -15). Here SIGTERM
 starts a drain instead: new requests get 503, in-flight ones have
 ``server.shutdown_grace_s`` to finish, the rest are aborted, and the process exits 0.
-A second signal forces the exit. If the engine loop thread dies, the server stops and
+A second signal aborts the in-flight requests at once. If the engine loop thread dies, the server stops and
 ``run`` returns 1 within seconds.
 """
 
@@ -67,8 +67,9 @@ class Runner:
             log.info("shutdown requested: refusing new requests, %d in flight", self.engine.num_active)
             self._drain = asyncio.ensure_future(self._drain_then_exit())
         else:
-            log.warning("second shutdown signal: exiting now")
-            self.server.should_exit = self.server.force_exit = True
+            log.warning("second shutdown signal: aborting %d in-flight requests now", self.engine.num_active)
+            self.engine.abort_all()
+            self.server.should_exit = True
 
     async def _drain_then_exit(self) -> None:
         await self.engine.drain(self.grace_s)

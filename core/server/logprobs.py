@@ -22,7 +22,7 @@ def completion_logprobs(
         text = chosen.token if chosen is not None and chosen.token is not None else token_text(tok)
         out.tokens.append(text)
         out.token_logprobs.append(chosen.logprob if chosen is not None else None)
-        out.top_logprobs.append({_text(lp, token_text): lp.logprob for lp in entry.values()} if entry else None)
+        out.top_logprobs.append(_top_by_text(entry, token_text) if entry else None)
         out.text_offset.append(offset)
         offset += len(text)
     return out
@@ -42,6 +42,14 @@ def chat_logprobs(
         text = _text(entry[tok], token_text)
         content.append(TokenLogprob(text, entry[tok].logprob, list(text.encode()), top))
     return ChatLogprobs(content)
+
+
+def _top_by_text(entry: dict[int, Logprob], token_text: Callable[[int], str]) -> dict[str, float]:
+    """Keyed by token text, as the legacy format is; when two tokens share a text the likelier wins."""
+    top: dict[str, float] = {}
+    for lp in sorted(entry.values(), key=lambda lp: -lp.logprob):
+        top.setdefault(_text(lp, token_text), lp.logprob)
+    return top
 
 
 def _text(lp: Logprob, token_text: Callable[[int], str]) -> str:

@@ -30,7 +30,9 @@ def sampling_params(
         raise bad_request(f"n: must be <= {cfg.max_n} (server.max_n), got {body.n}", "n")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > cfg.max_stop_strings:
-        raise bad_request(f"stop: at most {cfg.max_stop_strings} stop strings (server.max_stop_strings), got {len(stop)}", "stop")
+        raise bad_request(
+            f"stop: at most {cfg.max_stop_strings} stop strings (server.max_stop_strings), got {len(stop)}", "stop"
+        )
     if any(len(s) > cfg.max_stop_string_len for s in stop):
         raise bad_request(f"stop: each stop string must be <= {cfg.max_stop_string_len} characters", "stop")
     max_logprobs = min(cfg.max_top_logprobs, vocab)
@@ -70,7 +72,9 @@ def sampling_params(
         raise from_value_error(e) from None
 
 
-def fit_to_prompt(params: SamplingParams, prompt_token_ids: list[int], state: ServerState, param: str) -> SamplingParams:
+def fit_to_prompt(
+    params: SamplingParams, prompt_token_ids: list[int], state: ServerState, param: str
+) -> SamplingParams:
     """Check the prompt; default ``max_tokens`` to the room left; 400 if prompt + max_tokens > max_model_len."""
     max_len, n_prompt = state.engine.max_model_len, len(prompt_token_ids)
     max_tokens = params.max_tokens if params.max_tokens is not None else max(1, max_len - n_prompt)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -59,9 +60,9 @@ async def tokenize(request: Request) -> Response:
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt or messages", "prompt")
     if body.messages is not None:
-        tokens = encode_messages(body.messages, body.add_generation_prompt, s)
+        tokens = await run_in_threadpool(encode_messages, body.messages, body.add_generation_prompt, s)
     else:
-        tokens = s.engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        tokens = await run_in_threadpool(s.engine.tokenizer.encode, body.prompt, body.add_special_tokens)
     return _json(TokenizeResponse(len(tokens), s.engine.max_model_len, tokens))
 
 

@@ -47,6 +47,12 @@ class BlockPool:
             self.ref_cnt[block] += 1
             self.free_queue.hit(block)
 
+    def share(self, blocks: list[int]) -> None:
+        """One more owner for blocks already in use (a forked sequence)."""
+        for block in blocks:
+            assert self.ref_cnt[block] > 0, f"block {block} is not in use"
+            self.ref_cnt[block] += 1
+
     def free(self, blocks: list[int]) -> None:
         """Drop one ref from each block; idle ones return to the free queue.
 

@@ -30,6 +30,7 @@ class PagedConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     prefix_caching: bool = True
     kv_dtype: Literal["auto", "int8"] = "auto"
     eviction: str = "lru"  # an eviction policy plugin (``modserve plugins`` lists them)
+    swap_space_gb: Annotated[float, msgspec.Meta(ge=0)] = 0.25  # host pool for preemption by swap
 
     def __post_init__(self) -> None:
         if self.block_size & (self.block_size - 1):
@@ -63,7 +64,11 @@ class PagedKVBackend(KVBackend):
                 "raise num_blocks/memory_gb or lower model.max_model_len"
             )
         self.pool = BlockPool(self.num_blocks, eviction_policy(config.eviction))
-        self._caches = [self._layer_cache(spec) for _ in range(spec.num_layers)]
+        self._caches = [self._layer_cache(spec, self.num_blocks, spec.device) for _ in range(spec.num_layers)]
+        num_host = int(config.swap_space_gb * 2**30 // bytes_per_block(config, spec))
+        self._host = [self._layer_cache(spec, num_host, "cpu") for _ in range(spec.num_layers if num_host else 0)]
+        self._host_free = list(range(num_host))
+        self._swapped: dict[str, list[int]] = {}
         self._blocks: dict[str, list[int]] = {}
         self._hashes: dict[str, list[bytes]] = {}
         self._num_published: dict[str, int] = {}
@@ -71,18 +76,18 @@ class PagedKVBackend(KVBackend):
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0  # tokens found
 
-    def _layer_cache(self, spec: KVSpec) -> LayerKVCache:
-        shape = (self.num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
+    def _layer_cache(self, spec: KVSpec, num_blocks: int, device) -> LayerKVCache:
+        shape = (num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
         if self.config.kv_dtype == "int8":
             return LayerKVCache(
-                k=torch.zeros(shape, dtype=torch.int8, device=spec.device),
-                v=torch.zeros(shape, dtype=torch.int8, device=spec.device),
-                k_scale=torch.zeros(shape[:3], dtype=torch.float32, device=spec.device),
-                v_scale=torch.zeros(shape[:3], dtype=torch.float32, device=spec.device),
+                k=torch.zeros(shape, dtype=torch.int8, device=device),
+                v=torch.zeros(shape, dtype=torch.int8, device=device),
+                k_scale=torch.zeros(shape[:3], dtype=torch.float32, device=device),
+                v_scale=torch.zeros(shape[:3], dtype=torch.float32, device=device),
             )
         return LayerKVCache(
-            k=torch.zeros(shape, dtype=spec.dtype, device=spec.device),
-            v=torch.zeros(shape, dtype=spec.dtype, device=spec.device),
+            k=torch.zeros(shape, dtype=spec.dtype, device=device),
+            v=torch.zeros(shape, dtype=spec.dtype, device=device),
         )
 
     # ----------------------------------------------------------------- block hashes
@@ -127,8 +132,11 @@ class PagedKVBackend(KVBackend):
         needed_tokens = request.num_computed_tokens + hit.num_tokens + num_new_tokens
         num_new_blocks = -(-needed_tokens // self.block_size) - len(blocks) - len(hit.block_ids)
         idle_hits = sum(1 for b in hit.block_ids if self.pool.ref_cnt[b] == 0)
-        if num_new_blocks > self.pool.num_free - idle_hits:
+        shared = self._shared_write_block(request, blocks)
+        if max(num_new_blocks, 0) + (shared is not None) > self.pool.num_free - idle_hits:
             return False
+        if shared is not None:
+            blocks = self._copy_on_write(blocks, shared)
         if hit.block_ids:
             self.pool.touch(hit.block_ids)
             blocks = blocks + hit.block_ids
@@ -138,12 +146,67 @@ class PagedKVBackend(KVBackend):
         self._blocks[request.request_id] = blocks
         return True
 
+    def _shared_write_block(self, request: Request, blocks: list[int]) -> int | None:
+        """Index of the block the next write lands in, if another sequence shares it."""
+        i = request.num_computed_tokens // self.block_size
+        if i < len(blocks) and self.pool.ref_cnt[blocks[i]] > 1:
+            return i
+        return None
+
+    def _copy_on_write(self, blocks: list[int], i: int) -> list[int]:
+        (fresh,) = self.pool.allocate(1)
+        _copy_blocks(self._caches, [blocks[i]], self._caches, [fresh])
+        self.pool.free([blocks[i]])
+        return blocks[:i] + [fresh] + blocks[i + 1 :]
+
+    def fork(self, parent: Request, child: Request) -> bool:
+        blocks = list(self._blocks.get(parent.request_id, []))
+        self.pool.share(blocks)
+        self._blocks[child.request_id] = blocks
+        self._hashes[child.request_id] = list(self._hashes.get(parent.request_id, []))
+        self._num_published[child.request_id] = self._num_published.get(parent.request_id, 0)
+        return True
+
+    def trim(self, request: Request, num_tokens: int) -> None:
+        blocks = self._blocks.get(request.request_id)
+        keep = -(-num_tokens // self.block_size)
+        if blocks and len(blocks) > keep:
+            self.pool.free(blocks[keep:][::-1])
+            del blocks[keep:]
+
     def free(self, request: Request) -> None:
         blocks = self._blocks.pop(request.request_id, [])
         self.pool.free(blocks[::-1])
         self._num_published.pop(request.request_id, None)
         if request.is_finished:
             self._hashes.pop(request.request_id, None)
+            self._host_free += self._swapped.pop(request.request_id, [])
+
+    # ----------------------------------------------------------------- swap
+
+    def swap_out(self, request: Request) -> bool:
+        blocks = self._blocks.get(request.request_id, [])
+        if len(blocks) > len(self._host_free):
+            return False
+        host = [self._host_free.pop() for _ in blocks]
+        _copy_blocks(self._caches, blocks, self._host, host)
+        self.free(request)
+        self._swapped[request.request_id] = host
+        return True
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> bool:
+        host = self._swapped[request.request_id]
+        needed = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size)
+        if needed > self.pool.num_free:
+            return False
+        blocks = self.pool.allocate(needed)
+        _copy_blocks(self._host, host, self._caches, blocks[: len(host)])
+        self._blocks[request.request_id] = blocks
+        self._host_free += self._swapped.pop(request.request_id)
+        return True
+
+    def is_swapped(self, request: Request) -> bool:
+        return request.request_id in self._swapped
 
     def block_table(self, request: Request) -> list[int]:
         return self._blocks.get(request.request_id, [])
@@ -170,6 +233,19 @@ class PagedKVBackend(KVBackend):
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_cache()
+
+
+def _copy_blocks(src: list[LayerKVCache], src_ids: list[int], dst: list[LayerKVCache], dst_ids: list[int]) -> None:
+    """Copy whole blocks layer by layer (device <-> host for swapping)."""
+    if not src_ids:
+        return
+    s_idx = torch.tensor(src_ids, device=src[0].k.device)
+    d_idx = torch.tensor(dst_ids, device=dst[0].k.device)
+    for s, d in zip(src, dst):
+        for name in ("k", "v", "k_scale", "v_scale"):
+            t = getattr(s, name)
+            if t is not None:
+                getattr(d, name).index_copy_(0, d_idx, t.index_select(0, s_idx).to(d_idx.device))
 
 
 def eviction_policy(name: str):

@@ -17,9 +17,10 @@ from modserve.core.stats import StepStats
 
 MODSERVE_CONTRACT = "1.0"
 
+# vLLM's buckets, so dashboards built for it read these the same way
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
-ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
-LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0]
+LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0]
 
 
 def token_buckets(max_model_len: int) -> list[float]:
@@ -50,7 +51,8 @@ class MetricsObserver:
             return Counter(f"modserve:{name}", doc, list(label), registry=self.registry).labels(**label)
 
         def histogram(name: str, doc: str, buckets: list[float]) -> Any:
-            return Histogram(f"modserve:{name}", doc, list(label), registry=self.registry, buckets=buckets).labels(**label)
+            metric = Histogram(f"modserve:{name}", doc, list(label), registry=self.registry, buckets=buckets)
+            return metric.labels(**label)
 
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
