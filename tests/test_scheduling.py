@@ -91,8 +91,12 @@ def test_n_greater_than_one_forks_after_one_prompt_with_copy_on_write(tiny_llama
     out = llm.generate({"prompt_token_ids": prompt}, GREEDY.with_changes(n=3))[0]
     assert [o.token_ids for o in out.outputs] == [single] * 3
     assert sum(s.num_prompt_tokens for s in log.steps) == len(prompt)  # computed once, shared by the 3
-    sampled = llm.generate({"prompt_token_ids": prompt}, SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=12, ignore_eos=True))[0]
+    params = SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=12, ignore_eos=True)
+    sampled = llm.generate({"prompt_token_ids": prompt}, params)[0]
     assert len({tuple(o.token_ids) for o in sampled.outputs}) > 1
+    # each child equals the same seed run alone with private KV: shared blocks were copied before writes
+    alone = llm.generate([{"prompt_token_ids": prompt}] * 3, [params.with_changes(n=1, seed=1 + i) for i in range(3)])
+    assert [o.token_ids for o in sampled.outputs] == [a.outputs[0].token_ids for a in alone]
 
 
 def test_aborts_free_everything(tiny_llama):
