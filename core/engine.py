@@ -11,7 +11,10 @@ import itertools
 import random
 import time
 
+import torch
+
 from modserve.core.engine_factory import EngineComponents, build_components
+from modserve.core.fault_isolation import PluginFault, run_isolated
 from modserve.core.output_processor import OutputProcessor
 from modserve.core.outputs import RequestOutput
 from modserve.core.parallel_sampling import child_id, child_params
@@ -35,6 +38,7 @@ class Engine:
         self.proposer = components.proposer
         self.governor = SpeculationGovernor(components.proposer.config) if components.proposer else None
         self.hooks = components.registry.pm.hook
+        self.faults = PluginFault(components.chosen_plugins())
         self.tokenizer = components.tokenizer
         self.max_model_len = components.max_model_len
         self.requests: dict[str, Request] = {}
@@ -120,20 +124,27 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         preemptions_before = getattr(self.scheduler, "num_preemptions", 0)
-        sched = self.scheduler.schedule()
+        try:
+            sched = self.scheduler.schedule()
+        except Exception as e:  # the scheduler, or the KV backend it called
+            current = getattr(self.scheduler, "current", None)
+            return self._fail(e, "scheduler", [current] if current is not None else list(self.requests.values()))
         stats = StepStats(self._step, 0, 0, 0.0, num_scheduled_tokens=sched.num_tokens)
         outputs: list[RequestOutput] = []
         if sched.scheduled:
-            batch = self.runner.prepare(sched)
-            plan = SamplePlan.build(sched, self._forks)
-            t_model = time.perf_counter()
-            logits = self.runner.execute(batch, plan.rows)
-            stats.model_time_s = time.perf_counter() - t_model
-            if plan.prompt_rows:
-                record_prompt_logprobs(plan.prompt_rows, logits[plan.num_sample_rows :])
-            chosen = select_tokens(self.sampler, logits[: plan.num_sample_rows], plan.entries, self.c.spec.vocab_size)
-            outputs = self._update(sched, plan, chosen, stats)
-            self._propose_drafts([e.request for e in plan.entries if e.request.finish_reason is None])
+            try:
+                batch = self.runner.prepare(sched)
+                plan = SamplePlan.build(sched, self._forks)
+                t_model = time.perf_counter()
+                logits = self.runner.execute(batch, plan.rows)
+                stats.model_time_s = time.perf_counter() - t_model
+                if plan.prompt_rows:
+                    record_prompt_logprobs(plan.prompt_rows, logits[plan.num_sample_rows :])
+            except Exception as e:  # attention or KV plugin inside the forward: the batch is lost
+                return self._fail(e, "model forward", [s.request for s in sched.scheduled])
+            chosen, failed = self._select(logits, plan, sched)
+            outputs = self._update(sched, plan, chosen, stats) + failed
+            outputs += self._propose_drafts([e.request for e in plan.entries if e.request.finish_reason is None])
         self._step += 1
         stats.num_preemptions = getattr(self.scheduler, "num_preemptions", 0) - preemptions_before
         stats.num_running, stats.num_waiting = self.scheduler.num_running, self.scheduler.num_waiting
@@ -199,20 +210,46 @@ class Engine:
         if (sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens) or req.num_tokens >= self.max_model_len:
             req.finish_reason = "length"
 
-    def _propose_drafts(self, decoding: list[Request]) -> None:
-        """Ask the proposer for the next step's draft tokens (speculative decoding)."""
+    def _select(self, logits, plan: SamplePlan, sched) -> tuple[list[Chosen], list[RequestOutput]]:
+        """Sampler plugin call, isolated per request: entries whose sampling raises fail alone
+        and leave this step's plan and schedule before the update."""
+        offsets = plan.sample_offsets()
+
+        def choose(entries):
+            rows = torch.cat([logits[offsets[id(e)] : offsets[id(e)] + len(e.rows)] for e in entries])
+            return select_tokens(self.sampler, rows, entries, self.c.spec.vocab_size)
+
+        chosen, faults = run_isolated(choose, plan.entries)
+        if not faults:
+            return chosen, []
+        bad = {e.request.request_id for e, _ in faults}
+        plan.entries, chosen = map(list, zip(*[(e, c) for e, c in zip(plan.entries, chosen) if c is not None]) or ([], []))
+        sched.scheduled = [s for s in sched.scheduled if s.request.request_id not in bad]
+        return chosen, [o for e, exc in faults for o in self._fail(exc, "sampler", [e.request])]
+
+    def _propose_drafts(self, decoding: list[Request]) -> list[RequestOutput]:
+        """Ask the proposer for the next step's draft tokens (speculative decoding); a request
+        whose proposal raises fails alone. Returns the outputs of failed requests."""
         if self.proposer is None or not self.governor.should_propose(self.scheduler.num_running):
-            return
+            return []
         k = self.proposer.config.num_speculative_tokens
         eligible = [r for r in decoding if r.sampling_params.speculative and not r.sampling_params.needs_penalties]
         if not eligible:
-            return
-        for req, drafts in zip(eligible, self.proposer.propose(eligible, k)):
+            return []
+        proposals, faults = run_isolated(lambda reqs: self.proposer.propose(reqs, k), eligible)
+        for req, drafts in zip(eligible, proposals):
             sp = req.sampling_params
             room = self.max_model_len - req.num_tokens - 1
             if sp.max_tokens is not None:
                 room = min(room, sp.max_tokens - req.num_output_tokens - 1)
-            req.spec_token_ids = list(drafts[: max(0, min(k, room))])
+            req.spec_token_ids = list((drafts or [])[: max(0, min(k, room))])
+        return [o for req, exc in faults for o in self._fail(exc, "speculative decoder", [req])]
+
+    def _fail(self, exc: Exception, stage: str, requests: list[Request]) -> list[RequestOutput]:
+        """Fail the requests a plugin touched when it raised; everyone else keeps going."""
+        message = self.faults.describe(exc, stage)
+        ids = list(dict.fromkeys(r.request_id for r in requests if r.request_id in self.requests))
+        return self.abort_request(ids, reason="error", error=message)
 
     def _finish(self, reqs: list[Request]) -> list[RequestOutput]:
         for req in reqs:

@@ -61,6 +61,13 @@ class EngineComponents:
     runner: ModelRunner
     proposer: Any = None
 
+    def chosen_plugins(self) -> dict[str, tuple[str, Any]]:
+        """``{section: (plugin name, object)}`` for fault messages."""
+        p = self.pipeline
+        objects = {"scheduler": self.scheduler, "kv_cache": self.kv, "attention": self.attention,
+                   "sampler": self.sampler, "speculative": self.proposer}
+        return {s: (getattr(p, s)["plugin"], obj) for s, obj in objects.items() if obj is not None}
+
     def info(self) -> dict[str, Any]:
         p = self.pipeline
         return {

@@ -36,6 +36,14 @@ class SamplePlan:
     def num_sample_rows(self) -> int:
         return sum(len(e.rows) for e in self.entries)
 
+    def sample_offsets(self) -> dict[int, int]:
+        """``id(entry)`` -> the entry's first row in the sampled part of the logits."""
+        offsets, pos = {}, 0
+        for e in self.entries:
+            offsets[id(e)] = pos
+            pos += len(e.rows)
+        return offsets
+
     @property
     def has_drafts(self) -> bool:
         return any(e.drafts for e in self.entries)

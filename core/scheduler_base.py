@@ -46,6 +46,7 @@ class BaseScheduler(Scheduler):
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
         self.num_preemptions = 0
+        self.current: Request | None = None  # the request being scheduled (named if a plugin raises)
 
     # ----------------------------------------------------------------- policy hooks
 
@@ -112,7 +113,7 @@ class BaseScheduler(Scheduler):
         scheduled: dict[str, ScheduledRequest] = {}
         i = 0
         while i < len(self.running) and budget > 0:
-            req = self.running[i]
+            req = self.current = self.running[i]
             n = self._token_count(req, req.num_tokens_with_spec - req.num_computed_tokens, budget)
             if n <= 0:
                 i += 1
@@ -131,6 +132,7 @@ class BaseScheduler(Scheduler):
         if not out.preempted and self.may_admit():
             budget = self._admit(budget, scheduled, out)
         out.scheduled = list(scheduled.values())
+        self.current = None
         return out
 
     # ----------------------------------------------------------------- internals
@@ -143,7 +145,7 @@ class BaseScheduler(Scheduler):
 
     def _admit(self, budget: int, scheduled: dict[str, ScheduledRequest], out: SchedulerOutput) -> int:
         while budget > 0:
-            req = self.next_waiting()
+            req = self.current = self.next_waiting()
             if req is None:
                 break
             if len(self.running) >= self.config.max_num_seqs:
