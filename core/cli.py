@@ -57,6 +57,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap each prompt as a user chat message")
     g.set_defaults(func=_cmd_generate)
 
+    from modserve.core.docs_gen import add_arguments as add_docs
+
+    add_docs(sub.add_parser("docs", help="regenerate docs/pipeline-reference.md from the config structs"))
+
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_command")
     from modserve.core.bench.throughput import add_arguments as add_throughput

@@ -29,30 +29,30 @@ class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class ModelSection(_Section):
-    path: str = "smollm2-135m-instruct"
+    path: str = "smollm2-135m-instruct"  # HF directory, .gguf file, or an embedded model name
     name: str | None = None  # served model name; defaults to the path's last component
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
-    max_model_len: Annotated[int, msgspec.Meta(ge=2)] | None = None
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"  # weights and activations; auto: bf16 on CUDA, fp32 on CPU
+    max_model_len: Annotated[int, msgspec.Meta(ge=2)] | None = None  # prompt + output tokens; default: the model's max_position_embeddings
     tokenizer: str | None = None  # an HF directory, if not beside the weights
 
 
 class ServerSection(_Section):
-    host: str = "127.0.0.1"
-    port: Port = 8000
-    api_keys: list[str] | None = None
+    host: str = "127.0.0.1"  # loopback unless told otherwise
+    port: Port = 8000  # 0 picks a free port
+    api_keys: list[str] | None = None  # accepted Bearer keys; none configured means no auth
     api_keys_env: str | None = None  # name of an env var with comma-separated keys
     auth_exempt_paths: list[str] = msgspec.field(default_factory=lambda: ["/health"])
-    max_waiting_requests: PositiveInt = 1024
-    max_body_bytes: PositiveInt = 4 * 1024 * 1024
-    max_n: PositiveInt = 16
-    max_stop_strings: PositiveInt = 16
-    max_stop_string_len: PositiveInt = 256
-    max_top_logprobs: Annotated[int, msgspec.Meta(ge=0)] = 20
-    max_messages: PositiveInt = 512
-    request_timeout_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
-    shutdown_grace_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0
-    log_requests: bool = True
-    log_prompts: bool = False
+    max_waiting_requests: PositiveInt = 1024  # beyond this queue length: 503 with Retry-After
+    max_body_bytes: PositiveInt = 4 * 1024 * 1024  # larger request bodies get 413
+    max_n: PositiveInt = 16  # largest `n` a request may ask for
+    max_stop_strings: PositiveInt = 16  # most stop strings per request
+    max_stop_string_len: PositiveInt = 256  # longest stop string, in characters
+    max_top_logprobs: Annotated[int, msgspec.Meta(ge=0)] = 20  # largest `logprobs` / `top_logprobs`
+    max_messages: PositiveInt = 512  # most messages per chat request
+    request_timeout_s: Annotated[float, msgspec.Meta(gt=0)] | None = None  # wall-time limit per request
+    shutdown_grace_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0  # SIGTERM: time in-flight requests get to finish
+    log_requests: bool = True  # one access-log line per request
+    log_prompts: bool = False  # include prompt and output text in logs
 
 
 class TracingSection(_Section):
@@ -67,13 +67,13 @@ class ObservabilitySection(_Section):
 
 class PipelineConfig(_Section):
     model: ModelSection = msgspec.field(default_factory=ModelSection)
-    device: Literal["cpu", "cuda", "auto"] = "cpu"
-    seed: int = 0
+    device: Literal["cpu", "cuda", "auto"] = "cpu"  # auto: CUDA when available
+    seed: int = 0  # seeds the per-request seeds of requests that give none
     scheduler: dict[str, Any] = msgspec.field(default_factory=lambda: {"plugin": "fcfs"})
     kv_cache: dict[str, Any] = msgspec.field(default_factory=lambda: {"plugin": "paged"})
     attention: dict[str, Any] = msgspec.field(default_factory=lambda: {"plugin": "torch"})
     sampler: dict[str, Any] = msgspec.field(default_factory=lambda: {"plugin": "default"})
-    speculative: dict[str, Any] | None = None
+    speculative: dict[str, Any] | None = None  # null: no speculative decoding
     server: ServerSection = msgspec.field(default_factory=ServerSection)
     observability: ObservabilitySection = msgspec.field(default_factory=ObservabilitySection)
 

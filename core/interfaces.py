@@ -136,11 +136,11 @@ class KVBackend(ABC):
     def is_swapped(self, request: Request) -> bool:
         return False
 
-    @abstractmethod
     def fork(self, parent: Request, child: Request) -> bool:
         """Give ``child`` the parent's KV (``n > 1`` siblings after the prompt). Paged backends
         share the blocks by ref count and copy a shared block on its first write. Returns
-        False when the child got nothing and must recompute its prompt."""
+        False (the default) when the child got nothing and must recompute its prompt."""
+        return False
 
     def trim(self, request: Request, num_tokens: int) -> None:  # noqa: B027 - optional
         """Release blocks beyond the first ``num_tokens`` tokens (rejected draft slots)."""
@@ -288,9 +288,10 @@ class Scheduler(ABC):
     @abstractmethod
     def schedule(self) -> SchedulerOutput: ...
 
-    @abstractmethod
     def adopt(self, request: Request) -> None:
-        """Take in a forked sibling: running if its KV is in place, else waiting to recompute."""
+        """Take in a forked sibling: running if its KV is in place, else waiting to recompute.
+        The default queues it like a new request (it resumes from its computed tokens)."""
+        self.add_request(request)
 
     @abstractmethod
     def finish_requests(self, requests: list[Request]) -> None:

@@ -117,7 +117,11 @@ class PluginRegistry:
                 f"available: {', '.join(sorted(available))}"
             )
         cls = available[name].cls
-        return cls, convert(options, cls.Config, prefix=section)
+        config = convert(options, cls.Config, prefix=section)
+        check = getattr(cls, "check_config", None)  # cross-checks that need the registry
+        if check is not None:
+            check(config, self)
+        return cls, config
 
 
 @lru_cache(maxsize=1)
@@ -132,11 +136,11 @@ def config_fields(cls: type) -> list[tuple[str, str, Any]]:
         default = f.default if f.default is not msgspec.NODEFAULT else (
             f.default_factory() if f.default_factory is not msgspec.NODEFAULT else "(required)"
         )
-        out.append((f.name, _type_name(f.type), default))
+        out.append((f.name, type_name(f.type), default))
     return out
 
 
-def _type_name(tp: Any) -> str:
+def type_name(tp: Any) -> str:
     """Readable type of a config field: ``int >= 1``, ``float | None``, ``'auto' | 'int8'``."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is typing.Annotated:
@@ -145,11 +149,11 @@ def _type_name(tp: Any) -> str:
         for attr, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
             if meta is not None and getattr(meta, attr) is not None:
                 bounds.append(f"{op} {getattr(meta, attr)}")
-        return " ".join([_type_name(args[0]), *bounds])
+        return " ".join([type_name(args[0]), *bounds])
     if origin is typing.Literal:
         return " | ".join(repr(a) for a in args)
     if origin in (typing.Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in args)
+        return " | ".join(type_name(a) for a in args)
     if origin is not None:
-        return f"{origin.__name__}[{', '.join(_type_name(a) for a in args)}]"
+        return f"{origin.__name__}[{', '.join(type_name(a) for a in args)}]"
     return "None" if tp is type(None) else getattr(tp, "__name__", str(tp))

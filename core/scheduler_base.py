@@ -29,11 +29,11 @@ from modserve.core.request import Request, RequestStatus
 
 
 class SchedulerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    max_num_seqs: Annotated[int, msgspec.Meta(ge=1)] = 64
-    max_num_batched_tokens: Annotated[int, msgspec.Meta(ge=1)] = 2048
-    enable_chunked_prefill: bool = True
+    max_num_seqs: Annotated[int, msgspec.Meta(ge=1)] = 64  # requests running at once
+    max_num_batched_tokens: Annotated[int, msgspec.Meta(ge=1)] = 2048  # token budget of one step
+    enable_chunked_prefill: bool = True  # split long prompts across steps
     long_prefill_token_threshold: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: no cap
-    preemption_mode: Literal["recompute", "swap"] = "recompute"
+    preemption_mode: Literal["recompute", "swap"] = "recompute"  # what happens to a victim's KV
 
 
 class BaseScheduler(Scheduler):

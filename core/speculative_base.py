@@ -15,10 +15,10 @@ import msgspec
 
 
 class SpeculativeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    num_speculative_tokens: Annotated[int, msgspec.Meta(ge=1, le=16)] = 4
-    disable_above_batch_size: Annotated[int, msgspec.Meta(ge=1)] | None = None
-    min_acceptance_rate: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0
-    backoff_steps: Annotated[int, msgspec.Meta(ge=1)] = 16
+    num_speculative_tokens: Annotated[int, msgspec.Meta(ge=1, le=16)] = 4  # drafts per request per step
+    disable_above_batch_size: Annotated[int, msgspec.Meta(ge=1)] | None = None  # no drafts with more running requests
+    min_acceptance_rate: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0  # pause when the moving acceptance falls below
+    backoff_steps: Annotated[int, msgspec.Meta(ge=1)] = 16  # length of such a pause, in steps
 
 
 @dataclass

@@ -5,7 +5,8 @@ chunks and builds their gather indices and masks once; every layer reuses them. 
 rows run as one padded SDPA call; each prefill chunk runs its own causal SDPA over its
 cached context plus its new tokens. K/V are always read back from the paged cache, so a
 request sees the same (possibly int8-quantized) values whether its prefix was computed
-in this step, an earlier chunk, or served from the prefix cache.
+in this step, an earlier chunk, or served from the prefix cache (a chunk with no cached
+context uses its fresh K/V directly when the cache is not quantized: the same values).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ class _Decode:
     rows: torch.Tensor  # [Bd] token row of each decode request
     block_ids: torch.Tensor  # [Bd, nb]
     mask: torch.Tensor  # [Bd, 1, 1, S] bool, True = attend
-    seq_len: int
 
 
 @dataclass
@@ -63,7 +63,6 @@ class TorchAttention(AttentionBackend):
                 rows=meta.query_start_loc[idx].to(torch.int64),
                 block_ids=meta.block_tables[idx, :nb],
                 mask=(positions[None, :] < lens[:, None])[:, None, None, :],
-                seq_len=nb * bs,
             )
         prefills = []
         for i, q_len in enumerate(meta.query_lens_cpu):
@@ -97,7 +96,10 @@ class TorchAttention(AttentionBackend):
             )
             out[d.rows] = o.squeeze(2)
         for p in state.prefills:
-            kp, vp = read_blocks(cache, p.block_ids, q.dtype)
+            if p.mask is None and not cache.quantized:  # no cached context: the cache holds exactly k, v
+                kp, vp = k[p.start : p.end], v[p.start : p.end]
+            else:
+                kp, vp = read_blocks(cache, p.block_ids, q.dtype)
             o = F.scaled_dot_product_attention(
                 q[p.start : p.end].transpose(0, 1),  # [H, Q, D]
                 kp[: p.seq_len].transpose(0, 1),

@@ -18,7 +18,7 @@ class BlockPool:
         self.ref_cnt = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
-        self.free_queue = policy or LRUEviction()
+        self.free_queue = policy if policy is not None else LRUEviction()  # an empty policy is falsy
         for block in range(num_blocks):
             self.free_queue.add(block, cached=False)
         self.cached: dict[bytes, int] = {}

@@ -15,6 +15,7 @@ from typing import Annotated, Literal
 import msgspec
 import torch
 
+from modserve.core.config import ConfigError
 from modserve.core.hookspecs import hookimpl
 from modserve.core.interfaces import KVBackend, KVSpec, LayerKVCache, PrefixHit
 from modserve.core.request import Request
@@ -24,11 +25,11 @@ MODSERVE_CONTRACT = "1.0"
 
 
 class PagedConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    block_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 16
-    num_blocks: Annotated[int, msgspec.Meta(ge=1)] | None = None
-    memory_gb: Annotated[float, msgspec.Meta(gt=0)] | None = None
-    prefix_caching: bool = True
-    kv_dtype: Literal["auto", "int8"] = "auto"
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 16  # tokens per block, a power of two
+    num_blocks: Annotated[int, msgspec.Meta(ge=1)] | None = None  # capacity in blocks (or give memory_gb)
+    memory_gb: Annotated[float, msgspec.Meta(gt=0)] | None = None  # capacity as a memory budget (default 1 GB)
+    prefix_caching: bool = True  # share KV of equal leading blocks between requests
+    kv_dtype: Literal["auto", "int8"] = "auto"  # auto: the model dtype; int8: per-token, per-head scales
     eviction: str = "lru"  # an eviction policy plugin (``modserve plugins`` lists them)
     swap_space_gb: Annotated[float, msgspec.Meta(ge=0)] = 0.25  # host pool for preemption by swap
 
@@ -48,6 +49,10 @@ def bytes_per_block(cfg: PagedConfig, spec: KVSpec) -> int:
 
 class PagedKVBackend(KVBackend):
     Config = PagedConfig
+
+    @classmethod
+    def check_config(cls, config: PagedConfig, registry) -> None:
+        eviction_policy(config.eviction, registry)
 
     def __init__(self, config: PagedConfig, spec: KVSpec) -> None:
         self.config = config
@@ -248,12 +253,12 @@ def _copy_blocks(src: list[LayerKVCache], src_ids: list[int], dst: list[LayerKVC
                 getattr(d, name).index_copy_(0, d_idx, t.index_select(0, s_idx).to(d_idx.device))
 
 
-def eviction_policy(name: str):
+def eviction_policy(name: str, registry=None):
     from modserve.core.plugin_manager import default_registry
 
-    policies = default_registry().implementations("eviction_policies")
+    policies = (registry or default_registry()).implementations("eviction_policies")
     if name not in policies:
-        raise ValueError(f"kv_cache.eviction: unknown eviction policy {name!r}; available: {', '.join(sorted(policies))}")
+        raise ConfigError(f"kv_cache.eviction: unknown eviction policy {name!r}; available: {', '.join(sorted(policies))}")
     cls = policies[name].cls
     return cls(cls.Config())
 

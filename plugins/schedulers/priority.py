@@ -20,7 +20,7 @@ MODSERVE_CONTRACT = "1.0"
 
 
 class PriorityConfig(SchedulerConfig, kw_only=True):
-    aging_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    aging_s: Annotated[float, msgspec.Meta(gt=0)] | None = None  # one priority level more urgent per aging_s waited
 
 
 class PriorityScheduler(BaseScheduler):

@@ -30,10 +30,10 @@ class DraftLayers(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class DraftConfig(SpeculativeConfig, kw_only=True):
-    path: str | None = None
-    draft: DraftLayers | None = None
-    num_blocks: Annotated[int, msgspec.Meta(ge=1)] = 1024
-    block_size: Annotated[int, msgspec.Meta(ge=1)] = 16
+    path: str | None = None  # a draft checkpoint with the target's tokenizer
+    draft: DraftLayers | None = None  # or {layers: N}: the target's first N layers
+    num_blocks: Annotated[int, msgspec.Meta(ge=1)] = 1024  # the draft's own KV capacity
+    block_size: Annotated[int, msgspec.Meta(ge=1)] = 16  # the draft's KV block size
 
     def __post_init__(self) -> None:
         if (self.path is None) == (self.draft is None):

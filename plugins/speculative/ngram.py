@@ -21,8 +21,8 @@ MODSERVE_CONTRACT = "1.0"
 
 
 class NgramConfig(SpeculativeConfig, kw_only=True):
-    prompt_lookup_min: Annotated[int, msgspec.Meta(ge=1)] = 1
-    prompt_lookup_max: Annotated[int, msgspec.Meta(ge=1)] = 3
+    prompt_lookup_min: Annotated[int, msgspec.Meta(ge=1)] = 1  # shortest suffix n-gram to look up
+    prompt_lookup_max: Annotated[int, msgspec.Meta(ge=1)] = 3  # longest suffix n-gram to look up
 
     def __post_init__(self) -> None:
         if self.prompt_lookup_min > self.prompt_lookup_max:
