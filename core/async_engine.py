@@ -48,7 +48,7 @@ class RequestFailedError(RuntimeError):
 class _Add:
     stream: RequestStream
     prompt_token_ids: list[int]
-    params: list[SamplingParams]
+    params: SamplingParams  # with n: the engine forks the n sequences from one prompt
     priority: int
     cache_salt: str | None
     user: str | None
@@ -129,14 +129,13 @@ class AsyncEngine:
         The caller must ``abort()`` the stream when it stops reading early, e.g. in a
         ``finally``; aborting a finished stream does nothing.
         """
-        kids = parallel_sampling.child_params(params)
-        self.check_capacity(len(kids))
-        ids = [parallel_sampling.child_id(request_id, i, len(kids)) for i in range(len(kids))]
+        self.check_capacity(params.n)
+        ids = [parallel_sampling.child_id(request_id, i, params.n) for i in range(params.n)]
         stream = RequestStream(self, request_id, prompt, ids)
         self._streams.add(stream)
         self._idle.clear()
         self._submitted += len(ids)
-        self._inbox.put(_Add(stream, list(prompt_token_ids), kids, priority, cache_salt, user))
+        self._inbox.put(_Add(stream, list(prompt_token_ids), params, priority, cache_salt, user))
         return stream
 
     @property
@@ -222,19 +221,15 @@ class AsyncEngine:
         if isinstance(cmd, _Abort):
             ids = list(self.engine.requests) if cmd.request_ids is None else cmd.request_ids
             return self.engine.abort_request(ids)
-        stream, added = cmd.stream, []
+        stream = cmd.stream
         try:
-            for cid, params in zip(stream.child_ids, cmd.params):
-                self.engine.add_request(
-                    cmd.prompt_token_ids, params, request_id=cid, priority=cmd.priority,
-                    cache_salt=cmd.cache_salt, user=cmd.user,
-                )
-                added.append(cid)
+            self.engine.add_request(
+                cmd.prompt_token_ids, cmd.params, request_id=stream.request_id, priority=cmd.priority,
+                cache_salt=cmd.cache_salt, user=cmd.user,
+            )
+            for cid in stream.child_ids:
                 routes[cid] = stream
         except ValueError as e:
-            for cid in added:
-                routes.pop(cid)
-            self.engine.abort_request(added)
             self._call(self._dispatch, [(stream, e)])
         finally:
             self._num_waiting = self.engine.scheduler.num_waiting

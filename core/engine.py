@@ -71,6 +71,10 @@ class Engine:
         """
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         self.check_prompt(prompt_token_ids)
+        vocab = self.c.spec.vocab_size
+        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
         kids = child_params(params)
         ids = [child_id(request_id, i, len(kids)) for i in range(len(kids))]
         if any(i in self.requests for i in ids):
@@ -92,6 +96,8 @@ class Engine:
         return seqs
 
     def check_prompt(self, token_ids: list[int]) -> None:
+        """Raise ValueError for a prompt the engine cannot take. Reads only fields fixed at
+        start-up, so other threads (the server's event loop) may call it."""
         if not token_ids:
             raise ValueError("prompt: must contain at least one token")
         if len(token_ids) >= self.max_model_len:
@@ -124,6 +130,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         preemptions_before = getattr(self.scheduler, "num_preemptions", 0)
+        queries_before, hits_before = self._prefix_counters()
         try:
             sched = self.scheduler.schedule()
         except Exception as e:  # the scheduler, or the KV backend it called
@@ -147,6 +154,8 @@ class Engine:
             outputs += self._propose_drafts([e.request for e in plan.entries if e.request.finish_reason is None])
         self._step += 1
         stats.num_preemptions = getattr(self.scheduler, "num_preemptions", 0) - preemptions_before
+        queries, hits = self._prefix_counters()
+        stats.prefix_queries, stats.prefix_hits = queries - queries_before, hits - hits_before
         stats.num_running, stats.num_waiting = self.scheduler.num_running, self.scheduler.num_waiting
         stats.kv_usage = self.kv.usage()
         stats.step_time_s = time.perf_counter() - t0
@@ -154,6 +163,10 @@ class Engine:
         return outputs
 
     # ----------------------------------------------------------------- internals
+
+    def _prefix_counters(self) -> tuple[int, int]:
+        """Prefix-cache tokens looked up and found so far (0, 0 for backends without a cache)."""
+        return getattr(self.kv, "prefix_queries", 0), getattr(self.kv, "prefix_hits", 0)
 
     def _update(self, sched, plan: SamplePlan, chosen: list[Chosen], stats: StepStats) -> list[RequestOutput]:
         for s in sched.scheduled:
@@ -187,6 +200,8 @@ class Engine:
                     break
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
+            else:
+                stats.inter_token_latencies.append(now - req.metrics.last_token_time)
             req.metrics.last_token_time = now
             (finished if req.finish_reason is not None else outputs).append(req)
         for leader in {e.request.request_id for e in plan.entries} & self._forks.keys():

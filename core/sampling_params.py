@@ -61,6 +61,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             "must be >= 0",
             self.prompt_logprobs,
         )
+        _check(
+            self.seed is None or -(2**63) <= self.seed <= 2**63 - self.n,  # child i uses seed + i
+            "seed",
+            "must fit in a signed 64-bit integer (seed + n - 1 included)",
+            self.seed,
+        )
         _check(all(s for s in self.stop), "stop", "must not contain empty strings", self.stop)
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0", self.stop_token_ids)
 

@@ -20,6 +20,7 @@ class StepStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # per verified request: drafts accepted
+    inter_token_latencies: list[float] = field(default_factory=list)  # per request that got tokens: gap since its last
     step_time_s: float = 0.0
     model_time_s: float = 0.0  # inside the model forward (the rest is engine overhead)
     finished_request_ids: list[str] = field(default_factory=list)

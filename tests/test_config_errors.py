@@ -87,6 +87,8 @@ def test_prompt_errors(tiny_llama):
         llm.generate(["a"], [SamplingParams(), SamplingParams()])
     with pytest.raises(ValueError, match="needs 'prompt' or 'prompt_token_ids'"):
         llm.generate({"text": "a"})
+    with pytest.raises(ValueError, match=r"stop_token_ids: token id 99999 is outside the vocabulary"):
+        llm.generate({"prompt_token_ids": [5]}, SamplingParams(stop_token_ids=[99999]))
 
 
 @pytest.mark.parametrize(
@@ -103,6 +105,8 @@ def test_prompt_errors(tiny_llama):
         ({"presence_penalty": 3.0}, "presence_penalty: must be in [-2, 2], got 3.0"),
         ({"logprobs": -1}, "logprobs: must be >= 0, got -1"),
         ({"stop": ["", "x"]}, "stop: must not contain empty strings"),
+        ({"seed": 2**63}, "seed: must fit in a signed 64-bit integer"),
+        ({"seed": 2**63 - 2, "n": 3}, "seed: must fit in a signed 64-bit integer"),
     ],
 )
 def test_sampling_params_errors(kwargs, message):

@@ -31,7 +31,7 @@ def build_app(engine: AsyncEngine) -> Starlette:
     obs, cfg = pipeline.observability, pipeline.server
     metrics = tracing = None
     if obs.metrics:
-        metrics = MetricsObserver(engine.model_name, engine.max_model_len, engine.engine.kv)
+        metrics = MetricsObserver(engine.model_name, engine.max_model_len)
         pm.register(metrics)
     exporter = make_exporter(obs.tracing)
     if exporter is not None:
@@ -62,20 +62,25 @@ def serve(pipeline_source: Any = None, host: str | None = None, port: int | None
 
     A start-up failure (bad config: 2, anything else: 1) prints one line naming the reason."""
     _configure_logging()
+    cli = {k: v for k, v in {"host": host, "port": port}.items() if v is not None}
+    if cli:  # validated with the pipeline, so a bad --port is a config error
+        overrides["server"] = {**overrides.get("server", {}), **cli}
+    sock = None
     try:
         pipeline = load_pipeline(pipeline_source, **overrides)
         cfg = pipeline.server
-        host = host or cfg.host
-        sock = bind(host, cfg.port if port is None else port)
+        sock = bind(cfg.host, cfg.port)
         engine = AsyncEngine(Engine.from_config(pipeline))
         app = build_app(engine)
     except Exception as e:
+        if sock is not None:
+            sock.close()
         print(f"modserve serve: error: {_one_line(e)}", file=sys.stderr, flush=True)
         return 2 if isinstance(e, ConfigError) else 1
     runner = Runner(app, engine, sock, cfg.shutdown_grace_s)
     keys = api_keys(cfg)
     auth = f"{len(keys)} API key(s) required" if keys else "no API key configured: authentication is disabled"
-    url_host = f"[{host}]" if ":" in host else host
+    url_host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
     print(f"modserve: serving {engine.model_name!r} at http://{url_host}:{runner.port}/v1 ({auth})", flush=True)
     return runner.run()
 

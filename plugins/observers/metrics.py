@@ -37,11 +37,9 @@ def token_buckets(max_model_len: int) -> list[float]:
 class MetricsObserver:
     """Register on an engine's plugin manager; ``render()`` gives the exposition text."""
 
-    def __init__(self, model_name: str, max_model_len: int, kv: Any = None) -> None:
+    def __init__(self, model_name: str, max_model_len: int) -> None:
         self.registry = CollectorRegistry()
         self._model_name = model_name
-        self._kv = kv if hasattr(kv, "prefix_queries") else None
-        self._prefix_seen = (0, 0)
         label = {"model_name": model_name}
 
         def gauge(name: str, doc: str) -> Any:
@@ -59,7 +57,7 @@ class MetricsObserver:
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests added.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
-        self.num_preemptions = counter("num_preemptions", "Requests preempted (by recompute).")
+        self.num_preemptions = counter("num_preemptions", "Requests preempted (by recompute or swap).")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self._success = Counter(
@@ -68,7 +66,14 @@ class MetricsObserver:
         )
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS)
         self.itl = histogram(
-            "inter_token_latency_seconds", "Each request's mean gap between output tokens.", ITL_BUCKETS
+            "inter_token_latency_seconds", "Gap between a request's consecutive output steps.", ITL_BUCKETS
+        )
+        self.spec_drafts = counter("spec_decode_num_drafts", "Draft runs verified (one per request per step).")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self._spec_per_position = Counter(
+            "modserve:spec_decode_num_accepted_tokens_per_pos", "Accepted drafts at each draft position.",
+            ["model_name", "position"], registry=self.registry,
         )
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS)
@@ -93,9 +98,16 @@ class MetricsObserver:
         self.kv_cache_usage_perc.set(stats.kv_usage)
         self.generation_tokens.inc(stats.num_generation_tokens)
         self.num_preemptions.inc(stats.num_preemptions)
-        queries, hits = self._prefix_delta(stats)
-        self.prefix_cache_queries.inc(queries)
-        self.prefix_cache_hits.inc(hits)
+        self.prefix_cache_queries.inc(stats.prefix_queries)
+        self.prefix_cache_hits.inc(stats.prefix_hits)
+        for gap in stats.inter_token_latencies:
+            self.itl.observe(gap)
+        self.spec_drafts.inc(len(stats.accepted_per_position))
+        self.spec_draft_tokens.inc(stats.num_draft_tokens)
+        self.spec_accepted_tokens.inc(stats.num_accepted_tokens)
+        for accepted in stats.accepted_per_position:
+            for pos in range(accepted):
+                self._spec_per_position.labels(model_name=self._model_name, position=str(pos)).inc()
 
     @hookimpl
     def on_request_finished(self, request: Request) -> None:
@@ -108,17 +120,3 @@ class MetricsObserver:
             self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
         if m.first_token_time is not None:
             self.ttft.observe(m.first_token_time - m.arrival_time)
-        if m.last_token_time is not None and m.first_token_time is not None and request.num_output_tokens > 1:
-            self.itl.observe((m.last_token_time - m.first_token_time) / (request.num_output_tokens - 1))
-
-    def _prefix_delta(self, stats: StepStats) -> tuple[int, int]:
-        """This step's prefix-cache queries and hits.
-
-        ``Engine.step`` does not fill ``StepStats.prefix_queries/prefix_hits`` yet, so when
-        the KV backend keeps running totals (the paged backend does) they are diffed instead.
-        """
-        if self._kv is None:
-            return stats.prefix_queries, stats.prefix_hits
-        total = (getattr(self._kv, "prefix_queries", 0), getattr(self._kv, "prefix_hits", 0))
-        seen, self._prefix_seen = self._prefix_seen, total
-        return total[0] - seen[0], total[1] - seen[1]

@@ -1,0 +1,129 @@
+"""Live servers for the server tests: a tiny random model behind uvicorn on 127.0.0.1.
+
+``LiveServer`` runs the real app and lifecycle (``Runner``) in a background thread on a
+free port; ``server_process`` runs ``python -m modserve.core.server`` as a subprocess for
+what needs signals. The tiny model is built once per test process.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import httpx
+import openai
+import yaml
+
+sys.path.insert(0, os.path.dirname(__file__))
+from tiny_models import build_model  # noqa: E402
+
+from modserve.core.async_engine import AsyncEngine  # noqa: E402
+from modserve.core.engine import Engine  # noqa: E402
+from modserve.core.server.app import build_app  # noqa: E402
+from modserve.core.server.lifecycle import Runner, bind  # noqa: E402
+
+MODEL_NAME = "tiny-llama"
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_model_dir(max_position_embeddings: int = 512) -> str:
+    path = os.path.join(tempfile.mkdtemp(prefix="modserve-server-test-"), MODEL_NAME)
+    build_model(path, "llama", max_position_embeddings=max_position_embeddings)
+    return path
+
+
+def pipeline(max_position_embeddings: int = 512, **sections: dict[str, Any]) -> dict[str, Any]:
+    """The test pipeline; each keyword replaces keys inside that section."""
+    base: dict[str, Any] = {
+        "model": {"path": tiny_model_dir(max_position_embeddings), "name": MODEL_NAME},
+        "scheduler": {"plugin": "fcfs", "max_num_seqs": 32, "max_num_batched_tokens": 512},
+        "kv_cache": {"plugin": "paged", "block_size": 16, "num_blocks": 256},
+        "server": {"host": "127.0.0.1", "port": 0},
+    }
+    for key, value in sections.items():
+        base[key] = {**base.get(key, {}), **value}
+    return base
+
+
+class LiveServer:
+    """``with LiveServer(server={...}) as s:`` serves on ``s.url`` until the block ends."""
+
+    def __init__(self, **sections: dict[str, Any]) -> None:
+        self.engine = AsyncEngine(Engine.from_config(pipeline(**sections)))
+        self.app = build_app(self.engine)
+        self.runner = Runner(self.app, self.engine, bind("127.0.0.1", 0), self.engine.pipeline.server.shutdown_grace_s)
+        self.url = f"http://127.0.0.1:{self.runner.port}"
+        self.exit_code: int | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        self.exit_code = self.runner.run()
+
+    def __enter__(self) -> LiveServer:
+        self._thread.start()
+        wait_ready(self.url)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._thread.is_alive():
+            self.runner.shutdown()
+            self._thread.join(30)
+
+    def wait_exit(self, timeout: float) -> int | None:
+        self._thread.join(timeout)
+        return self.exit_code
+
+    def client(self, api_key: str = "none") -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=60)
+
+    def metrics(self, headers: dict[str, str] | None = None) -> dict[str, float]:
+        return parse_metrics(httpx.get(f"{self.url}/metrics", headers=headers).text)
+
+
+def wait_ready(url: str, timeout: float = 60.0, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"server at {url} not ready after {timeout}s")
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """``name{labels}`` -> value, with the labels kept in the key (model_name dropped)."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            out[re.sub(r'model_name="[^"]*",?', "", key).replace("{}", "")] = float(value)
+    return out
+
+
+def server_process(tmp_path, **sections: dict[str, Any]) -> tuple[subprocess.Popen, str]:
+    """Start ``python -m modserve.core.server`` on a free port; returns it and its base URL."""
+    config = tmp_path / "pipeline.yaml"
+    config.write_text(yaml.safe_dump(pipeline(**sections)))
+    stderr = open(tmp_path / "server.log", "w")  # a file, so a chatty log cannot fill a pipe and stall
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "modserve.core.server", "-c", str(config)],
+        stdout=subprocess.PIPE, stderr=stderr, text=True,
+    )
+    line = proc.stdout.readline()
+    m = re.search(r"at (http://[^/]+)/v1", line)
+    if m is None:
+        proc.kill()
+        raise RuntimeError(f"no start-up line: {line!r}; log: {(tmp_path / 'server.log').read_text()}")
+    wait_ready(m.group(1), proc=proc)
+    return proc, m.group(1)

@@ -1,0 +1,348 @@
+"""``modserve bench serve``: metric definitions on synthetic timings, datasets, arrivals, the SSE
+client on scripted streams, and end-to-end runs against a live tiny server and a dead port."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import socket
+import types
+
+import httpx
+import numpy as np
+import pytest
+
+from modserve.core.bench import datasets as ds
+from modserve.core.bench.metrics import (
+    RequestResult,
+    compute_metrics,
+    format_result,
+    parse_goodput,
+    parse_percentiles,
+    percentile_key,
+    tpot_of,
+)
+from modserve.core.bench.serve import Client, arrival_offsets, join_url, main, plan_runs
+
+# --------------------------------------------------------------------- metrics
+
+
+def _ok(start, ttft, itl, out_tokens, prompt_len=10):
+    return RequestResult(success=True, prompt_len=prompt_len, output_tokens=out_tokens, expected_output_len=out_tokens,
+                         ttft=ttft, itl=list(itl), latency=ttft + sum(itl), start_time=start)
+
+
+@pytest.fixture
+def three():
+    """Two successful requests and one failure, with hand-computable metrics."""
+    a = _ok(0.0, 0.100, [0.020, 0.030, 0.050], 4)    # E2E 0.2, TPOT (0.2-0.1)/3
+    b = _ok(0.5, 0.300, [], 1, prompt_len=20)         # one token: no TPOT sample, TPOT 0 for goodput
+    c = RequestResult(success=False, prompt_len=7, expected_output_len=9, error="HTTP 503: overloaded")
+    return [a, b, c]
+
+
+def test_metric_definitions(three):
+    m = compute_metrics(three, duration=2.0, percentiles=[50, 99])
+    assert (m["completed"], m["failed"]) == (2, 1)
+    assert m["total_input_tokens"] == 30 and m["total_output_tokens"] == 5  # failed requests count nowhere
+    assert m["request_throughput"] == pytest.approx(1.0)
+    assert m["output_throughput"] == pytest.approx(2.5)
+    assert m["total_token_throughput"] == pytest.approx(17.5)
+    assert m["mean_ttft_ms"] == pytest.approx(200.0)
+    assert m["median_ttft_ms"] == pytest.approx(200.0)
+    assert m["p99_ttft_ms"] == pytest.approx(100 + 0.99 * 200)  # numpy linear interpolation
+    assert m["mean_tpot_ms"] == pytest.approx(100 / 3)          # only the request with > 1 token
+    assert m["p50_tpot_ms"] == pytest.approx(100 / 3)
+    assert m["mean_itl_ms"] == pytest.approx((20 + 30 + 50) / 3)  # one sample per chunk, pooled
+    assert m["median_itl_ms"] == pytest.approx(30.0)
+    assert m["mean_e2el_ms"] == pytest.approx(250.0)
+    assert m["std_e2el_ms"] == pytest.approx(50.0)
+    assert m["request_goodput"] is None
+    assert m["errors"] == ["", "", "HTTP 503: overloaded"]
+    assert m["ttfts"][2] is None and m["output_lens"] == [4, 1, 0]
+    assert m["max_concurrent_requests"] == 1  # [0, 0.2) and [0.5, 0.8) do not overlap
+    assert m["max_output_tokens_per_s"] == 5  # all five chunks fall in the first second
+
+
+def test_tpot_is_e2e_minus_ttft_over_tokens_minus_one():
+    r = _ok(0.0, 0.5, [0.1, 0.1, 0.3], out_tokens=7)  # usage says 7 tokens in 4 chunks
+    assert tpot_of(r) == pytest.approx((1.0 - 0.5) / 6)
+    assert tpot_of(_ok(0.0, 0.5, [], 1)) is None
+    no_usage = _ok(0.0, 0.5, [0.1, 0.1], None)
+    assert no_usage.output_len == 3  # chunk count when the server sends no usage
+    m = compute_metrics([no_usage], 1.0)
+    assert m["output_tokens_estimated"] == 1 and m["total_output_tokens"] == 3
+
+
+def test_goodput(three):
+    assert compute_metrics(three, 2.0, goodput={"ttft": 150})["request_goodput"] == pytest.approx(0.5)
+    # a: TPOT 33.3 ms > 30 -> bad; b: one token, TPOT 0 -> good
+    assert compute_metrics(three, 2.0, goodput={"tpot": 30})["request_goodput"] == pytest.approx(0.5)
+    assert compute_metrics(three, 2.0, goodput={"ttft": 1000, "tpot": 40, "e2el": 300})["request_goodput"] == 1.0
+    assert compute_metrics(three, 2.0, goodput={"ttft": 150, "tpot": 30})["request_goodput"] == 0.0
+    assert parse_goodput(["ttft:500", "tpot:50.5"]) == {"ttft": 500.0, "tpot": 50.5}
+    for bad in (["ttft"], ["itl:5"], ["ttft:x"], ["e2el:0"]):
+        with pytest.raises(ValueError, match="--goodput"):
+            parse_goodput(bad)
+
+
+def test_percentiles():
+    assert parse_percentiles("50,90,99.9") == [50.0, 90.0, 99.9]
+    assert [percentile_key(p) for p in (50.0, 99, 99.9)] == ["p50", "p99", "p99.9"]
+    with pytest.raises(ValueError):
+        parse_percentiles("0,50")
+    rs = [_ok(0.0, t / 1000, [], 1) for t in range(1, 101)]
+    m = compute_metrics(rs, 1.0, percentiles=[90, 99.9])
+    assert m["p90_ttft_ms"] == pytest.approx(np.percentile(np.arange(1, 101), 90))
+    assert m["p99.9_ttft_ms"] == pytest.approx(np.percentile(np.arange(1, 101), 99.9))
+    assert "P99.9 TTFT (ms):" in format_result({**m, "max_concurrency": None}, [90, 99.9], ["ttft"])
+
+
+def test_all_failed_gives_zeros_not_errors():
+    m = compute_metrics([RequestResult(error="ConnectError")] * 3, 0.5, goodput={"ttft": 10})
+    assert (m["completed"], m["failed"], m["request_throughput"], m["request_goodput"]) == (0, 3, 0.0, 0.0)
+    assert m["mean_ttft_ms"] == 0.0 and m["max_concurrent_requests"] == 0
+
+
+# --------------------------------------------------------------------- arrivals and sweeps
+
+
+def test_arrivals():
+    rng = np.random.default_rng(0)
+    assert arrival_offsets(5, math.inf, 1.0, rng) == [0.0] * 5
+    poisson = arrival_offsets(200, 4.0, 1.0, np.random.default_rng(1))
+    assert poisson[-1] == pytest.approx(200 / 4.0) and all(np.diff(poisson) >= 0)
+    assert arrival_offsets(200, 4.0, 1.0, np.random.default_rng(1)) == poisson  # seeded
+    uniform = arrival_offsets(4, 2.0, math.inf, rng)
+    assert uniform == pytest.approx([0.5, 1.0, 1.5, 2.0])
+    cv = lambda b: np.std(g := np.diff(arrival_offsets(2000, 10.0, b, np.random.default_rng(2)))) / np.mean(g)  # noqa: E731
+    assert cv(0.25) > 1.5 > cv(1.0) > 0.7 > cv(4.0)  # gamma shape k: CV = 1/sqrt(k)
+
+
+def test_sweep_plan():
+    args = types.SimpleNamespace(max_concurrency="16,64", request_rate="inf", num_prompts="128,256", burstiness=1.0)
+    assert plan_runs(args) == [
+        {"max_concurrency": 16, "request_rate": math.inf, "num_prompts": 128},
+        {"max_concurrency": 64, "request_rate": math.inf, "num_prompts": 256},
+    ]
+    with pytest.raises(ValueError, match="one of"):
+        plan_runs(types.SimpleNamespace(max_concurrency="1,2", request_rate="1,2", num_prompts="8", burstiness=1.0))
+    with pytest.raises(ValueError, match="--num-prompts"):
+        plan_runs(types.SimpleNamespace(max_concurrency="1,2", request_rate="inf", num_prompts="8,9,10",
+                                        burstiness=1.0))
+    with pytest.raises(ValueError, match="--max-concurrency"):
+        plan_runs(types.SimpleNamespace(max_concurrency="0", request_rate="inf", num_prompts="8", burstiness=1.0))
+    assert join_url("http://h:1/v1/", "/v1/completions") == "http://h:1/v1/completions"
+    assert join_url("http://h:1", "/v1/chat/completions") == "http://h:1/v1/chat/completions"
+
+
+# --------------------------------------------------------------------- datasets
+
+
+def test_random_dataset():
+    tokens = ds.TokenSpace.from_range(100, 200)
+    reqs = ds.random_requests(300, 256, 128, 0.5, tokens, seed=3)
+    ins = [r.prompt_len for r in reqs]
+    outs = [r.output_len for r in reqs]
+    assert min(ins) >= 128 and max(ins) <= 384 and min(outs) >= 64 and max(outs) <= 192
+    assert max(ins) - min(ins) > 200  # the range is used
+    assert all(len(r.prompt) == r.prompt_len and all(100 <= t < 200 for t in r.prompt) for r in reqs)
+    again = ds.random_requests(300, 256, 128, 0.5, tokens, seed=3)
+    assert [r.prompt for r in again] == [r.prompt for r in reqs]
+    fixed = ds.random_requests(4, 10, 5, 0.0, tokens, prefix_len=3)
+    assert [r.prompt_len for r in fixed] == [13] * 4 and [r.output_len for r in fixed] == [5] * 4
+    assert len({tuple(r.prompt[:3]) for r in fixed}) == 1
+    assert ds.length_bounds(1, 0.9) == (1, 2)  # never 0 tokens
+    with pytest.raises(ValueError):
+        ds.random_requests(1, 8, 8, 1.0, tokens)
+
+
+def test_token_space_avoids_special_tokens(tiny_llama):
+    tok = ds.load_tokenizer(tiny_llama[0])
+    space = ds.TokenSpace.from_tokenizer(tok)
+    special = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+    assert special and not special & set(space.allowed.tolist())
+    assert len(space.allowed) == tok.get_vocab_size() - len(special)
+    with pytest.raises(ValueError, match="LO:HI"):
+        ds.parse_token_range("5-10")
+
+
+def test_prefix_repetition_dataset():
+    tokens = ds.TokenSpace.from_range(1000, 5000)
+    reqs = ds.prefix_repetition_requests(23, 8, 4, 5, 6, tokens, seed=1)
+    assert len(reqs) == 20  # rounded down to 4 prompts per prefix
+    assert all(r.prompt_len == 12 and r.output_len == 6 for r in reqs)
+    prefixes = [tuple(r.prompt[:8]) for r in reqs]
+    assert sorted(prefixes.count(p) for p in set(prefixes)) == [4] * 5
+    assert prefixes[:4] != [prefixes[0]] * 4 or prefixes[4:8] != [prefixes[4]] * 4  # shuffled
+    with pytest.raises(ValueError, match="num-prompts"):
+        ds.prefix_repetition_requests(3, 8, 4, 5, 6, tokens)
+
+
+def test_jsonl_dataset(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('"just text"\n{"prompt": "hi", "output_len": 7}\n\n{"prompt": [5, 6, 7], "max_tokens": 3}\n')
+    reqs = ds.jsonl_requests(str(path), 5, default_output_len=11)
+    assert [(r.prompt, r.prompt_len, r.output_len) for r in reqs[:3]] == [
+        ("just text", None, 11), ("hi", None, 7), ([5, 6, 7], 3, 3)]
+    assert reqs[3].prompt == "just text"  # cycled
+    path.write_text('{"text": "x"}\n')
+    with pytest.raises(ValueError, match=":1:"):
+        ds.jsonl_requests(str(path), 1, 11)
+
+
+def test_sharegpt_dataset(tmp_path):
+    data = [
+        {"id": "a", "conversations": [{"from": "human", "value": "q1"}, {"from": "gpt", "value": "r1"}]},
+        {"id": "b", "conversations": [{"from": "human", "value": "only one turn"}]},
+        {"id": "c", "conversations": [{"from": "human", "value": "q2"}, {"from": "gpt", "value": "r2"},
+                                      {"from": "human", "value": "q3"}]},
+    ]
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps(data))
+    assert sorted(ds.sharegpt_pairs(str(path), seed=0)) == [("q1", "r1"), ("q2", "r2")]
+    assert ds.sharegpt_accept(10, 20, None) == 20
+    assert ds.sharegpt_accept(3, 20, None) is None and ds.sharegpt_accept(10, 3, None) is None
+    assert ds.sharegpt_accept(10, 3, 50) == 50  # an explicit output length ignores the reply's
+    assert ds.sharegpt_accept(1025, 10, None) is None and ds.sharegpt_accept(1000, 1049, None) is None
+
+
+# --------------------------------------------------------------------- the SSE client on scripted streams
+
+
+def _client(events, status=200, chat=False):
+    """A Client whose transport replays ``events`` as (delay_s, sse line) pairs."""
+
+    class Stream(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            for delay, data in events:
+                await asyncio.sleep(delay)
+                yield f"data: {data}\n\n".encode()
+
+    def handler(request):
+        if status != 200:
+            return httpx.Response(status, json={"error": {"message": "queue full", "code": "overloaded"}})
+        return httpx.Response(200, stream=Stream(), headers={"content-type": "text/event-stream"})
+
+    args = types.SimpleNamespace(base_url="http://x", endpoint="/v1/chat/completions" if chat else "/v1/completions",
+                                 api_key="k", timeout=10.0)
+    c = Client(args, None)
+    c.http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    return c
+
+
+def _send(client):
+    async def go():
+        try:
+            return await client.send({}, ds.SampleRequest([1, 2], 2, 3))
+        finally:
+            await client.aclose()
+
+    return asyncio.run(go())
+
+
+def _chunk(text=None, delta=None, usage=None, finish=None):
+    choice = {"index": 0, "finish_reason": finish}
+    if delta is not None:
+        choice["delta"] = delta
+    else:
+        choice["text"] = text
+    return json.dumps({"choices": [choice], "usage": usage})
+
+
+def test_sse_timings_chat_role_chunk_is_not_a_token():
+    events = [(0.0, _chunk(delta={"role": "assistant", "content": ""})),  # sent before prefill
+              (0.15, _chunk(delta={"content": "a"})), (0.05, _chunk(delta={"content": "b"})),
+              (0.05, _chunk(delta={"content": "c"}, finish="length")),
+              (0.0, json.dumps({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 3}})),
+              (0.0, "[DONE]")]
+    r = _send(_client(events, chat=True))
+    assert r.success and r.output_tokens == 3 and r.prompt_len == 9
+    assert r.ttft == pytest.approx(0.15, abs=0.04) and len(r.itl) == 2
+    assert r.latency == pytest.approx(r.ttft + sum(r.itl))  # the usage chunk does not extend E2E
+    assert tpot_of(r) == pytest.approx(sum(r.itl) / 2)
+
+
+def test_sse_errors_are_failures():
+    r = _send(_client([], status=503))
+    assert not r.success and r.error == "HTTP 503: queue full"
+    r = _send(_client([(0, _chunk("x")), (0, json.dumps({"error": {"message": "engine died"}})), (0, "[DONE]")]))
+    assert not r.success and "engine died" in r.error
+    r = _send(_client([(0, "[DONE]")]))
+    assert not r.success and "without a chunk" in r.error
+    r = _send(_client([(0, _chunk("")), (0.05, _chunk("x", finish="length")), (0, "[DONE]")]))
+    assert r.success and r.output_tokens is None and r.itl == [] and r.ttft >= 0.04  # empty text: not a token yet
+
+
+# --------------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def live(tiny_llama):
+    from server_helpers import LiveServer
+
+    with LiveServer(model={"path": tiny_llama[0]}) as server:
+        yield server
+
+
+def test_end_to_end_random(live, tiny_llama, tmp_path):
+    out = tmp_path / "r.json"
+    rc = main(["--base-url", live.url, "--num-prompts", "8", "--random-input-len", "24", "--random-output-len", "12",
+               "--random-range-ratio", "0.5", "--tokenizer", tiny_llama[0], "--max-concurrency", "4",
+               "--goodput", "ttft:60000", "--percentiles", "50,99", "--output", str(out), "--no-progress"])
+    assert rc == 0
+    m = json.loads(out.read_text())
+    assert (m["completed"], m["failed"]) == (8, 0)
+    assert m["model_id"] == "tiny-llama" and m["max_concurrency"] == 4 and m["ignore_eos"] is True
+    assert m["output_lens"] == m["requested_output_lens"]  # ignore_eos: exactly what was asked
+    assert m["total_output_tokens"] == sum(m["requested_output_lens"]) and m["output_tokens_estimated"] == 0
+    assert all(6 <= n <= 18 for n in m["output_lens"]) and all(12 <= n <= 36 for n in m["input_lens"])
+    assert m["total_input_tokens"] == sum(m["input_lens"])  # token-id prompts: usage agrees with the dataset
+    assert m["request_goodput"] == pytest.approx(m["request_throughput"])
+    for key in ("duration", "request_throughput", "output_throughput", "total_token_throughput", "mean_ttft_ms",
+                "median_ttft_ms", "p50_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "mean_itl_ms",
+                "p99_itl_ms", "mean_e2el_ms", "p99_e2el_ms"):
+        assert m[key] > 0, key
+    assert all(t > 0 for t in m["ttfts"]) and len(m["itls"]) == 8
+    assert m["p99_e2el_ms"] >= m["p99_ttft_ms"] > 0
+
+
+def test_end_to_end_chat_sweep_and_plots(live, tmp_path):
+    pytest.importorskip("matplotlib")
+    out, plots = tmp_path / "sweep.json", tmp_path / "plots"
+    rc = main(["--base-url", live.url + "/v1", "--endpoint", "/v1/chat/completions", "--num-prompts", "4",
+               "--random-input-len", "16", "--random-output-len", "8", "--random-token-range", "3:300",
+               "--max-concurrency", "1,4", "--output", str(out), "--plot", str(plots), "--no-progress"])
+    assert rc == 0
+    runs = json.loads(out.read_text())
+    assert [r["max_concurrency"] for r in runs] == [1, 4]
+    assert all(r["completed"] == 4 and r["output_lens"] == [8] * 4 for r in runs)
+    assert sorted(p.name for p in plots.iterdir()) == [
+        "itl_distribution.png", "latency_tail.png", "throughput.png", "ttft_distribution.png"]
+
+
+@pytest.fixture
+def dead_url():
+    """A port that is bound but not listening: connections are refused at once."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    yield f"http://127.0.0.1:{s.getsockname()[1]}"
+    s.close()
+
+
+def test_refused_connections_count_as_failed(dead_url, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    rc = main(["--base-url", dead_url, "--model", "m", "--num-prompts", "4", "--num-warmups", "0",
+               "--output", str(out), "--no-progress"])
+    assert rc == 1
+    m = json.loads(out.read_text())
+    assert (m["completed"], m["failed"]) == (0, 4)
+    assert all(e.startswith("ConnectError") for e in m["errors"])
+    assert "no successful request" in capsys.readouterr().err
+    # without --model the client asks GET /v1/models first, and says the server is unreachable
+    assert main(["--base-url", dead_url, "--num-prompts", "4"]) == 2
+    assert "cannot reach the server" in capsys.readouterr().err
+    # with a warm-up (the default) nothing is timed against a dead server
+    assert main(["--base-url", dead_url, "--model", "m", "--num-prompts", "4"]) == 2
+    assert "warm-up request" in capsys.readouterr().err

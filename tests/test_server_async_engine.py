@@ -1,0 +1,59 @@
+"""AsyncEngine without HTTP: n > 1 merge, abort freeing blocks, the bounded waiting queue."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from server_helpers import pipeline
+
+from modserve import LLM, SamplingParams
+from modserve.core.async_engine import AsyncEngine, ServerBusyError
+from modserve.core.engine import Engine
+
+
+async def _run(engine: AsyncEngine, body):
+    engine.start()
+    try:
+        return await body(engine)
+    finally:
+        await engine.stop()
+
+
+def test_n_children_merge_like_offline():
+    params = SamplingParams(n=3, seed=5, max_tokens=10, temperature=1.0)
+    want = LLM(pipeline()).generate({"prompt_token_ids": [5, 6, 7]}, params)[0]
+
+    async def body(engine: AsyncEngine):
+        texts, finished = {}, []
+        async for out in engine.generate([5, 6, 7], params, "r1"):
+            for c in out.outputs:
+                texts[c.index] = texts.get(c.index, "") + c.text_delta
+            finished.append(out.finished)
+        return texts, finished
+
+    texts, finished = asyncio.run(_run(AsyncEngine(Engine.from_config(pipeline())), body))
+    assert texts == {c.index: c.text for c in want.outputs}
+    assert finished[-1] and not any(finished[:-1])
+
+
+def test_abort_frees_blocks_and_capacity_is_bounded():
+    engine = Engine.from_config(pipeline(scheduler={"max_num_seqs": 1}))
+
+    async def body(ae: AsyncEngine):
+        long = SamplingParams(max_tokens=400, ignore_eos=True)
+        stream = ae.generate(list(range(5, 60)), long, "running")
+        await anext(stream)
+        queued = ae.generate([5, 6], long, "waiting")  # max_num_seqs 1: it waits
+        with pytest.raises(ServerBusyError, match="max_waiting_requests is 1"):
+            ae.generate([5, 6], long, "refused")
+        stream.abort()
+        queued.abort()
+        deadline = time.monotonic() + 5
+        while engine.requests or engine.kv.num_free_blocks != engine.kv.num_blocks:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        return ae.num_active
+
+    assert asyncio.run(_run(AsyncEngine(engine, max_waiting_requests=1), body)) == 0
