@@ -8,6 +8,7 @@ hot path. Observer hooks fire per request and per step.
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 import time
 
@@ -26,6 +27,9 @@ from modserve.core.sampling_params import SamplingParams
 from modserve.core.speculative_base import SpeculationGovernor
 from modserve.core.stats import StepStats
 from modserve.core.token_selection import Chosen, select_tokens
+
+
+log = logging.getLogger("modserve.engine")
 
 
 class Engine:
@@ -47,7 +51,7 @@ class Engine:
         self._rng = random.Random(components.pipeline.seed)
         self._ids = itertools.count()
         self._step = 0
-        self.hooks.on_engine_started(engine_info=components.info())
+        self._notify("on_engine_started", engine_info=components.info())
 
     @classmethod
     def from_config(cls, source=None, **overrides) -> Engine:
@@ -92,7 +96,7 @@ class Engine:
         if len(seqs) > 1:
             self._forks[seqs[0].request_id] = seqs[1:]
         for req in seqs:
-            self.hooks.on_request_added(request=req)
+            self._notify("on_request_added", request=req)
         return seqs
 
     def check_prompt(self, token_ids: list[int]) -> None:
@@ -159,10 +163,18 @@ class Engine:
         stats.num_running, stats.num_waiting = self.scheduler.num_running, self.scheduler.num_waiting
         stats.kv_usage = self.kv.usage()
         stats.step_time_s = time.perf_counter() - t0
-        self.hooks.on_step_finished(stats=stats)
+        self._notify("on_step_finished", stats=stats)
         return outputs
 
     # ----------------------------------------------------------------- internals
+
+    def _notify(self, hook: str, **kwargs) -> None:
+        """Call every observer of ``hook``; one that raises is logged and the rest still run."""
+        for impl in getattr(self.hooks, hook).get_hookimpls():
+            try:
+                impl.function(*[kwargs[name] for name in impl.argnames])
+            except Exception:
+                log.exception("observer %s failed in %s", impl.plugin_name, hook)
 
     def _prefix_counters(self) -> tuple[int, int]:
         """Prefix-cache tokens looked up and found so far (0, 0 for backends without a cache)."""
@@ -277,5 +289,5 @@ class Engine:
             if self.proposer is not None:
                 self.proposer.release(req)
             outputs.append(self.outputs.output(req))
-            self.hooks.on_request_finished(request=req)
+            self._notify("on_request_finished", request=req)
         return outputs

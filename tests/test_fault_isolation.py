@@ -83,3 +83,24 @@ def test_faulty_plugin_fails_only_its_requests(tiny_llama, section, poison_param
     while engine.has_unfinished():
         for out in engine.step():
             assert out.outputs[0].finish_reason in (None, "length")
+
+
+def test_a_raising_observer_is_logged_and_others_still_run(tiny_llama, caplog):
+    llm = LLM(model=tiny_llama[0], kv_cache={"plugin": "paged", "num_blocks": 64})
+    seen = []
+
+    class Broken:
+        @hookimpl
+        def on_step_finished(self, stats):
+            raise RuntimeError("observer bug")
+
+    class Counting:
+        @hookimpl
+        def on_step_finished(self, stats):
+            seen.append(stats.step)
+
+    llm.engine.c.registry.pm.register(Broken())
+    llm.engine.c.registry.pm.register(Counting())
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, GREEDY)[0]
+    assert len(out.outputs[0].token_ids) == 8
+    assert seen and "observer bug" in caplog.text
