@@ -70,9 +70,10 @@ class PagedKVBackend(KVBackend):
             )
         self.pool = BlockPool(self.num_blocks, eviction_policy(config.eviction))
         self._caches = [self._layer_cache(spec, self.num_blocks, spec.device) for _ in range(spec.num_layers)]
-        num_host = int(config.swap_space_gb * 2**30 // bytes_per_block(config, spec))
-        self._host = [self._layer_cache(spec, num_host, "cpu") for _ in range(spec.num_layers if num_host else 0)]
-        self._host_free = list(range(num_host))
+        self._spec = spec
+        self._num_host = int(config.swap_space_gb * 2**30 // bytes_per_block(config, spec))
+        self._host: list[LayerKVCache] = []  # host pool and its free list: made on the first swap-out
+        self._host_free: list[int] = []
         self._swapped: dict[str, list[int]] = {}
         self._blocks: dict[str, list[int]] = {}
         self._hashes: dict[str, list[bytes]] = {}
@@ -190,6 +191,9 @@ class PagedKVBackend(KVBackend):
     # ----------------------------------------------------------------- swap
 
     def swap_out(self, request: Request) -> bool:
+        if not self._host and self._num_host:
+            self._host = [self._layer_cache(self._spec, self._num_host, "cpu") for _ in self._caches]
+            self._host_free = list(range(self._num_host))
         blocks = self._blocks.get(request.request_id, [])
         if len(blocks) > len(self._host_free):
             return False
