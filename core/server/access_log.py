@@ -1,6 +1,6 @@
 """One access-log line per HTTP request: id, status, token counts, latency.
 
-Prompt text is logged only with ``server.log_prompts`` (prompts may hold personal data).
+Prompt and output text are logged only with ``server.log_prompts`` (they may hold personal data).
 Handlers fill the request's :class:`AccessRecord`; the line is written when the response
 ends, so a streamed response reports its final token count.
 """
@@ -24,7 +24,8 @@ class AccessRecord:
     request_id: str | None = None
     prompt_tokens: int = 0
     output_tokens: int = 0
-    prompt: Any = None
+    prompt: Any = None  # only with server.log_prompts
+    output: Any = None  # generated texts, only with server.log_prompts
 
 
 def record(request: Request) -> AccessRecord:
@@ -62,4 +63,6 @@ class AccessLogMiddleware:
                 line += " client_disconnected"
             if rec.prompt is not None:
                 line += f" prompt={json.dumps(rec.prompt, ensure_ascii=False)}"
+            if rec.output is not None:
+                line += f" output={json.dumps(rec.output, ensure_ascii=False)}"
             log.info(line)

@@ -1,4 +1,8 @@
-"""Reads a request body under the configured size limit and decodes it strictly."""
+"""Reads a request body under the configured size limit and decodes it strictly.
+
+Whatever the bytes are (malformed JSON, invalid UTF-8, nesting deeper than the decoder
+recurses, duplicate keys: the last one wins, as in Python's ``json``), the client gets a
+400 in OpenAI's error shape, never a 500."""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ from typing import TypeVar
 import msgspec
 from starlette.requests import Request
 
-from modserve.core.server.errors import APIError, from_decode_error
+from modserve.core.server.errors import APIError, bad_request, from_decode_error
 
 T = TypeVar("T")
 
@@ -31,3 +35,7 @@ async def decode_body(request: Request, struct: type[T], limit: int) -> T:
         return msgspec.json.decode(b"".join(chunks), type=struct)
     except msgspec.DecodeError as e:
         raise from_decode_error(e) from None
+    except UnicodeDecodeError:  # msgspec raises this, not DecodeError, for bad UTF-8 inside a string
+        raise bad_request("invalid JSON body: a string is not valid UTF-8", code="invalid_json") from None
+    except RecursionError:  # msgspec recurses per nesting level, unknown fields included
+        raise bad_request("invalid JSON body: nested too deeply", code="invalid_json") from None

@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from modserve.core.async_engine import RequestStream
-from modserve.core.outputs import CompletionOutput
+from modserve.core.outputs import CompletionOutput, RequestOutput
 from modserve.core.server.access_log import record
 from modserve.core.server.body import decode_body
 from modserve.core.server.errors import bad_request, from_engine_error
@@ -34,6 +34,7 @@ from modserve.core.server.protocol import (
     ChatLogprobs,
     ChatMessage,
     Delta,
+    PromptTokensDetails,
     Usage,
     encoder,
 )
@@ -52,7 +53,7 @@ from modserve.core.tokenizer import ChatTemplateError
 
 async def create_chat_completion(request: Request) -> Response:
     state: ServerState = request.app.state.server
-    body = await decode_body(request, ChatCompletionRequest, state.config.max_body_bytes)
+    body = await decode_body(request, ChatCompletionRequest, state.limits.max_body_bytes)
     state.check_model(body.model)
     prompt = Prompt(await run_in_threadpool(encode_messages, body.messages, body.add_generation_prompt, state), None)
     if body.top_logprobs and not body.logprobs:
@@ -63,20 +64,23 @@ async def create_chat_completion(request: Request) -> Response:
     )
     params = fit_to_prompt(params, prompt.token_ids, state, "messages")
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = start(request, state, response_id, "chat", [prompt], [params], priority=body.priority, user=body.user)
+    streams = start(request, state, response_id, "chat", [prompt], [params], body)
     view = _View(body, state, response_id, len(prompt.token_ids))
     if body.stream:
         return EventStream(view.events(streams[0], request), on_close=lambda: abort_all(streams))
     try:
-        (final,) = await unless_disconnected(request, collect(streams, state.config.request_timeout_s))
+        (final,) = await unless_disconnected(request, collect(streams, state.limits.request_timeout_s))
     except ClientDisconnected:
         return Response(status_code=499)
     except Exception as e:
         raise from_engine_error(e) from None
     finally:
         abort_all(streams)
-    completion = view.response(final.outputs)
-    record(request).output_tokens = completion.usage.completion_tokens
+    completion = view.response(final)
+    rec = record(request)
+    rec.output_tokens = completion.usage.completion_tokens
+    if state.config.log_prompts:
+        rec.output = [c.message.content for c in completion.choices]
     return Response(encoder.encode(completion), media_type="application/json")
 
 
@@ -86,8 +90,8 @@ def encode_messages(messages: list[ChatMessage], add_generation_prompt: bool, st
     Runs in a worker thread (a long conversation must not stall the event loop)."""
     if not messages:
         raise bad_request("messages: must contain at least one message", "messages")
-    if len(messages) > state.config.max_messages:
-        raise bad_request(f"messages: at most {state.config.max_messages} messages (server.max_messages)", "messages")
+    if len(messages) > state.limits.max_messages:
+        raise bad_request(f"messages: at most {state.limits.max_messages} messages (server.max_messages)", "messages")
     rendered: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         msg = {"role": m.role, "content": _text(m.content, f"messages[{i}].content")}
@@ -126,15 +130,16 @@ class _View:
         entries = c.logprobs[len(c.logprobs) - len(token_ids) :] if token_ids else []
         return chat_logprobs(entries, token_ids, self.body.top_logprobs or 0, self.state.engine.tokenizer.token_text)
 
-    def usage(self, generated: int) -> Usage:
-        return Usage(self.prompt_tokens, generated, self.prompt_tokens + generated)
+    def usage(self, generated: int, cached: int) -> Usage:
+        return Usage(self.prompt_tokens, generated, self.prompt_tokens + generated, PromptTokensDetails(cached))
 
-    def response(self, outputs: list[CompletionOutput]) -> ChatCompletion:
+    def response(self, final: RequestOutput) -> ChatCompletion:
+        outputs = final.outputs
         choices = [
             ChatChoice(c.index, AssistantMessage(c.text), self.logprobs(c, False), c.finish_reason, c.stop_reason)
             for c in outputs
         ]
-        usage = self.usage(sum(len(c.token_ids) for c in outputs))
+        usage = self.usage(sum(len(c.token_ids) for c in outputs), final.num_cached_tokens)
         return ChatCompletion(self.id, self.created, self.state.model_name, choices, usage)
 
     def chunk(self, choices: list[ChatChunkChoice], usage: Any) -> bytes:
@@ -143,24 +148,31 @@ class _View:
     async def events(self, stream: RequestStream, request: Request) -> AsyncIterator[bytes]:
         include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
         usage = None if include_usage else UNSET
-        generated = 0
+        generated = cached = 0
+        texts: dict[int, str] | None = {} if self.state.config.log_prompts else None
         try:
             roles = [ChatChunkChoice(i, Delta(role="assistant", content="")) for i in range(self.body.n)]
             yield self.chunk(roles, usage)
-            async for _, out in iterate([stream], self.state.config.request_timeout_s):
+            async for _, out in iterate([stream], self.state.limits.request_timeout_s):
+                cached = max(cached, out.num_cached_tokens)
                 choices = []
                 for c in out.outputs:
                     generated += len(c.token_ids_delta)
                     if not (c.text_delta or c.finished or (self.body.logprobs and c.token_ids_delta)):
                         continue  # nothing to show yet (text held back for a possible stop string)
                     delta = Delta(content=c.text_delta) if c.text_delta else Delta()
+                    if texts is not None:
+                        texts[c.index] = texts.get(c.index, "") + c.text_delta
                     choices.append(ChatChunkChoice(c.index, delta, self.logprobs(c, True), c.finish_reason))
                 if choices:
                     yield self.chunk(choices, usage)
             if include_usage:
-                yield self.chunk([], self.usage(generated))
+                yield self.chunk([], self.usage(generated, cached))
         except Exception as e:
             yield sse(from_engine_error(e).body())
         finally:
-            record(request).output_tokens = generated
+            rec = record(request)
+            rec.output_tokens = generated
+            if texts is not None:
+                rec.output = [texts[k] for k in sorted(texts)]
         yield DONE

@@ -24,7 +24,14 @@ from modserve.core.server.errors import bad_request, from_engine_error
 from modserve.core.server.generation import Prompt, abort_all, start
 from modserve.core.server.logprobs import completion_logprobs
 from modserve.core.server.params import fit_to_prompt, sampling_params
-from modserve.core.server.protocol import Completion, CompletionChoice, CompletionRequest, Usage, encoder
+from modserve.core.server.protocol import (
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    PromptTokensDetails,
+    Usage,
+    encoder,
+)
 from modserve.core.server.state import ServerState
 from modserve.core.server.streaming import (
     DONE,
@@ -39,7 +46,7 @@ from modserve.core.server.streaming import (
 
 async def create_completion(request: Request) -> Response:
     state: ServerState = request.app.state.server
-    body = await decode_body(request, CompletionRequest, state.config.max_body_bytes)
+    body = await decode_body(request, CompletionRequest, state.limits.max_body_bytes)
     state.check_model(body.model)
     prompts = await run_in_threadpool(_prompts, body.prompt, state)  # a long prompt must not stall the event loop
     params = sampling_params(
@@ -48,14 +55,12 @@ async def create_completion(request: Request) -> Response:
     )
     per_prompt = [fit_to_prompt(params, p.token_ids, state, "prompt") for p in prompts]
     response_id = f"cmpl-{uuid.uuid4().hex}"
-    streams = start(
-        request, state, response_id, "text_completion", prompts, per_prompt, priority=body.priority, user=body.user
-    )
+    streams = start(request, state, response_id, "text_completion", prompts, per_prompt, body)
     view = _View(body, state, response_id, prompts)
     if body.stream:
         return EventStream(view.events(streams, request), on_close=lambda: abort_all(streams))
     try:
-        finals = await unless_disconnected(request, collect(streams, state.config.request_timeout_s))
+        finals = await unless_disconnected(request, collect(streams, state.limits.request_timeout_s))
     except ClientDisconnected:
         return Response(status_code=499)
     except Exception as e:
@@ -63,7 +68,10 @@ async def create_completion(request: Request) -> Response:
     finally:
         abort_all(streams)
     completion = view.response(finals)
-    record(request).output_tokens = completion.usage.completion_tokens
+    rec = record(request)
+    rec.output_tokens = completion.usage.completion_tokens
+    if state.config.log_prompts:
+        rec.output = [c.text for c in completion.choices]
     return Response(encoder.encode(completion), media_type="application/json")
 
 
@@ -116,20 +124,24 @@ class _View:
             logprobs = completion_logprobs(entries, token_ids, self.tokenizer.token_text, offset)
         return CompletionChoice(i * self.body.n + c.index, text, logprobs, c.finish_reason, c.stop_reason)
 
-    def usage(self, generated: int) -> Usage:
+    def usage(self, generated: int, cached: int) -> Usage:
         prompt = sum(len(p.token_ids) for p in self.prompts)
-        return Usage(prompt, generated, prompt + generated)
+        return Usage(prompt, generated, prompt + generated, PromptTokensDetails(cached))
 
     def response(self, finals: list[RequestOutput]) -> Completion:
         choices = [self.choice(i, out, c, delta=False) for i, out in enumerate(finals) for c in out.outputs]
-        return self.completion(choices, self.usage(sum(len(c.token_ids) for out in finals for c in out.outputs)))
+        generated = sum(len(c.token_ids) for out in finals for c in out.outputs)
+        return self.completion(choices, self.usage(generated, sum(out.num_cached_tokens for out in finals)))
 
     async def events(self, streams: list[RequestStream], request: Request) -> AsyncIterator[bytes]:
         include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
         sent: dict[int, int] = {}  # choice -> characters of logprob tokens sent so far
         generated = 0
+        cached: dict[int, int] = {}  # prompt -> its prefix-cache hit (known from its first output on)
+        texts: dict[int, str] | None = {} if self.state.config.log_prompts else None
         try:
-            async for i, out in iterate(streams, self.state.config.request_timeout_s):
+            async for i, out in iterate(streams, self.state.limits.request_timeout_s):
+                cached[i] = max(cached.get(i, 0), out.num_cached_tokens)
                 for c in out.outputs:
                     generated += len(c.token_ids_delta)
                     key = i * self.body.n + c.index
@@ -139,11 +151,16 @@ class _View:
                         continue  # nothing to show yet (text held back for a possible stop string)
                     choice = self.choice(i, out, c, delta=True, first=first, offset=sent.get(key, 0))
                     sent[key] = sent.get(key, 0) + (sum(map(len, choice.logprobs.tokens)) if choice.logprobs else 0)
+                    if texts is not None:
+                        texts[key] = texts.get(key, "") + choice.text
                     yield sse(self.completion([choice], None if include_usage else UNSET))
             if include_usage:
-                yield sse(self.completion([], self.usage(generated)))
+                yield sse(self.completion([], self.usage(generated, sum(cached.values()))))
         except Exception as e:
             yield sse(from_engine_error(e).body())
         finally:
-            record(request).output_tokens = generated
+            rec = record(request)
+            rec.output_tokens = generated
+            if texts is not None:
+                rec.output = [texts[k] for k in sorted(texts)]
         yield DONE

@@ -10,7 +10,8 @@ from modserve.core import parallel_sampling
 from modserve.core.async_engine import RequestStream
 from modserve.core.sampling_params import SamplingParams
 from modserve.core.server.access_log import record
-from modserve.core.server.errors import from_engine_error
+from modserve.core.server.errors import bad_request, from_engine_error
+from modserve.core.server.protocol import SamplingFields
 from modserve.core.server.state import ServerState
 
 
@@ -27,20 +28,33 @@ def start(
     operation: str,
     prompts: list[Prompt],
     params: list[SamplingParams],
-    *,
-    priority: int,
-    user: str | None,
+    body: SamplingFields,
 ) -> list[RequestStream]:
-    """Submit every prompt or none (503 when the waiting queue cannot take them all)."""
+    """Submit every prompt or none (503 when the waiting queue cannot take them all now;
+    400 when it never could: more sequences than ``server.max_waiting_requests``)."""
     n = params[0].n
     rec = record(request)
     rec.request_id, rec.prompt_tokens = response_id, sum(len(p.token_ids) for p in prompts)
     if state.config.log_prompts:
         rec.prompt = [p.text if p.text is not None else p.token_ids for p in prompts]
+    if body.cache_salt is not None and not body.cache_salt:
+        raise bad_request("cache_salt: must be a non-empty string when given", "cache_salt")
+    num_seqs, limit = len(prompts) * n, state.engine.max_waiting_requests
+    if num_seqs > limit:
+        param = "prompt" if len(prompts) > 1 else "n"
+        raise bad_request(
+            f"{param}: {len(prompts)} prompt(s) x n={n} make {num_seqs} sequences, more than the server ever "
+            f"queues ({limit}, server.max_waiting_requests); split the request",
+            param,
+            "batch_too_large",
+        )
     try:
-        state.engine.check_capacity(len(prompts) * n)
+        state.engine.check_capacity(num_seqs)
     except Exception as e:
-        raise from_engine_error(e) from None
+        err = from_engine_error(e)
+        if state.metrics is not None:
+            state.metrics.rejected(err.code or "unknown")
+        raise err from None
     streams = []
     for i, (prompt, sp) in enumerate(zip(prompts, params)):
         rid = response_id if len(prompts) == 1 else f"{response_id}-{i}"
@@ -48,7 +62,10 @@ def start(
             ids = [parallel_sampling.child_id(rid, j, n) for j in range(n)]
             state.tracing.attach(ids, request.headers, operation, response_id)
         streams.append(
-            state.engine.generate(prompt.token_ids, sp, rid, priority=priority, user=user, prompt=prompt.text)
+            state.engine.generate(
+                prompt.token_ids, sp, rid, priority=body.priority, cache_salt=body.cache_salt, user=body.user,
+                prompt=prompt.text,
+            )
         )
     return streams
 

@@ -25,7 +25,11 @@ def sampling_params(
     logprobs_param: str,
     prompt_logprobs: int | None = None,
 ) -> SamplingParams:
-    cfg, vocab = state.config, state.engine.vocab_size
+    cfg, vocab = state.limits, state.engine.vocab_size
+    max_output = cfg.max_output_tokens
+    if max_tokens is not None and max_output is not None and max_tokens > max_output:
+        param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
+        raise bad_request(f"{param}: must be <= {max_output} (server.max_output_tokens), got {max_tokens}", param)
     if body.n > cfg.max_n:
         raise bad_request(f"n: must be <= {cfg.max_n} (server.max_n), got {body.n}", "n")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -77,7 +81,14 @@ def fit_to_prompt(
 ) -> SamplingParams:
     """Check the prompt; default ``max_tokens`` to the room left; 400 if prompt + max_tokens > max_model_len."""
     max_len, n_prompt = state.engine.max_model_len, len(prompt_token_ids)
-    max_tokens = params.max_tokens if params.max_tokens is not None else max(1, max_len - n_prompt)
+    max_prompt = state.limits.max_prompt_tokens
+    if max_prompt is not None and n_prompt > max_prompt:
+        raise bad_request(
+            f"{param}: {n_prompt} prompt tokens, more than server.max_prompt_tokens {max_prompt}", param, "prompt_too_long"
+        )
+    max_tokens = params.max_tokens
+    if max_tokens is None:  # the room left, within server.max_output_tokens
+        max_tokens = max(1, min(max_len - n_prompt, state.limits.max_output_tokens or max_len))
     if n_prompt + max_tokens > max_len:
         raise bad_request(
             f"This model's maximum context length is {max_len} tokens, but {n_prompt + max_tokens} were requested: "

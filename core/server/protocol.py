@@ -48,6 +48,7 @@ class SamplingFields(Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    cache_salt: str | None = None  # prefix-cache isolation: only requests with the same salt share cached KV
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -94,10 +95,15 @@ class DetokenizeRequest(Struct, kw_only=True):
 # ----------------------------------------------------------------- responses
 
 
+class PromptTokensDetails(Struct):
+    cached_tokens: int  # prompt tokens served from the prefix cache
+
+
 class Usage(Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(Struct):
@@ -205,6 +211,10 @@ class TokenizeResponse(Struct):
 
 class DetokenizeResponse(Struct):
     prompt: str
+
+
+class HealthResponse(Struct):
+    status: str
 
 
 class ErrorBody(Struct):

@@ -14,6 +14,7 @@ from modserve.core.server.errors import APIError, bad_request
 from modserve.core.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
+    HealthResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
@@ -43,7 +44,7 @@ async def health(request: Request) -> Response:
         raise APIError(503, f"engine loop died: {engine.dead_reason}", code="engine_dead")
     if engine.draining:
         raise APIError(503, "the server is shutting down", code="shutting_down")
-    return _json({"status": "ok"})
+    return _json(HealthResponse("ok"))
 
 
 async def metrics(request: Request) -> Response:
@@ -55,7 +56,7 @@ async def metrics(request: Request) -> Response:
 
 async def tokenize(request: Request) -> Response:
     s = _state(request)
-    body = await decode_body(request, TokenizeRequest, s.config.max_body_bytes)
+    body = await decode_body(request, TokenizeRequest, s.limits.max_body_bytes)
     s.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt or messages", "prompt")
@@ -68,13 +69,18 @@ async def tokenize(request: Request) -> Response:
 
 async def detokenize(request: Request) -> Response:
     s = _state(request)
-    body = await decode_body(request, DetokenizeRequest, s.config.max_body_bytes)
+    body = await decode_body(request, DetokenizeRequest, s.limits.max_body_bytes)
     s.check_model(body.model)
     vocab = s.engine.vocab_size
     bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
     if bad is not None:
         raise bad_request(f"tokens: {bad} is outside the vocabulary [0, {vocab})", "tokens")
     return _json(DetokenizeResponse(s.engine.tokenizer.decode(body.tokens)))
+
+
+async def openapi(request: Request) -> Response:
+    """The OpenAPI 3.1 document (built once, from the msgspec structs)."""
+    return Response(_state(request).openapi(), media_type="application/json")
 
 
 ROUTES = [
@@ -85,4 +91,5 @@ ROUTES = [
     Route("/metrics", metrics, methods=["GET"]),
     Route("/tokenize", tokenize, methods=["POST"]),
     Route("/detokenize", detokenize, methods=["POST"]),
+    Route("/openapi.json", openapi, methods=["GET"]),
 ]

@@ -64,6 +64,10 @@ class MetricsObserver:
             "modserve:request_success", "Requests finished, by reason.", ["model_name", "finished_reason"],
             registry=self.registry,
         )
+        self._rejected = Counter(
+            "modserve:request_rejected", "Requests refused at admission (503), by reason.",
+            ["model_name", "reason"], registry=self.registry,
+        )
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS)
         self.itl = histogram(
             "inter_token_latency_seconds", "Gap between a request's consecutive output steps.", ITL_BUCKETS
@@ -86,6 +90,12 @@ class MetricsObserver:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def rejected(self, reason: str) -> None:
+        """A request refused before it reached the engine (``overloaded``, ``shutting_down``, ...).
+
+        Called by the server, not a hook: such a request never exists in the engine."""
+        self._rejected.labels(model_name=self._model_name, reason=reason).inc()
 
     @hookimpl
     def on_request_added(self, request: Request) -> None:
