@@ -49,6 +49,8 @@ class ServerSection(_Section):
     max_stop_string_len: PositiveInt = 256  # longest stop string, in characters
     max_top_logprobs: Annotated[int, msgspec.Meta(ge=0)] = 20  # largest `logprobs` / `top_logprobs`
     max_messages: PositiveInt = 512  # most messages per chat request
+    max_prompt_tokens: PositiveInt | None = None  # longest prompt in tokens; above it 400 prompt_too_long (none: only max_model_len)
+    max_output_tokens: PositiveInt | None = None  # largest max_tokens / max_completion_tokens; also caps chat's default
     request_timeout_s: Annotated[float, msgspec.Meta(gt=0)] | None = None  # wall-time limit per request
     shutdown_grace_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0  # SIGTERM: time in-flight requests get to finish
     log_requests: bool = True  # one access-log line per request
@@ -65,6 +67,12 @@ class ObservabilitySection(_Section):
     tracing: TracingSection = msgspec.field(default_factory=TracingSection)
 
 
+class ParallelSection(_Section):
+    tensor_parallel_size: PositiveInt = 1  # ranks each layer is sharded over (Megatron-style); >1 starts workers
+    backend: Literal["auto", "gloo", "nccl"] = "auto"  # torch.distributed backend; auto: nccl on CUDA, gloo on CPU
+    timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0  # a collective waiting longer fails the engine
+
+
 class PipelineConfig(_Section):
     model: ModelSection = msgspec.field(default_factory=ModelSection)
     device: Literal["cpu", "cuda", "auto"] = "cpu"  # auto: CUDA when available
@@ -76,6 +84,7 @@ class PipelineConfig(_Section):
     speculative: dict[str, Any] | None = None  # null: no speculative decoding
     server: ServerSection = msgspec.field(default_factory=ServerSection)
     observability: ObservabilitySection = msgspec.field(default_factory=ObservabilitySection)
+    parallel: ParallelSection = msgspec.field(default_factory=ParallelSection)
 
 
 PLUGIN_SECTIONS = {
@@ -98,7 +107,7 @@ def load_pipeline(source: str | os.PathLike | dict | PipelineConfig | None = Non
     else:
         raw = _read_yaml(str(source))
     for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(raw.get(key), dict) and key in ("model", "server", "observability"):
+        if isinstance(value, dict) and isinstance(raw.get(key), dict) and key in ("model", "server", "observability", "parallel"):
             raw[key] = {**raw[key], **value}
         else:
             raw[key] = value

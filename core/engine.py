@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from modserve.core.distributed.errors import WorkerDiedError
 from modserve.core.engine_factory import EngineComponents, build_components
 from modserve.core.fault_isolation import PluginFault, run_isolated
 from modserve.core.output_processor import OutputProcessor
@@ -73,6 +74,8 @@ class Engine:
         Only the first sequence computes the prompt; the others fork from it (sharing its
         KV blocks) when its prompt is done. Returns the n sequences.
         """
+        if self.dead is not None:
+            raise WorkerDiedError(self.dead)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         self.check_prompt(prompt_token_ids)
         vocab = self.c.spec.vocab_size
@@ -129,10 +132,25 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    @property
+    def dead(self) -> str | None:
+        """Why this engine can never step again (a tensor-parallel worker died: the message
+        names the rank), else None. Cheap: polls the worker processes."""
+        return getattr(self.runner, "dead", None)
+
+    def shutdown(self) -> None:
+        """Stop tensor-parallel worker processes (also done when the engine is garbage-collected
+        or the interpreter exits). Idempotent; a no-op for a single-process engine."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
+
     # ----------------------------------------------------------------- the step
 
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        if self.dead is not None:
+            self._die(WorkerDiedError(self.dead))
         preemptions_before = getattr(self.scheduler, "num_preemptions", 0)
         queries_before, hits_before = self._prefix_counters()
         try:
@@ -151,6 +169,8 @@ class Engine:
                 stats.model_time_s = time.perf_counter() - t_model
                 if plan.prompt_rows:
                     record_prompt_logprobs(plan.prompt_rows, logits[plan.num_sample_rows :])
+            except WorkerDiedError as e:  # tensor parallelism: the worker group is gone for good
+                self._die(e)
             except Exception as e:  # attention or KV plugin inside the forward: the batch is lost
                 return self._fail(e, "model forward", [s.request for s in sched.scheduled])
             chosen, failed = self._select(logits, plan, sched)
@@ -250,7 +270,8 @@ class Engine:
         if not faults:
             return chosen, []
         bad = {e.request.request_id for e, _ in faults}
-        plan.entries, chosen = map(list, zip(*[(e, c) for e, c in zip(plan.entries, chosen) if c is not None]) or ([], []))
+        kept = [(e, c) for e, c in zip(plan.entries, chosen) if c is not None]  # may be none: all failed
+        plan.entries, chosen = [e for e, _ in kept], [c for _, c in kept]
         sched.scheduled = [s for s in sched.scheduled if s.request.request_id not in bad]
         return chosen, [o for e, exc in faults for o in self._fail(exc, "sampler", [e.request])]
 
@@ -271,6 +292,13 @@ class Engine:
                 room = min(room, sp.max_tokens - req.num_output_tokens - 1)
             req.spec_token_ids = list((drafts or [])[: max(0, min(k, room))])
         return [o for req, exc in faults for o in self._fail(exc, "speculative decoder", [req])]
+
+    def _die(self, exc: WorkerDiedError) -> None:
+        """Stop what is left of the worker group, fail every request still in the engine (the
+        outputs ride on ``exc``), then raise."""
+        self.shutdown()
+        exc.outputs = self.abort_request(list(self.requests), reason="error", error=str(exc))
+        raise exc
 
     def _fail(self, exc: Exception, stage: str, requests: list[Request]) -> list[RequestOutput]:
         """Fail the requests a plugin touched when it raised; everyone else keeps going."""

@@ -98,9 +98,27 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def build_components(source: Any = None, registry: PluginRegistry | None = None, **overrides: Any) -> EngineComponents:
-    """Each engine gets its own registry unless given one, so observers added to it stay its own."""
+    """Each engine gets its own registry unless given one, so observers added to it stay its own.
+
+    With ``parallel.tensor_parallel_size > 1`` this process becomes rank 0: the worker
+    processes start loading their shards first, then rank 0 loads its own.
+    """
     r = resolve(source, registry or PluginRegistry(), **overrides)
+    if r.pipeline.parallel.tensor_parallel_size == 1:
+        return _build(r, None)
+    from modserve.core.distributed.tp_runner import start_workers
+
+    workers = start_workers(r, pick_device(r.pipeline.device))
+    try:
+        return _build(r, workers)
+    except BaseException:
+        workers.stop(grace_s=0)
+        raise
+
+
+def _build(r: ResolvedPipeline, workers) -> EngineComponents:
     p = r.pipeline
+    n = p.parallel.tensor_parallel_size  # > 1: this process is rank 0 and holds one shard of n
     device = pick_device(p.device)
     dtype = pick_dtype(p.model.dtype, device)
     att_cls, att_cfg = r.plugins["attention"]
@@ -108,14 +126,17 @@ def build_components(source: Any = None, registry: PluginRegistry | None = None,
     block_size = getattr(kv_cfg, "block_size", 16)
     holder: dict[str, Any] = {}
 
-    def make_attention(spec: ModelSpec):
+    def make_attention(spec: ModelSpec, shards: int = 1):
         holder["attention"] = att_cls(
             att_cfg,
-            AttentionSpec(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5, dtype, device, block_size),
+            AttentionSpec(spec.num_heads // shards, spec.num_kv_heads // shards, spec.head_dim, spec.head_dim**-0.5, dtype, device, block_size),
         )
         return holder["attention"]
 
-    loaded = load_model(r.source, make_attention, dtype, device, p.model.max_model_len, p.model.tokenizer)
+    tp = workers.tp if workers is not None else None
+    loaded = load_model(
+        r.source, lambda spec: make_attention(spec, n), dtype, device, p.model.max_model_len, p.model.tokenizer, tp=tp
+    )
     spec = loaded.spec
     max_model_len = p.model.max_model_len or spec.max_position_embeddings
     if spec.sliding_window and max_model_len > spec.sliding_window:
@@ -123,12 +144,18 @@ def build_components(source: Any = None, registry: PluginRegistry | None = None,
             f"model.max_model_len: {max_model_len} exceeds the model's sliding window {spec.sliding_window}, "
             "which modserve does not implement; set max_model_len <= the window"
         )
-    kv = kv_cls(kv_cfg, KVSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype, device, max_model_len))
+    kv = kv_cls(kv_cfg, KVSpec(spec.num_layers, spec.num_kv_heads // n, spec.head_dim, dtype, device, max_model_len))
     sched_cls, sched_cfg = r.plugins["scheduler"]
     scheduler = sched_cls(sched_cfg, kv, SchedulerLimits(max_model_len))
     samp_cls, samp_cfg = r.plugins["sampler"]
     sampler = samp_cls(samp_cfg, spec.vocab_size)
-    runner = ModelRunner(loaded.model, kv, holder["attention"], device)
+    if workers is None:
+        runner = ModelRunner(loaded.model, kv, holder["attention"], device)
+    else:
+        from modserve.core.distributed.tp_runner import TPModelRunner
+
+        workers.wait_ready(kv.num_blocks)
+        runner = TPModelRunner(loaded.model, kv, holder["attention"], device, workers)
     proposer = None
     if "speculative" in r.plugins:
         spec_cls, spec_cfg = r.plugins["speculative"]

@@ -34,6 +34,7 @@ class SchedulerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     enable_chunked_prefill: bool = True  # split long prompts across steps
     long_prefill_token_threshold: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: no cap
     preemption_mode: Literal["recompute", "swap"] = "recompute"  # what happens to a victim's KV
+    admission_watermark: Annotated[float, msgspec.Meta(ge=0, le=0.5)] = 0.01  # free-block share kept for running requests
 
 
 class BaseScheduler(Scheduler):
@@ -148,6 +149,8 @@ class BaseScheduler(Scheduler):
             req = self.current = self.next_waiting()
             if req is None:
                 break
+            if self.running and self.kv.num_free_blocks < self.config.admission_watermark * self.kv.num_blocks:
+                break  # leave running requests room to grow rather than preempt them soon
             if len(self.running) >= self.config.max_num_seqs:
                 victim = self.victim_for_admission(req)
                 if victim is None:

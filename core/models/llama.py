@@ -3,6 +3,11 @@
 Differences between the three are config switches (q/k/v bias, tied embeddings,
 head_dim, RoPE scaling). Attention is delegated to the chosen attention backend, which
 reads and writes the paged KV cache; the model itself holds no per-request state.
+
+With ``tp`` (a :class:`modserve.core.distributed.tp.TPGroup`) the model is one rank's
+shard (Megatron-style): this rank's heads and MLP columns, an all-reduce after
+``o_proj`` and ``down_proj``, a vocab-parallel embedding and head whose logits are
+gathered to rank 0. Without it (``tp=None``) nothing changes.
 """
 
 from __future__ import annotations
@@ -33,10 +38,12 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, backend: AttentionBackend) -> None:
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, tp=None) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        n = tp.world_size if tp is not None else 1
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads // n, spec.num_kv_heads // n, spec.head_dim
+        self.tp = tp
+        q_size, kv_size = self.num_heads * spec.head_dim, self.num_kv_heads * spec.head_dim
         self.split = (q_size, kv_size, kv_size)
         self.qkv_proj = nn.Linear(spec.hidden_size, sum(self.split), bias=spec.qkv_bias)
         self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=False)
@@ -48,28 +55,31 @@ class Attention(nn.Module):
         q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
         out = self.backend.forward(q, k, v.view(t, self.num_kv_heads, self.head_dim), cache, meta)
-        return self.o_proj(out.reshape(t, -1))
+        out = self.o_proj(out.reshape(t, -1))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, tp=None) -> None:
         super().__init__()
-        self.intermediate = spec.intermediate_size
-        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.intermediate = spec.intermediate_size // (tp.world_size if tp is not None else 1)
+        self.tp = tp
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * self.intermediate, bias=False)
+        self.down_proj = nn.Linear(self.intermediate, spec.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, backend: AttentionBackend) -> None:
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, tp=None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Attention(spec, backend)
+        self.self_attn = Attention(spec, backend, tp)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec)
+        self.mlp = MLP(spec, tp)
 
     def forward(self, x, cos, sin, cache, meta) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
@@ -77,13 +87,22 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, spec: ModelSpec, backend: AttentionBackend, max_positions: int, num_layers: int | None = None):
+    def __init__(
+        self, spec: ModelSpec, backend: AttentionBackend, max_positions: int, num_layers: int | None = None, tp=None
+    ):
         super().__init__()
         self.spec = spec
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, backend) for _ in range(num_layers or spec.num_layers))
+        self.tp = tp
+        if tp is None:
+            self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        else:
+            from modserve.core.distributed.tp import VocabParallelEmbedding
+
+            self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(spec, backend, tp) for _ in range(num_layers or spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        vocab = spec.vocab_size if tp is None else tp.vocab_shard(spec.vocab_size)
+        self.lm_head = nn.Linear(spec.hidden_size, vocab, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.max_positions = max_positions
@@ -109,8 +128,11 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, cache, meta)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits ``[R, vocab]``; under tensor parallelism only rank 0 gets them (others None)."""
+        if self.tp is None:
+            return self.lm_head(hidden).float()
+        return self.tp.gather_vocab(self.lm_head(hidden).float(), self.spec.vocab_size)
 
     # ----------------------------------------------------------------- weight loading
 

@@ -64,26 +64,30 @@ def load_model(
     max_model_len: int | None,
     tokenizer_path: str | None = None,
     num_layers: int | None = None,
+    tp=None,
 ) -> LoadedModel:
     """Read config, tokenizer and weights; build the model on ``device`` in ``dtype``.
 
-    ``make_backend`` builds the attention backend once the model's shape is known.
+    ``make_backend`` builds the attention backend once the model's shape is known. With
+    ``tp`` (a :class:`modserve.core.distributed.sharding.TPShard`) only this rank's shard
+    is built and read: safetensors slices are read straight from the file; a GGUF file is
+    dequantized whole (tensor by tensor, the full tensors freed as they are sliced).
     """
     if source.kind == "hf":
-        cfg = _hf_config(source.path)
-        gen = _read_json(os.path.join(source.path, "generation_config.json"))
-        if "eos_token_id" in gen:
-            cfg = {**cfg, "eos_token_id": gen["eos_token_id"]}
-        spec = ModelSpec.from_hf_config(cfg, os.path.join(source.path, "config.json"))
+        spec = read_spec(source)
         tokenizer = TokenizerBundle.from_hf_dir(tokenizer_path or source.path, spec.eos_token_ids)
-        tensors: Iterator[tuple[str, torch.Tensor]] = _safetensors(source.path)
+        tensors: Iterator[tuple[str, torch.Tensor]] = _safetensors(source.path, spec, tp)
     else:
         g = read_gguf(source.path, dtype=dtype)
         spec = ModelSpec.from_hf_config(g.config, source.path)
         tokenizer = TokenizerBundle(g.tokenizer, g.chat_template, g.bos_token, g.eos_token, list(g.eos_token_ids))
         if tokenizer_path:
             tokenizer = TokenizerBundle.from_hf_dir(tokenizer_path, g.eos_token_ids)
-        tensors = iter(g.tensors.items())
+        tensors = iter(g.tensors.items()) if tp is None else _sliced(g.tensors, spec, tp)
+    if tp is not None:
+        from modserve.core.distributed.sharding import check_divisible
+
+        check_divisible(spec, tp.world_size)
     spec.eos_token_ids = tokenizer.eos_token_ids or spec.eos_token_ids
     tokenizer.eos_token_ids = spec.eos_token_ids
     if max_model_len is not None and max_model_len > spec.max_position_embeddings:
@@ -92,7 +96,7 @@ def load_model(
             f"{spec.max_position_embeddings}"
         )
     with torch.device("meta"):
-        model = LlamaForCausalLM(spec, make_backend(spec), max_model_len or spec.max_position_embeddings, num_layers)
+        model = LlamaForCausalLM(spec, make_backend(spec), max_model_len or spec.max_position_embeddings, num_layers, tp)
     model.to_empty(device="cpu")
     if spec.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -100,6 +104,15 @@ def load_model(
     model.to_device(device, dtype)
     model.eval().requires_grad_(False)
     return LoadedModel(spec, model, tokenizer)
+
+
+def read_spec(source: ModelSource) -> ModelSpec:
+    """An HF checkpoint's shape from its config files, without reading weights."""
+    cfg = _hf_config(source.path)
+    gen = _read_json(os.path.join(source.path, "generation_config.json"))
+    if "eos_token_id" in gen:
+        cfg = {**cfg, "eos_token_id": gen["eos_token_id"]}
+    return ModelSpec.from_hf_config(cfg, os.path.join(source.path, "config.json"))
 
 
 def _hf_config(path: str) -> dict:
@@ -113,7 +126,18 @@ def _read_json(path: str) -> dict:
         return json.load(f)
 
 
-def _safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _sliced(tensors: dict[str, torch.Tensor], spec: ModelSpec, tp) -> Iterator[tuple[str, torch.Tensor]]:
+    from modserve.core.distributed.sharding import take
+
+    for name in list(tensors):
+        yield name, take(name, tensors.pop(name), spec, tp)
+
+
+def _safetensors(path: str, spec: ModelSpec | None = None, tp=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint; with ``tp`` only this rank's shard of each (read as a slice)."""
+    if tp is not None:
+        from modserve.core.distributed.sharding import plan, take
+
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
         files = sorted({os.path.join(path, f) for f in _read_json(index)["weight_map"].values()})
@@ -124,4 +148,7 @@ def _safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if tp is not None and plan(name, spec, tp) is not None:
+                    yield name, take(name, f.get_slice(name), spec, tp)
+                else:
+                    yield name, f.get_tensor(name)
