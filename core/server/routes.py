@@ -42,6 +42,9 @@ async def health(request: Request) -> Response:
     engine = _state(request).engine
     if engine.dead_reason is not None:
         raise APIError(503, f"engine loop died: {engine.dead_reason}", code="engine_dead")
+    worker_death = engine.engine.dead  # a tensor-parallel worker may die while the loop idles
+    if worker_death is not None:
+        raise APIError(503, f"engine cannot serve: {worker_death}", code="engine_dead")
     if engine.draining:
         raise APIError(503, "the server is shutting down", code="shutting_down")
     return _json(HealthResponse("ok"))
