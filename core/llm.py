@@ -16,9 +16,12 @@ PromptLike = str | dict[str, Any] | list[int]
 class LLM:
     """``LLM("pipeline.yaml")``, ``LLM({...})`` or ``LLM(model="path", **top_level_overrides)``."""
 
-    def __init__(self, config: str | os.PathLike | dict | None = None, *, model: str | None = None, **overrides: Any):
-        if model is not None:
-            overrides["model"] = {**overrides.get("model", {}), "path": model}
+    def __init__(self, config: str | os.PathLike | dict | None = None, *, model: str | dict | None = None, **overrides: Any):
+        """``model`` is a path (``LLM(model="dir")``) or a partial model section to merge."""
+        if isinstance(model, dict):
+            overrides["model"] = model
+        elif model is not None:
+            overrides["model"] = {"path": model}
         self.engine = Engine.from_config(config, **overrides)
         self.tokenizer = self.engine.tokenizer
 
