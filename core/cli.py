@@ -39,6 +39,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("-c", "--config", help="pipeline YAML (default: the embedded SmolLM2 pipeline)")
     s.add_argument("--host")
     s.add_argument("--port", type=int)
+    s.add_argument("--replicas", type=int, help="data-parallel engine replicas (overrides parallel.data_parallel_size)")
     s.set_defaults(func=_cmd_serve)
 
     v = sub.add_parser("validate", help="check a pipeline YAML without loading the model")
@@ -72,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
 def _cmd_serve(args) -> int:
     from modserve.core.server.app import serve
 
-    return serve(args.config, host=args.host, port=args.port)
+    return serve(args.config, host=args.host, port=args.port, replicas=args.replicas)
 
 
 def _cmd_validate(args) -> int:

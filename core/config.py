@@ -71,6 +71,7 @@ class ParallelSection(_Section):
     tensor_parallel_size: PositiveInt = 1  # ranks each layer is sharded over (Megatron-style); >1 starts workers
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # torch.distributed backend; auto: nccl on CUDA, gloo on CPU
     timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0  # a collective waiting longer fails the engine
+    data_parallel_size: PositiveInt = 1  # engine replicas behind one server (prefix-aware routing); `serve --replicas` overrides
 
 
 class PipelineConfig(_Section):

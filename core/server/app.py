@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -17,61 +18,100 @@ from modserve.core.server.access_log import AccessLogMiddleware
 from modserve.core.server.auth import AuthMiddleware
 from modserve.core.server.errors import EXCEPTION_HANDLERS
 from modserve.core.server.lifecycle import Runner, bind
+from modserve.core.server.router import ReplicaHeaderMiddleware, Replicas, Router
 from modserve.core.server.routes import ROUTES
 from modserve.core.server.state import ServerState
 from modserve.plugins.observers.metrics import MetricsObserver
 from modserve.plugins.observers.tracing import TracingObserver, make_exporter
 
 
-def build_app(engine: AsyncEngine) -> Starlette:
-    """The app serving ``engine``; registers the metrics and tracing observers on its engine.
+def build_app(engine: AsyncEngine | Sequence[AsyncEngine]) -> Starlette:
+    """The app serving ``engine`` (or several data-parallel replicas of one pipeline, routed
+    per prompt by :class:`~modserve.core.server.router.Router`); registers the metrics and
+    tracing observers on each engine.
 
-    The engine loop starts with the app (ASGI lifespan) and stops with it."""
-    pipeline, pm = engine.pipeline, engine.engine.c.registry.pm
+    The engine loops start with the app (ASGI lifespan) and stop with it."""
+    engines = [engine] if isinstance(engine, AsyncEngine) else list(engine)
+    replicated = len(engines) > 1
+    first = engines[0]
+    pipeline = first.pipeline
     obs, cfg = pipeline.observability, pipeline.server
-    metrics = tracing = None
+    metrics: list[MetricsObserver] = []
+    tracing = None
     if obs.metrics:
-        metrics = MetricsObserver(engine.model_name, engine.max_model_len)
-        pm.register(metrics)
+        for i, e in enumerate(engines):
+            metrics.append(MetricsObserver(e.model_name, e.max_model_len, replica=str(i) if replicated else None))
+            e.engine.c.registry.pm.register(metrics[-1])
     exporter = make_exporter(obs.tracing)
     if exporter is not None:
-        tracing = TracingObserver(engine.model_name, exporter, batch=obs.tracing.exporter != "console")
-        pm.register(tracing)
+        tracing = TracingObserver(first.model_name, exporter, batch=obs.tracing.exporter != "console")
+        for e in engines:  # one observer: request ids are unique across replicas
+            e.engine.c.registry.pm.register(tracing)
 
     @asynccontextmanager
     async def lifespan(app: Starlette):
-        engine.start()
+        for e in engines:
+            e.start()
         try:
             yield
         finally:
-            await engine.stop()
+            for e in engines:
+                await e.stop()
             if tracing is not None:
                 tracing.shutdown()
 
     middleware = [Middleware(AccessLogMiddleware)] if cfg.log_requests else []
+    if replicated:
+        middleware.append(Middleware(ReplicaHeaderMiddleware))
     keys = api_keys(cfg)
     if keys:
         middleware.append(Middleware(AuthMiddleware, keys=keys, exempt_paths=cfg.auth_exempt_paths))
     app = Starlette(routes=ROUTES, middleware=middleware, exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
-    app.state.server = ServerState(engine, cfg, metrics, tracing)
+    router = Router(len(engines), _block_size(first)) if replicated else None
+    app.state.server = ServerState(
+        first, cfg, metrics[0] if metrics else None, tracing, replicas=engines, replica_metrics=metrics, router=router
+    )
     return app
 
 
-def serve(pipeline_source: Any = None, host: str | None = None, port: int | None = None, **overrides: Any) -> int:
+def _block_size(engine: AsyncEngine) -> int:
+    kv = getattr(engine.engine.c, "kv", None)
+    return getattr(kv, "block_size", None) or 16
+
+
+def build_replicas(pipeline: Any) -> list[AsyncEngine]:
+    """``parallel.data_parallel_size`` engines built from ``pipeline``, each on its own loop thread."""
+    n = pipeline.parallel.data_parallel_size
+    if n > 1 and pipeline.parallel.tensor_parallel_size > 1:
+        raise ConfigError(
+            "parallel.data_parallel_size: replicas of a tensor-parallel engine are not supported; "
+            "use data_parallel_size > 1 with tensor_parallel_size 1"
+        )
+    return [AsyncEngine(Engine.from_config(pipeline)) for _ in range(n)]
+
+
+def serve(
+    pipeline_source: Any = None, host: str | None = None, port: int | None = None, replicas: int | None = None,
+    **overrides: Any,
+) -> int:
     """Run the server until SIGTERM (drained: 0) or an engine failure (1).
 
-    A start-up failure (bad config: 2, anything else: 1) prints one line naming the reason."""
+    ``replicas`` overrides ``parallel.data_parallel_size``. A start-up failure (bad config: 2,
+    anything else: 1) prints one line naming the reason."""
     _configure_logging()
     cli = {k: v for k, v in {"host": host, "port": port}.items() if v is not None}
     if cli:  # validated with the pipeline, so a bad --port is a config error
         overrides["server"] = {**overrides.get("server", {}), **cli}
+    if replicas is not None:
+        overrides["parallel"] = {**overrides.get("parallel", {}), "data_parallel_size": replicas}
     sock = None
     try:
         pipeline = load_pipeline(pipeline_source, **overrides)
         cfg = pipeline.server
         sock = bind(cfg.host, cfg.port)
-        engine = AsyncEngine(Engine.from_config(pipeline))
-        app = build_app(engine)
+        engines = build_replicas(pipeline)
+        app = build_app(engines)
+        engine = engines[0] if len(engines) == 1 else Replicas(engines)
     except Exception as e:
         if sock is not None:
             sock.close()
@@ -81,7 +121,8 @@ def serve(pipeline_source: Any = None, host: str | None = None, port: int | None
     keys = api_keys(cfg)
     auth = f"{len(keys)} API key(s) required" if keys else "no API key configured: authentication is disabled"
     url_host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
-    print(f"modserve: serving {engine.model_name!r} at http://{url_host}:{runner.port}/v1 ({auth})", flush=True)
+    where = f" on {len(engines)} replicas" if len(engines) > 1 else ""
+    print(f"modserve: serving {engines[0].model_name!r}{where} at http://{url_host}:{runner.port}/v1 ({auth})", flush=True)
     return runner.run()
 
 

@@ -48,21 +48,25 @@ def start(
             param,
             "batch_too_large",
         )
-    try:
-        state.engine.check_capacity(num_seqs)
-    except Exception as e:
-        err = from_engine_error(e)
-        if state.metrics is not None:
-            state.metrics.rejected(err.code or "unknown")
-        raise err from None
+    picks = [state.pick_replica(p.token_ids, body.cache_salt) for p in prompts]
+    if len(state.replicas) > 1:
+        request.scope.setdefault("state", {})["replicas"] = picks  # the x-modserve-replica header
+    for idx in sorted(set(picks)):
+        try:
+            state.replicas[idx].check_capacity(picks.count(idx) * n)
+        except Exception as e:
+            err = from_engine_error(e)
+            if state.replica_metrics:
+                state.replica_metrics[idx].rejected(err.code or "unknown")
+            raise err from None
     streams = []
-    for i, (prompt, sp) in enumerate(zip(prompts, params)):
+    for i, (prompt, sp, idx) in enumerate(zip(prompts, params, picks)):
         rid = response_id if len(prompts) == 1 else f"{response_id}-{i}"
         if state.tracing is not None:
             ids = [parallel_sampling.child_id(rid, j, n) for j in range(n)]
             state.tracing.attach(ids, request.headers, operation, response_id)
         streams.append(
-            state.engine.generate(
+            state.replicas[idx].generate(
                 prompt.token_ids, sp, rid, priority=body.priority, cache_salt=body.cache_salt, user=body.user,
                 prompt=prompt.text,
             )

@@ -22,6 +22,7 @@ from modserve.core.server.protocol import (
     encoder,
 )
 from modserve.core.server.state import ServerState
+from modserve.plugins.observers.metrics import render_all
 
 
 def _json(obj) -> Response:
@@ -38,14 +39,16 @@ async def list_models(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
-    """200 while serving; 503 once draining for shutdown or when the engine loop has died."""
-    engine = _state(request).engine
-    if engine.dead_reason is not None:
-        raise APIError(503, f"engine loop died: {engine.dead_reason}", code="engine_dead")
-    worker_death = engine.engine.dead  # a tensor-parallel worker may die while the loop idles
-    if worker_death is not None:
-        raise APIError(503, f"engine cannot serve: {worker_death}", code="engine_dead")
-    if engine.draining:
+    """200 while serving; 503 once draining for shutdown or when an engine loop (any replica's) has died."""
+    replicas = _state(request).replicas
+    for i, engine in enumerate(replicas):
+        which = f"replica {i}: " if len(replicas) > 1 else ""
+        if engine.dead_reason is not None:
+            raise APIError(503, f"{which}engine loop died: {engine.dead_reason}", code="engine_dead")
+        worker_death = engine.engine.dead  # a tensor-parallel worker may die while the loop idles
+        if worker_death is not None:
+            raise APIError(503, f"{which}engine cannot serve: {worker_death}", code="engine_dead")
+    if any(engine.draining for engine in replicas):
         raise APIError(503, "the server is shutting down", code="shutting_down")
     return _json(HealthResponse("ok"))
 
@@ -54,7 +57,7 @@ async def metrics(request: Request) -> Response:
     s = _state(request)
     if s.metrics is None:
         raise APIError(404, "metrics are disabled (observability.metrics: false)", code="not_found")
-    return Response(s.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    return Response(render_all(s.replica_metrics), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 async def tokenize(request: Request) -> Response:

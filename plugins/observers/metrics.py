@@ -1,5 +1,8 @@
 """Prometheus metrics named like vLLM's (prefix ``modserve:``, label ``model_name``).
 
+With data-parallel replicas each replica's observer also carries a ``replica`` label and
+:func:`render_all` merges their registries into one exposition.
+
 Fed only by observer hooks (per request and per step, never per token), so a
 third-party plugin can export its own metrics the same way. Each observer owns a
 ``CollectorRegistry``: several servers in one process do not clash.
@@ -7,6 +10,8 @@ third-party plugin can export its own metrics the same way. Each observer owns a
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -37,10 +42,13 @@ def token_buckets(max_model_len: int) -> list[float]:
 class MetricsObserver:
     """Register on an engine's plugin manager; ``render()`` gives the exposition text."""
 
-    def __init__(self, model_name: str, max_model_len: int) -> None:
+    def __init__(self, model_name: str, max_model_len: int, replica: str | None = None) -> None:
         self.registry = CollectorRegistry()
         self._model_name = model_name
         label = {"model_name": model_name}
+        if replica is not None:  # data-parallel replicas: one observer per replica, rendered together
+            label["replica"] = replica
+        self._label = dict(label)
 
         def gauge(name: str, doc: str) -> Any:
             return Gauge(f"modserve:{name}", doc, list(label), registry=self.registry).labels(**label)
@@ -61,12 +69,12 @@ class MetricsObserver:
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self._success = Counter(
-            "modserve:request_success", "Requests finished, by reason.", ["model_name", "finished_reason"],
+            "modserve:request_success", "Requests finished, by reason.", [*label, "finished_reason"],
             registry=self.registry,
         )
         self._rejected = Counter(
             "modserve:request_rejected", "Requests refused at admission (503), by reason.",
-            ["model_name", "reason"], registry=self.registry,
+            [*label, "reason"], registry=self.registry,
         )
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS)
         self.itl = histogram(
@@ -77,7 +85,7 @@ class MetricsObserver:
         self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
         self._spec_per_position = Counter(
             "modserve:spec_decode_num_accepted_tokens_per_pos", "Accepted drafts at each draft position.",
-            ["model_name", "position"], registry=self.registry,
+            [*label, "position"], registry=self.registry,
         )
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS)
@@ -95,7 +103,7 @@ class MetricsObserver:
         """A request refused before it reached the engine (``overloaded``, ``shutting_down``, ...).
 
         Called by the server, not a hook: such a request never exists in the engine."""
-        self._rejected.labels(model_name=self._model_name, reason=reason).inc()
+        self._rejected.labels(**self._label, reason=reason).inc()
 
     @hookimpl
     def on_request_added(self, request: Request) -> None:
@@ -117,12 +125,12 @@ class MetricsObserver:
         self.spec_accepted_tokens.inc(stats.num_accepted_tokens)
         for accepted in stats.accepted_per_position:
             for pos in range(accepted):
-                self._spec_per_position.labels(model_name=self._model_name, position=str(pos)).inc()
+                self._spec_per_position.labels(**self._label, position=str(pos)).inc()
 
     @hookimpl
     def on_request_finished(self, request: Request) -> None:
         m = request.metrics
-        self._success.labels(model_name=self._model_name, finished_reason=request.finish_reason or "unknown").inc()
+        self._success.labels(**self._label, finished_reason=request.finish_reason or "unknown").inc()
         self.request_prompt_tokens.observe(request.num_prompt_tokens)
         self.request_generation_tokens.observe(request.num_output_tokens)
         self.e2e.observe((m.finished_time or m.arrival_time) - m.arrival_time)
@@ -130,3 +138,29 @@ class MetricsObserver:
             self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
         if m.first_token_time is not None:
             self.ttft.observe(m.first_token_time - m.arrival_time)
+
+
+class _Merged:
+    """A collector yielding each metric family once, with the samples of every registry."""
+
+    def __init__(self, registries: Sequence[CollectorRegistry]) -> None:
+        self.registries = registries
+
+    def collect(self):
+        families: dict[str, Any] = {}
+        for registry in self.registries:
+            for family in registry.collect():
+                if family.name in families:
+                    families[family.name].samples.extend(family.samples)
+                else:
+                    merged = copy.copy(family)
+                    merged.samples = list(family.samples)
+                    families[family.name] = merged
+        return iter(families.values())
+
+
+def render_all(observers: Sequence[MetricsObserver]) -> bytes:
+    """One exposition for several observers (the replicas'), each family's HELP/TYPE once."""
+    if len(observers) == 1:
+        return observers[0].render()
+    return generate_latest(_Merged([o.registry for o in observers]))
