@@ -51,7 +51,7 @@ class Recorder:
 
 
 def build(model: str, max_model_len: int = 2048, **overrides) -> tuple[LLM, Recorder]:
-    llm = LLM({"model": {"path": model, "max_model_len": max_model_len, "dtype": "bfloat16"}, **overrides})
+    llm = LLM({"model": {"path": model, "max_model_len": max_model_len, "dtype": "float32"}, **overrides})
     return llm, Recorder(llm.engine)
 
 

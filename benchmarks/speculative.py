@@ -57,7 +57,7 @@ class Acceptance:
 def run(name: str, spec, prompts: list[str], concurrency: int, max_tokens: int, governed: bool) -> tuple[float, float]:
     if spec is not None and governed:
         spec = {**spec, "disable_above_batch_size": 8, "min_acceptance_rate": 0.3}
-    llm = LLM({"model": {"path": "smollm2-135m-instruct", "max_model_len": 2048, "dtype": "bfloat16"},
+    llm = LLM({"model": {"path": "smollm2-135m-instruct", "max_model_len": 2048, "dtype": "float32"},
                "kv_cache": {"plugin": "paged", "num_blocks": 2048}, "speculative": spec})
     acc = Acceptance()
     llm.engine.c.registry.pm.register(acc)
