@@ -61,8 +61,13 @@ def drive(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> f
     return time.perf_counter() - t0
 
 
-def varied_workload(n: int, rng: random.Random) -> tuple[list[list[int]], list[SamplingParams]]:
-    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randrange(32, 160))] for _ in range(n)]
+def tokens(rng: random.Random, count: int, vocab: int) -> list[int]:
+    """Random ordinary token ids (the first few ids of most vocabularies are special)."""
+    return [rng.randrange(min(100, vocab // 4), vocab) for _ in range(count)]
+
+
+def varied_workload(n: int, rng: random.Random, vocab: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    prompts = [tokens(rng, rng.randrange(32, 160), vocab) for _ in range(n)]
     params = [SamplingParams(temperature=0, max_tokens=rng.choice([8, 32, 64, 128, 256]), ignore_eos=True) for _ in range(n)]
     return prompts, params
 
@@ -70,13 +75,13 @@ def varied_workload(n: int, rng: random.Random) -> tuple[list[list[int]], list[S
 def kv_waste_and_concurrency(model: str, n: int) -> None:
     print("\n## 1. KV waste and concurrency in a fixed budget (192 blocks x 16 tokens, max_model_len 512)")
     for backend in ("paged", "contiguous"):
-        prompts, params = varied_workload(n, random.Random(1))
         llm, rec = build(
             model,
             max_model_len=512,
             kv_cache={"plugin": backend, "num_blocks": 192, "block_size": 16},
             scheduler={"plugin": "fcfs", "max_num_seqs": 128},
         )
+        prompts, params = varied_workload(n, random.Random(1), llm.engine.c.spec.vocab_size)
         elapsed = drive(llm, prompts, params)
         print(f"{backend:<11} waste {100 * statistics.mean(rec.waste):5.1f}%  max concurrency {rec.max_running:3d}  "
               f"({elapsed:.1f} s)")
@@ -86,8 +91,8 @@ def continuous_vs_static(model: str, n: int) -> None:
     print("\n## 2. Continuous (fcfs) vs static batching, max_num_seqs 16")
     results = {}
     for sched in ("fcfs", "static"):
-        prompts, params = varied_workload(n, random.Random(2))
         llm, _ = build(model, scheduler={"plugin": sched, "max_num_seqs": 16}, kv_cache={"plugin": "paged", "num_blocks": 2048})
+        prompts, params = varied_workload(n, random.Random(2), llm.engine.c.spec.vocab_size)
         elapsed = drive(llm, prompts, params)
         results[sched] = sum(p.max_tokens for p in params) / elapsed
         print(f"{sched:<7} {results[sched]:7.1f} output tok/s")
@@ -96,16 +101,17 @@ def continuous_vs_static(model: str, n: int) -> None:
 
 def prefix_caching_ttft(model: str, n: int) -> None:
     print("\n## 3. TTFT with a shared 1,000-token system prompt, prefix caching on vs off")
-    rng = random.Random(3)
-    system = [rng.randrange(100, 40000) for _ in range(1000)]
     results = {}
     for caching in (True, False):
+        rng = random.Random(3)
         llm, rec = build(model, kv_cache={"plugin": "paged", "num_blocks": 1024, "prefix_caching": caching})
+        vocab = llm.engine.c.spec.vocab_size
+        system = tokens(rng, 1000, vocab)
         drive(llm, [system + [5, 6]], [SamplingParams(temperature=0, max_tokens=1)])  # warm the cache
         ttfts = []
         for i in range(n):
             t0 = time.perf_counter()
-            drive(llm, [system + [rng.randrange(100, 40000) for _ in range(20)]], [SamplingParams(temperature=0, max_tokens=1)])
+            drive(llm, [system + tokens(rng, 20, vocab)], [SamplingParams(temperature=0, max_tokens=1)])
             ttfts.append(time.perf_counter() - t0)
         results[caching] = statistics.median(ttfts)
         print(f"prefix_caching={caching!s:<5} median TTFT {1000 * results[caching]:7.1f} ms")
@@ -114,9 +120,9 @@ def prefix_caching_ttft(model: str, n: int) -> None:
 
 def chunked_prefill_itl(model: str, streams: int) -> None:
     print(f"\n## 4. p99 inter-token latency of {streams} streams while a 1,500-token prompt arrives")
-    rng = random.Random(4)
     results = {}
     for chunked in (True, False):
+        rng = random.Random(4)
         llm, rec = build(
             model,
             scheduler={"plugin": "fcfs", "max_num_batched_tokens": 256 if chunked else 2048,
@@ -124,11 +130,12 @@ def chunked_prefill_itl(model: str, streams: int) -> None:
             kv_cache={"plugin": "paged", "num_blocks": 1024},
         )
         engine = llm.engine
+        vocab = engine.c.spec.vocab_size
         for i in range(streams):
-            engine.add_request([rng.randrange(100, 40000) for _ in range(32)], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), request_id=f"s{i}")
+            engine.add_request(tokens(rng, 32, vocab), SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), request_id=f"s{i}")
         for _ in range(10):
             engine.step()
-        engine.add_request([rng.randrange(100, 40000) for _ in range(1500)], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), request_id="long")
+        engine.add_request(tokens(rng, 1500, vocab), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), request_id="long")
         while engine.has_unfinished():
             engine.step()
         gaps = [b - a for rid, ts in rec.token_times.items() if rid != "long" for a, b in zip(ts, ts[1:])]
