@@ -66,7 +66,10 @@ def _parser() -> argparse.ArgumentParser:
     bsub = b.add_subparsers(dest="bench_command")
     from modserve.core.bench.throughput import add_arguments as add_throughput
 
+    from modserve.core.bench.serve import add_arguments as add_serve
+
     add_throughput(bsub.add_parser("throughput", help="offline throughput (all requests at once)"))
+    add_serve(bsub.add_parser("serve", help="online benchmark against any OpenAI-compatible server"))
     return p
 
 

