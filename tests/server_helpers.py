@@ -52,13 +52,12 @@ def pipeline(max_position_embeddings: int = 512, **sections: dict[str, Any]) -> 
     return base
 
 
-class LiveServer:
-    """``with LiveServer(server={...}) as s:`` serves on ``s.url`` until the block ends."""
+class ThreadedServer:
+    """Serves ``app`` on a free 127.0.0.1 port in a thread while the ``with`` block runs."""
 
-    def __init__(self, **sections: dict[str, Any]) -> None:
-        self.engine = AsyncEngine(Engine.from_config(pipeline(**sections)))
-        self.app = build_app(self.engine)
-        self.runner = Runner(self.app, self.engine, bind("127.0.0.1", 0), self.engine.pipeline.server.shutdown_grace_s)
+    def __init__(self, app, engine, grace_s: float) -> None:
+        self.app = app
+        self.runner = Runner(app, engine, bind("127.0.0.1", 0), grace_s)
         self.url = f"http://127.0.0.1:{self.runner.port}"
         self.exit_code: int | None = None
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -66,7 +65,7 @@ class LiveServer:
     def _run(self) -> None:
         self.exit_code = self.runner.run()
 
-    def __enter__(self) -> LiveServer:
+    def __enter__(self) -> ThreadedServer:
         self._thread.start()
         wait_ready(self.url)
         return self
@@ -75,6 +74,14 @@ class LiveServer:
         if self._thread.is_alive():
             self.runner.shutdown()
             self._thread.join(30)
+
+
+class LiveServer(ThreadedServer):
+    """``with LiveServer(server={...}) as s:`` serves on ``s.url`` until the block ends."""
+
+    def __init__(self, **sections: dict[str, Any]) -> None:
+        self.engine = AsyncEngine(Engine.from_config(pipeline(**sections)))
+        super().__init__(build_app(self.engine), self.engine, self.engine.pipeline.server.shutdown_grace_s)
 
     def wait_exit(self, timeout: float) -> int | None:
         self._thread.join(timeout)

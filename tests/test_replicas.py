@@ -6,18 +6,16 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 import yaml
-from server_helpers import MODEL_NAME, parse_metrics, pipeline, wait_ready
+from server_helpers import MODEL_NAME, ThreadedServer, parse_metrics, pipeline, wait_ready
 
 from modserve import LLM, SamplingParams
 from modserve.core.config import load_pipeline
 from modserve.core.server.app import build_app, build_replicas
-from modserve.core.server.lifecycle import Runner, bind
 from modserve.core.server.router import Replicas, Router
 
 BLOCK = 16  # the test pipeline's kv_cache.block_size
@@ -74,30 +72,13 @@ def test_one_replica_always_zero():
 # ----------------------------------------------------------------------------- live server, 2 replicas
 
 
-class ReplicaServer:
-    """Like ``server_helpers.LiveServer``, with ``parallel.data_parallel_size: 2``."""
+class ReplicaServer(ThreadedServer):
+    """Like ``server_helpers.LiveServer``, with ``parallel.data_parallel_size: n``."""
 
     def __init__(self, n: int = 2) -> None:
         cfg = load_pipeline(pipeline(parallel={"data_parallel_size": n}))
         self.engines = build_replicas(cfg)
-        self.app = build_app(self.engines)
-        self.runner = Runner(self.app, Replicas(self.engines), bind("127.0.0.1", 0), cfg.server.shutdown_grace_s)
-        self.url = f"http://127.0.0.1:{self.runner.port}"
-        self.exit_code: int | None = None
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        self.exit_code = self.runner.run()
-
-    def __enter__(self) -> ReplicaServer:
-        self._thread.start()
-        wait_ready(self.url)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._thread.is_alive():
-            self.runner.shutdown()
-            self._thread.join(30)
+        super().__init__(build_app(self.engines), Replicas(self.engines), cfg.server.shutdown_grace_s)
 
     def complete(self, prompt, max_tokens: int = 8, **extra) -> httpx.Response:
         body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
