@@ -67,9 +67,11 @@ def _parser() -> argparse.ArgumentParser:
     from modserve.core.bench.throughput import add_arguments as add_throughput
 
     from modserve.core.bench.serve import add_arguments as add_serve
+    from modserve.core.bench.roofline import add_arguments as add_roofline
 
     add_throughput(bsub.add_parser("throughput", help="offline throughput (all requests at once)"))
     add_serve(bsub.add_parser("serve", help="online benchmark against any OpenAI-compatible server"))
+    add_roofline(bsub.add_parser("roofline", help="machine limits (matmul FLOP/s, bandwidth) and how close the engine gets"))
     return p
 
 

@@ -158,13 +158,16 @@ class Engine:
         except Exception as e:  # the scheduler, or the KV backend it called
             current = getattr(self.scheduler, "current", None)
             return self._fail(e, "scheduler", [current] if current is not None else list(self.requests.values()))
+        t_prepare = time.perf_counter()
         stats = StepStats(self._step, 0, 0, 0.0, num_scheduled_tokens=sched.num_tokens)
+        stats.schedule_time_s = t_prepare - t0
         outputs: list[RequestOutput] = []
         if sched.scheduled:
             try:
                 batch = self.runner.prepare(sched)
                 plan = SamplePlan.build(sched, self._forks)
                 t_model = time.perf_counter()
+                stats.prepare_time_s = t_model - t_prepare
                 logits = self.runner.execute(batch, plan.rows)
                 stats.model_time_s = time.perf_counter() - t_model
                 if plan.prompt_rows:
@@ -173,9 +176,13 @@ class Engine:
                 self._die(e)
             except Exception as e:  # attention or KV plugin inside the forward: the batch is lost
                 return self._fail(e, "model forward", [s.request for s in sched.scheduled])
+            t_sample = time.perf_counter()
             chosen, failed = self._select(logits, plan, sched)
+            t_output = time.perf_counter()
+            stats.sample_time_s = t_output - t_sample
             outputs = self._update(sched, plan, chosen, stats) + failed
             outputs += self._propose_drafts([e.request for e in plan.entries if e.request.finish_reason is None])
+            stats.output_time_s = time.perf_counter() - t_output
         self._step += 1
         stats.num_preemptions = getattr(self.scheduler, "num_preemptions", 0) - preemptions_before
         queries, hits = self._prefix_counters()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +17,8 @@ from modserve.core.plugin_manager import PluginRegistry, default_registry
 from modserve.core.runner import ModelRunner
 from modserve.core.speculative_base import ProposerContext
 from modserve.core.tokenizer import TokenizerBundle
+
+log = logging.getLogger("modserve.engine")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -38,7 +41,7 @@ def resolve(source: Any = None, registry: PluginRegistry | None = None, **overri
     for section in ("scheduler", "kv_cache", "attention", "sampler", "speculative"):
         raw = getattr(pipeline, section)
         if section == "attention" and isinstance(raw, dict) and raw.get("plugin") == "auto":
-            raw = pipeline.attention = {**raw, "plugin": auto_attention(pipeline.device)}
+            raw = pipeline.attention = {**raw, "plugin": auto_attention(pipeline.device, pipeline.model.dtype)}
         if raw is not None:
             plugins[section] = registry.resolve(section, raw)
     return ResolvedPipeline(pipeline, plugins, locate(pipeline.model.path), registry)
@@ -78,9 +81,21 @@ class EngineComponents:
         }
 
 
-def auto_attention(device: str) -> str:
-    """``attention: {plugin: auto}``: Triton kernels on CUDA, the torch backend elsewhere."""
-    return "triton" if pick_device(device).type == "cuda" else "torch"
+def auto_attention(device: str, dtype: str = "auto") -> str:
+    """``attention: {plugin: auto}``: Triton kernels on CUDA; on the CPU the compiled ``cpu``
+    kernel where a C++ compiler can build it (float32/bfloat16), else the ``torch`` backend."""
+    if pick_device(device).type == "cuda":
+        return "triton"
+    if dtype == "float16":
+        return "torch"
+    from modserve.plugins.attention import cpu_kernel_build
+
+    try:
+        cpu_kernel_build.load()
+    except cpu_kernel_build.KernelUnavailable as e:
+        log.warning("attention auto: %s; using the torch backend", e)
+        return "torch"
+    return "cpu"
 
 
 def pick_device(name: str) -> torch.device:
@@ -135,7 +150,8 @@ def _build(r: ResolvedPipeline, workers) -> EngineComponents:
 
     tp = workers.tp if workers is not None else None
     loaded = load_model(
-        r.source, lambda spec: make_attention(spec, n), dtype, device, p.model.max_model_len, p.model.tokenizer, tp=tp
+        r.source, lambda spec: make_attention(spec, n), dtype, device, p.model.max_model_len, p.model.tokenizer, tp=tp,
+        pack_weights=p.model.pack_cpu_weights,
     )
     spec = loaded.spec
     max_model_len = p.model.max_model_len or spec.max_position_embeddings

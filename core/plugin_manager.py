@@ -30,6 +30,7 @@ BUILTIN_PLUGIN_MODULES = (
     "modserve.plugins.kv_backends.lru",
     "modserve.plugins.kv_backends.contiguous",
     "modserve.plugins.attention.torch_backend",
+    "modserve.plugins.attention.cpu_backend",
     "modserve.plugins.attention.triton_backend",
     "modserve.plugins.samplers.default",
     "modserve.plugins.speculative.ngram",

@@ -22,5 +22,10 @@ class StepStats:
     accepted_per_position: list[int] = field(default_factory=list)  # per verified request: drafts accepted
     inter_token_latencies: list[float] = field(default_factory=list)  # per request that got tokens: gap since its last
     step_time_s: float = 0.0
-    model_time_s: float = 0.0  # inside the model forward (the rest is engine overhead)
+    # where the step's wall time went: the forward is the model, the rest is engine overhead
+    schedule_time_s: float = 0.0  # the scheduler plugin (and the KV allocations it makes)
+    prepare_time_s: float = 0.0  # flattening the batch into tensors
+    model_time_s: float = 0.0  # inside the model forward, attention backend included
+    sample_time_s: float = 0.0  # the sampler plugin and token selection
+    output_time_s: float = 0.0  # appending tokens, stop checks, detokenizing, finishing, drafts
     finished_request_ids: list[str] = field(default_factory=list)

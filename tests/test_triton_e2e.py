@@ -29,7 +29,7 @@ from tiny_models import build_model  # noqa: E402
 
 from modserve import LLM, SamplingParams  # noqa: E402
 from modserve.core.engine_factory import resolve  # noqa: E402
-from modserve.plugins.attention.torch_backend import TorchAttention  # noqa: E402
+from modserve.plugins.attention.cpu_backend import CpuAttention  # noqa: E402
 from modserve.plugins.attention.triton_backend import TritonAttention  # noqa: E402
 
 MAX_TOKENS = 12
@@ -124,14 +124,15 @@ def test_int8_kv_triton_matches_int8_kv_torch(model64, interpreter):
     assert tokens["triton"] == tokens["torch"]
 
 
-def test_auto_attention_is_torch_on_cpu(model64):
+def test_auto_attention_is_the_cpu_kernel_on_cpu(model64):
+    """Not triton without CUDA (the fallback to torch without a compiler: test_cpu_attention)."""
     path, _ = model64
     for device in ("cpu", "auto"):
         resolved = resolve({"model": {"path": path}, "device": device, "attention": {"plugin": "auto"}})
-        assert resolved.pipeline.attention["plugin"] == "torch"
+        assert resolved.pipeline.attention["plugin"] == "cpu"
     kv = {"plugin": "paged", "num_blocks": 64}
     llm = LLM({"model": {"path": path}, "attention": {"plugin": "auto"}, "kv_cache": kv})
-    assert isinstance(llm.engine.c.attention, TorchAttention)
+    assert isinstance(llm.engine.c.attention, CpuAttention)
 
 
 def test_triton_on_cpu_without_interpreter_says_how_to_proceed(model64, monkeypatch):

@@ -119,5 +119,7 @@ def release_free_memory() -> None:
 
 
 def parameter_bytes(model: nn.Module) -> int:
-    """Bytes of the model's parameters (a tied weight counted once)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of the model's weights: parameters (a tied weight counted once) and weights
+    held pre-packed for oneDNN (:mod:`modserve.core.models.cpu_linear`)."""
+    packed = (b for name, b in model.named_buffers() if name.endswith(".packed"))
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *packed))

@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 
 from modserve.core.interfaces import AttentionBackend
+from modserve.core.models.cpu_linear import can_pack, pack_linears
 from modserve.core.models.gguf_reader import find_smollm2_gguf, read_gguf
 from modserve.core.models.llama import LlamaForCausalLM
 from modserve.core.models.spec import ModelSpec
@@ -65,6 +66,7 @@ def load_model(
     tokenizer_path: str | None = None,
     num_layers: int | None = None,
     tp=None,
+    pack_weights: bool = True,
 ) -> LoadedModel:
     """Read config, tokenizer and weights; build the model on ``device`` in ``dtype``.
 
@@ -72,6 +74,7 @@ def load_model(
     ``tp`` (a :class:`modserve.core.distributed.sharding.TPShard`) only this rank's shard
     is built and read: safetensors slices are read straight from the file; a GGUF file is
     dequantized whole (tensor by tensor, the full tensors freed as they are sliced).
+    ``pack_weights``: on the CPU, hold linear weights in oneDNN's layout (:mod:`cpu_linear`).
     """
     if source.kind == "hf":
         spec = read_spec(source)
@@ -103,6 +106,8 @@ def load_model(
     model.load_weights(tensors)
     model.to_device(device, dtype)
     model.eval().requires_grad_(False)
+    if pack_weights and can_pack(device, dtype):
+        pack_linears(model)
     return LoadedModel(spec, model, tokenizer)
 
 

@@ -1,0 +1,120 @@
+"""Attention backend ``cpu``: a compiled paged-attention kernel for decode, SDPA for prefill.
+
+The ``torch`` backend gathers every decode request's KV blocks into a padded tensor per
+layer before SDPA: on a CPU that copy, plus the padding, costs more than the attention
+itself. Here, rows of requests scheduled with at most ``max_query_len`` tokens (decode,
+speculative verification, short chunks) go to ``cpu_paged_attention.cpp``, which reads
+K/V straight from the blocks once per KV head (GQA without copies) with an online
+softmax, parallel over tokens x KV heads on torch's OpenMP threads. Longer chunks are
+compute-bound causal blocks, where SDPA's flash kernel wins, so they keep the ``torch``
+path. Float32 and bfloat16 caches and the int8 cache are read directly.
+
+The kernel is compiled with the machine's C++ compiler on first use (about a second,
+then cached); without one the backend refuses to start and says so, and
+``attention: {plugin: auto}`` falls back to ``torch``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+import msgspec
+import torch
+
+from modserve.core.hookspecs import hookimpl
+from modserve.core.interfaces import AttentionBackend, AttentionMetadata, AttentionSpec, LayerKVCache
+from modserve.plugins.attention import cpu_kernel_build as kernel
+from modserve.plugins.attention.torch_backend import _Prefill, plan_prefills, run_prefills, write_kv
+
+MODSERVE_CONTRACT = "1.0"
+
+
+@dataclass
+class _KernelRows:
+    rows: torch.Tensor  # int64 [N]: token rows handled by the kernel
+    seq: torch.Tensor  # int32 [N]: each row's request (row of block_tables)
+    pos: torch.Tensor  # int32 [N]: each row's position; it attends to cache positions 0..pos
+
+
+@dataclass
+class _StepState:
+    kernel: _KernelRows | None
+    prefills: list[_Prefill]
+    block_tables: torch.Tensor  # int32, contiguous
+
+
+class CpuAttention(AttentionBackend):
+    class Config(msgspec.Struct, forbid_unknown_fields=True):
+        # Requests scheduled with at most this many tokens in a step use the kernel; longer
+        # prefill chunks use SDPA (faster for large causal blocks).
+        max_query_len: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 16
+
+    def __init__(self, config: Config, spec: AttentionSpec) -> None:
+        super().__init__(config, spec)
+        _check_spec(spec)
+        self.gqa = spec.num_heads != spec.num_kv_heads
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        limit = self.config.max_query_len
+        rows, seq, pos = [], [], []
+        starts = meta.query_start_loc.tolist()
+        for i, q_len in enumerate(meta.query_lens_cpu):
+            if q_len <= limit:
+                first = meta.seq_lens_cpu[i] - q_len
+                rows += range(starts[i], starts[i] + q_len)
+                seq += [i] * q_len
+                pos += range(first, first + q_len)
+        kernel_rows = None
+        if rows:
+            kernel_rows = _KernelRows(
+                torch.tensor(rows, dtype=torch.int64),
+                torch.tensor(seq, dtype=torch.int32),
+                torch.tensor(pos, dtype=torch.int32),
+            )
+        prefills = plan_prefills(meta, self.spec.block_size, skip=lambda q_len: q_len <= limit)
+        meta.backend_state = _StepState(kernel_rows, prefills, meta.block_tables.to(torch.int32).contiguous())
+
+    def forward(self, q, k, v, cache: LayerKVCache, meta: AttentionMetadata) -> torch.Tensor:
+        write_kv(k, v, cache, meta.slot_mapping)
+        state: _StepState = meta.backend_state
+        if state.kernel is None:
+            out = torch.empty_like(q)
+        else:
+            qf = q.float().contiguous()
+            out = torch.empty_like(qf)
+            r = state.kernel
+            kernel.paged_attention(
+                qf, out, cache.k, cache.v, cache.k_scale, cache.v_scale,
+                state.block_tables, r.rows, r.seq, r.pos, self.spec.scale,
+            )  # fmt: skip
+            out = out.to(q.dtype)
+        run_prefills(q, k, v, cache, state.prefills, out, self.spec.scale, self.gqa)
+        return out
+
+
+def _check_spec(spec: AttentionSpec) -> None:
+    """Refuse what the kernel was not built for, naming the alternative."""
+    if torch.device(spec.device).type != "cpu":
+        raise ValueError(f"attention plugin 'cpu' runs on the CPU only, not on {spec.device}; use 'triton' or 'torch'")
+    if spec.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(
+            f"attention plugin 'cpu' supports float32 and bfloat16 models, not {spec.dtype}; "
+            "use `attention: {plugin: torch}`"
+        )
+    max_group, max_head_dim, max_block = kernel.limits()  # compiles the kernel: fails here, at start-up
+    if spec.num_heads % spec.num_kv_heads or spec.num_heads // spec.num_kv_heads > max_group:
+        raise ValueError(
+            f"attention plugin 'cpu': num_heads {spec.num_heads} must be a multiple of num_kv_heads "
+            f"{spec.num_kv_heads}, at most {max_group} query heads per KV head"
+        )
+    if spec.head_dim > max_head_dim or spec.block_size > max_block:
+        raise ValueError(
+            f"attention plugin 'cpu' supports head_dim <= {max_head_dim} and block_size <= {max_block}, "
+            f"got head_dim {spec.head_dim}, block_size {spec.block_size}; use `attention: {{plugin: torch}}`"
+        )
+
+
+@hookimpl
+def register_attention_backends():
+    return {"cpu": CpuAttention}

@@ -1,0 +1,131 @@
+"""``modserve bench roofline``: the FLOP count against a hand computation, the engine part on a
+tiny model (shares, MFU, per-step accounting equal to the analytic count), argument errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from modserve.core import cli
+from modserve.core.bench.roofline import kv_bytes_per_context_token, model_flops, read_model_spec, weight_bytes
+from modserve.core.models.loader import locate
+from modserve.core.models.spec import ModelSpec
+from tiny_models import build_model
+
+
+def small_spec(**overrides) -> ModelSpec:
+    fields = dict(
+        model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16, num_layers=2, num_heads=2,
+        num_kv_heads=1, head_dim=4, rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None,
+        max_position_embeddings=64, tie_word_embeddings=True, qkv_bias=False,
+    )
+    return ModelSpec(**{**fields, **overrides})
+
+
+def test_model_flops_matches_a_hand_computation():
+    spec = small_spec()
+    # one layer's matmul weights: qkv 8 x (2 + 2*1) * 4 = 128, o 8*8 = 64, gate_up 8 x 32 = 256, down 16 x 8 = 128
+    layer = 128 + 64 + 256 + 128
+    # prompt 3, output 2: positions 0..3 computed (the last output token never goes back in)
+    matmuls = 2 * layer * 2 * 4  # 2 FLOPs per weight, 2 layers, 4 tokens
+    attention = 4 * 2 * 4 * 2 * (1 + 2 + 3 + 4)  # 4 * heads * head_dim * layers * sum of contexts
+    lm_head = 2 * 8 * 10 * 2  # one row for the last prompt token, one for the decode step
+    assert model_flops(spec, 3, 2) == matmuls + attention + lm_head == 10176
+    # a single output token: only the prompt is computed, one sampled row
+    assert model_flops(spec, 3, 1) == 2 * layer * 2 * 3 + 4 * 2 * 4 * 2 * 6 + 2 * 8 * 10
+    with pytest.raises(ValueError):
+        model_flops(spec, 0, 4)
+
+
+def test_bytes_helpers():
+    spec = small_spec()
+    assert weight_bytes(spec, 4) == (576 * 2 + 8 * 10) * 4
+    assert kv_bytes_per_context_token(spec, 2) == 2 * 2 * 1 * 4 * 2
+    assert kv_bytes_per_context_token(spec, 4, int8=True) == 2 * 2 * 1 * (4 + 4)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """Only the Llama checkpoint (the session's ``tiny_models`` builds three)."""
+    path = str(tmp_path_factory.mktemp("roofline-llama"))
+    build_model(path, "llama")
+    return path
+
+
+@pytest.fixture
+def tiny_config(tiny_dir, tmp_path):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump({
+        "model": {"path": tiny_dir, "max_model_len": 256},
+        "device": "cpu",
+        "kv_cache": {"plugin": "paged", "num_blocks": 64},
+    }))
+    return str(path)
+
+
+def test_engine_part_on_a_tiny_model(tiny_dir, tiny_config, tmp_path, capsys):
+    out = tmp_path / "roofline.json"
+    argv = ["bench", "roofline", "-c", tiny_config, "--quick", "--dtypes", "bfloat16", "--concurrency", "4",
+            "--num-prompts", "6", "--input-len", "20", "--output-len", "7", "--output", str(out)]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    assert "MFU over model forward" in printed and "decode roofline" in printed
+    result = json.loads(out.read_text())
+    machine, e = result["machine"], result["engine"]
+    assert set(machine["dtypes"]) == {"bfloat16", "float32"}  # the model's dtype is measured too
+    assert e["dtype"] == "float32" and e["output_tokens"] == 6 * 7
+    assert abs(sum(e["shares"].values()) - 1.0) < 1e-6
+    assert all(0.0 <= s <= 1.0 for s in e["shares"].values())
+    assert set(e["shares"]) == {"model", "schedule", "prepare", "sample", "output", "other"}
+    assert e["model_flops"] > 0
+    assert 0.0 < e["mfu_wall"] <= e["mfu_model"] <= 1.0
+    assert e["overhead_share"] == pytest.approx(1.0 - e["shares"]["model"])
+    # the per-step accounting (scheduled tokens, their contexts, sampled rows) equals the analytic count
+    spec = read_model_spec(locate(tiny_dir))
+    assert e["model_flops"] == 6 * model_flops(spec, 20, 7)
+    assert e["executed_flops"] == pytest.approx(e["model_flops"], rel=1e-12)
+    assert e["counts"]["scheduled_tokens"] == 6 * (20 + 7 - 1)
+    assert e["counts"]["generation_tokens"] == 6 * 7
+    d = e["decode"]
+    assert d["steps"] > 0 and 1 <= d["mean_batch"] <= 4
+    assert d["bytes"] > d["steps"] * weight_bytes(spec, 4)  # weights every step, plus the KV read
+    assert d["arithmetic_intensity"] > 0 and d["achieved_gb_s"] > 0
+    assert e["notes"] == []
+
+
+def test_skip_engine_measures_the_machine_only(tiny_config, tmp_path, capsys):
+    out = tmp_path / "machine.json"
+    argv = ["bench", "roofline", "-c", tiny_config, "--quick", "--skip-engine", "--dtypes", "float32,bfloat16",
+            "--output", str(out)]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    assert "Matmul GFLOP/s" in printed and "Memory bandwidth" in printed and "Engine:" not in printed
+    result = json.loads(out.read_text())
+    assert result["engine"] is None
+    m = result["machine"]
+    assert list(m["dtypes"]) == ["float32", "bfloat16"]
+    for d in m["dtypes"].values():
+        names = [s["name"] for s in d["shapes"]]
+        assert names.count("lm_head") == 2 and names[-1] == "square"  # M = 1 and 8 in quick mode
+        assert d["peak_flops_per_s"] == max(s["flops_per_s"] for s in d["shapes"]) > 0
+        lm = next(s for s in d["shapes"] if s["name"] == "lm_head")
+        assert (lm["n"], lm["k"]) == (384, 64)  # the tiny model's vocabulary x hidden
+    assert m["bandwidth"]["read_gb_s"] > 0 and m["bandwidth"]["copy_gb_s"] > 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--concurrency", "0"], "--concurrency: must be >= 1, got 0"),
+    (["--dtypes", "float32,int4"], "--dtypes: expected float32, bfloat16 or float16, got 'int4'"),
+    (["--num-prompts", "-1"], "--num-prompts: must be >= 1, got -1"),
+    (["--input-len", "0"], "--input-len: must be >= 1, got 0"),
+    (["--output-len", "0"], "--output-len: must be >= 1, got 0"),
+    (["--repeats", "0"], "--repeats: must be >= 1, got 0"),
+    (["--input-len", "250", "--output-len", "10"], "--input-len + --output-len: 260 tokens exceed max_model_len 256"),
+])
+def test_bad_arguments_exit_2_naming_the_flag(tiny_config, args, message, capsys):
+    assert cli.main(["bench", "roofline", "-c", tiny_config, "--quick", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("modserve bench: error: ") and message in err
+    assert err.count("\n") == 1

@@ -1,0 +1,136 @@
+"""The ``cpu`` attention backend: its compiled kernel against SDPA, end to end against HF,
+and its start-up refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from modserve import LLM, SamplingParams
+from modserve.core.engine_factory import resolve
+from modserve.core.kv_quant import quantize_per_token_head
+from modserve.plugins.attention import cpu_kernel_build
+from modserve.plugins.attention.cpu_backend import CpuAttention
+from modserve.plugins.attention.torch_backend import TorchAttention
+
+from test_parity_hf import hf_greedy, prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def reference(q, k_rows, v_rows, pos, scale):
+    """Plain SDPA of one query token [H, D] over its sequence's rows 0..pos."""
+    h, kvh = q.shape[0], k_rows.shape[1]
+    k = k_rows[: pos + 1].transpose(0, 1).repeat_interleave(h // kvh, 0)
+    v = v_rows[: pos + 1].transpose(0, 1).repeat_interleave(h // kvh, 0)
+    return F.scaled_dot_product_attention(q[:, None], k, v, scale=scale)[:, 0]
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,block_size,dtype",
+    [
+        (9, 3, 64, 16, torch.float32),  # SmolLM2's shape
+        (4, 4, 32, 16, torch.float32),  # MHA, a head size without a specialised path
+        (8, 1, 128, 32, torch.float32),  # MQA
+        (9, 3, 64, 16, torch.bfloat16),
+        (9, 3, 64, 16, torch.int8),
+    ],
+)
+def test_kernel_matches_sdpa_over_scattered_blocks(heads, kv_heads, head_dim, block_size, dtype):
+    g = torch.Generator().manual_seed(0)
+    num_blocks, seqs = 64, [1, 17, 40, 100]  # lengths inside one block, across blocks, exactly ragged
+    width = -(-max(seqs) // block_size)
+    k_all = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    v_all = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    if dtype == torch.int8:
+        kq, ks = quantize_per_token_head(k_all)
+        vq, vs = quantize_per_token_head(v_all)
+        k_cache, v_cache, k_scale, v_scale = kq, vq, ks, vs
+        k_all, v_all = kq.float() * ks[..., None], vq.float() * vs[..., None]  # what the cache means
+    else:
+        k_cache, v_cache, k_scale, v_scale = k_all.to(dtype), v_all.to(dtype), None, None
+        k_all, v_all = k_cache.float(), v_cache.float()
+    tables = torch.randperm(num_blocks, generator=g)[: len(seqs) * width].view(len(seqs), width).to(torch.int32)
+    # every sequence gets its last 3 positions as query rows (a speculative verify), the first only 1
+    rows_seq, rows_pos = [], []
+    for i, n in enumerate(seqs):
+        for p in range(max(0, n - 3), n):
+            rows_seq.append(i)
+            rows_pos.append(p)
+    q = torch.randn(len(rows_pos), heads, head_dim, generator=g)
+    out = torch.full_like(q, float("nan"))
+    scale = head_dim**-0.5
+    cpu_kernel_build.paged_attention(
+        q, out, k_cache, v_cache, k_scale, v_scale, tables, torch.arange(len(rows_pos)),
+        torch.tensor(rows_seq, dtype=torch.int32), torch.tensor(rows_pos, dtype=torch.int32), scale,
+    )  # fmt: skip
+    for r, (i, p) in enumerate(zip(rows_seq, rows_pos)):
+        blocks = tables[i].long()
+        k_rows = k_all[blocks].reshape(-1, kv_heads, head_dim)
+        v_rows = v_all[blocks].reshape(-1, kv_heads, head_dim)
+        torch.testing.assert_close(out[r], reference(q[r], k_rows, v_rows, p, scale), atol=2e-5, rtol=1e-4)
+
+
+def test_kernel_leaves_rows_it_was_not_given():
+    q = torch.randn(3, 2, 64)
+    out = torch.zeros_like(q)
+    cache = torch.randn(4, 16, 2, 64)
+    tables = torch.tensor([[0, 1]], dtype=torch.int32)
+    cpu_kernel_build.paged_attention(
+        q, out, cache, cache, None, None, tables, torch.tensor([1]), torch.tensor([0], dtype=torch.int32),
+        torch.tensor([20], dtype=torch.int32), 0.125,
+    )  # fmt: skip
+    assert out[0].abs().sum() == 0 and out[2].abs().sum() == 0 and out[1].abs().sum() > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("max_query_len", [1, 4096])
+def test_greedy_output_matches_hf(tiny_models, arch, max_query_len):
+    """max_query_len 1: decode rows only in the kernel; 4096: prefill chunks (with cached
+    context, under a small token budget) run in the kernel too."""
+    path, hf = tiny_models[arch]
+    llm = LLM(
+        model=path,
+        attention={"plugin": "cpu", "max_query_len": max_query_len},
+        kv_cache={"plugin": "paged", "block_size": 16, "num_blocks": 256},
+        scheduler={"plugin": "fcfs", "max_num_batched_tokens": 40},
+    )
+    assert isinstance(llm.engine.c.attention, CpuAttention)
+    ps = prompts(hf.config.vocab_size, count=8, seed=5)
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY)
+    for p, o in zip(ps, outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, 24), f"prompt of {len(p)} tokens diverged"
+
+
+def test_auto_picks_the_kernel_on_cpu_and_torch_without_a_compiler(tiny_models, monkeypatch, tmp_path, caplog):
+    path, _ = tiny_models["llama"]
+    base = {"model": {"path": path}, "device": "cpu", "attention": {"plugin": "auto"}}
+    assert resolve(base).pipeline.attention["plugin"] == "cpu"
+    assert resolve({**base, "model": {"path": path, "dtype": "float16"}}).pipeline.attention["plugin"] == "torch"
+    monkeypatch.setenv("MODSERVE_CACHE_DIR", str(tmp_path))  # no cached build to fall back on
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    cpu_kernel_build.load.cache_clear()
+    try:
+        assert resolve(base).pipeline.attention["plugin"] == "torch"
+        assert "using the torch backend" in caplog.text
+        kv = {"plugin": "paged", "num_blocks": 64}
+        llm = LLM({**base, "kv_cache": kv, "model": {"path": path, "max_model_len": 512}})
+        assert isinstance(llm.engine.c.attention, TorchAttention)
+        with pytest.raises(RuntimeError, match="compiling the cpu attention kernel failed"):
+            LLM({**base, "attention": {"plugin": "cpu"}, "kv_cache": kv, "model": {"path": path, "max_model_len": 512}})
+    finally:
+        cpu_kernel_build.load.cache_clear()
+
+
+def test_float16_is_refused_with_the_alternative(tiny_models):
+    path, _ = tiny_models["llama"]
+    with pytest.raises(ValueError, match=r"supports float32 and bfloat16 models.*plugin: torch"):
+        LLM(model={"path": path, "dtype": "float16", "max_model_len": 512}, attention={"plugin": "cpu"},
+            kv_cache={"plugin": "paged", "num_blocks": 64})
+
+
+def test_unknown_option_names_the_field(tiny_models):
+    path, _ = tiny_models["llama"]
+    with pytest.raises(Exception, match="attention.max_query_lenn|max_query_lenn"):
+        resolve({"model": {"path": path}, "attention": {"plugin": "cpu", "max_query_lenn": 3}})

@@ -1,0 +1,47 @@
+"""Linear weights pre-packed for oneDNN: same products as ``F.linear``, on by default on the
+CPU, off on request (the engine-wide HF parity tests run with it on)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from modserve import LLM, SamplingParams
+from modserve.core.models.cpu_linear import PackedLinear, can_pack, pack_linears
+
+pytestmark = pytest.mark.skipif(not can_pack("cpu", torch.float32), reason="torch built without oneDNN")
+
+
+@pytest.mark.parametrize("shape", [(7,), (1, 7), (5, 3, 7)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_f_linear(shape, bias):
+    torch.manual_seed(0)
+    lin = nn.Linear(7, 13, bias=bias)
+    x = torch.randn(*shape)
+    with torch.inference_mode():
+        torch.testing.assert_close(PackedLinear(lin)(x), F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
+
+
+def test_pack_linears_swaps_every_linear_and_nothing_else():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)))
+    assert pack_linears(model) == 2
+    assert [type(m).__name__ for m in model.modules()].count("Linear") == 0
+    assert isinstance(model[2][1], nn.LayerNorm)
+
+
+def test_can_pack_is_false_off_the_cpu():
+    assert not can_pack(torch.device("meta"), torch.float32)
+
+
+def test_engine_packs_unless_told_not_to_and_outputs_agree(tiny_llama):
+    path, _ = tiny_llama
+    tokens = {}
+    for pack in (True, False):
+        llm = LLM(model={"path": path, "pack_cpu_weights": pack}, kv_cache={"plugin": "paged", "num_blocks": 64})
+        kinds = {type(m) for m in llm.engine.c.runner.model.modules()}
+        assert (PackedLinear in kinds) is pack and (nn.Linear in kinds) is not pack
+        outs = llm.generate([[3, 4, 5, 6], [9] * 30], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        tokens[pack] = [o.outputs[0].token_ids for o in outs]
+    assert tokens[True] == tokens[False]
