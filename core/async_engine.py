@@ -15,6 +15,8 @@ import queue
 import threading
 from dataclasses import dataclass
 
+import torch
+
 from modserve.core import parallel_sampling
 from modserve.core.engine import Engine
 from modserve.core.outputs import RequestOutput
@@ -91,7 +93,9 @@ class AsyncEngine:
     def start(self) -> None:
         """Start the loop thread; call from the event loop that will consume the streams."""
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="modserve-engine", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(torch.get_num_threads(),), name="modserve-engine", daemon=True
+        )
         self._thread.start()
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None:
@@ -189,7 +193,10 @@ class AsyncEngine:
 
     # ----------------------------------------------------------------- loop thread side
 
-    def _run(self) -> None:
+    def _run(self, num_threads: int) -> None:
+        # A new thread's OpenMP team is not sized by the main thread's setting: without this,
+        # every torch op in the engine ran on one core (measured: 260 vs 123 ms a decode step).
+        torch.set_num_threads(num_threads)
         routes: dict[str, RequestStream] = {}
         try:
             while True:

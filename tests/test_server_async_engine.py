@@ -57,3 +57,23 @@ def test_abort_frees_blocks_and_capacity_is_bounded():
         return ae.num_active
 
     assert asyncio.run(_run(AsyncEngine(engine, max_waiting_requests=1), body)) == 0
+
+
+def test_engine_thread_uses_the_process_torch_thread_count(monkeypatch):
+    """torch's OpenMP team in a new thread is not sized by the main thread's setting; the
+    loop thread must set it, or every op runs on one core (half speed on this machine)."""
+    import threading
+
+    import torch
+
+    calls = []
+    real = torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (calls.append((threading.current_thread().name, n)), real(n)))
+    engine = Engine.from_config(pipeline())
+
+    async def body(ae: AsyncEngine):
+        async for _ in ae.generate([5, 6, 7], SamplingParams(max_tokens=2), "r"):
+            pass
+
+    asyncio.run(_run(AsyncEngine(engine), body))
+    assert ("modserve-engine", torch.get_num_threads()) in calls

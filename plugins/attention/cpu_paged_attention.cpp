@@ -4,8 +4,9 @@
 // headers, loaded with ctypes), so it needs nothing but a C++ compiler. It shares torch's
 // libgomp, hence torch's OpenMP thread pool.
 //
-// One work item = one query token x one KV head: the token's G = H / KVH query heads read
-// each K/V row of its sequence once (GQA without copying K/V). Softmax runs online, one
+// One work item = one query token (or one token x one KV head when there are few tokens):
+// each K/V row of its sequence is read once for all of its G = H / KVH query heads (GQA
+// without copying K/V). Softmax runs online, one
 // cache block at a time: scores for the block, a new running max, rescale, accumulate.
 // The token at position p attends to cache positions 0..p of its own sequence, so decode
 // rows, speculative verify rows and chunks with cached context all use the same loop.
@@ -13,12 +14,13 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 namespace {
 
-constexpr int kMaxGroup = 16;    // query heads per KV head
+constexpr int kMaxGroup = 64;  // query heads per KV head
 constexpr int kMaxHeadDim = 256;
-constexpr int kMaxBlock = 64;
+constexpr int kMaxBlock = 256;
 
 inline float load(const float* p, int i) { return p[i]; }
 inline float load(const uint16_t* p, int i) {  // bfloat16: the high half of a float32
@@ -29,67 +31,109 @@ inline float load(const uint16_t* p, int i) {  // bfloat16: the high half of a f
 }
 inline float load(const int8_t* p, int i) { return static_cast<float>(p[i]); }
 
+// exp(x) for x <= 0 without a libm call, so the loops over a block's scores vectorize:
+// Cephes' expf polynomial after a reduction by ln 2 (relative error ~2e-7); flushed to a
+// tiny positive number below -87, which multiplies an all-zero accumulator harmlessly.
+inline float exp_nonpositive(float x) {
+    x = x < -87.f ? -87.f : x;
+    const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const float y = p * r * r + r + 1.f;
+    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n
+    float two_n;
+    std::memcpy(&two_n, &bits, sizeof two_n);
+    return y * two_n;
+}
+
 // FixedD > 0: head_dim known at compile time (fully unrolled, vectorized inner loops).
+// Serves KV heads [h0, h1) of one query token; each block's rows for those heads are read
+// once, while they are in cache, for all of their query heads.
 template <typename T, int FixedD>
 void attend(const float* q, float* out, const T* kc, const T* vc, const float* ks, const float* vs,
-            const int32_t* table, int32_t pos, int H, int KVH, int D_, int bs, float scale, int kvh) {
+            const int32_t* table, int32_t pos, int KVH, int G, int D_, int bs, float scale, int h0, int h1) {
     const int D = FixedD > 0 ? FixedD : D_;
-    const int G = H / KVH;
-    const int64_t row_stride = static_cast<int64_t>(KVH) * D;       // one token's K (or V) in a block
+    const int nh = (h1 - h0) * G;  // query heads served: h0 * G ..
+    const int64_t row_stride = static_cast<int64_t>(KVH) * D;  // one token's K (or V) in a block
     const int64_t block_stride = static_cast<int64_t>(bs) * row_stride;
-    float qs[kMaxGroup][kMaxHeadDim];
-    float acc[kMaxGroup][kMaxHeadDim];
-    float m[kMaxGroup], l[kMaxGroup], s[kMaxGroup][kMaxBlock];
-    for (int g = 0; g < G; ++g) {
-        const float* qh = q + static_cast<int64_t>(kvh * G + g) * D;
-        for (int d = 0; d < D; ++d) qs[g][d] = qh[d] * scale;
-        for (int d = 0; d < D; ++d) acc[g][d] = 0.f;
-        m[g] = -INFINITY;
-        l[g] = 0.f;
+    static thread_local std::vector<float> work;
+    work.resize(static_cast<size_t>(nh) * (2 * D + bs + 2));
+    float* qs = work.data();  // [nh][D], pre-scaled
+    float* acc = qs + nh * D;  // [nh][D]
+    float* s = acc + nh * D;  // [nh][bs] this block's scores, then weights
+    float* m = s + nh * bs;  // [nh] running max
+    float* l = m + nh;  // [nh] running sum of weights
+    for (int i = 0; i < nh; ++i) {
+        const float* qh = q + static_cast<int64_t>(h0 * G + i) * D;
+        for (int d = 0; d < D; ++d) qs[i * D + d] = qh[d] * scale;
+        for (int d = 0; d < D; ++d) acc[i * D + d] = 0.f;
+        m[i] = -INFINITY;
+        l[i] = 0.f;
     }
     const int n_tokens = pos + 1;
     for (int start = 0; start < n_tokens; start += bs) {
         const int n = n_tokens - start < bs ? n_tokens - start : bs;
-        const int64_t base = static_cast<int64_t>(table[start / bs]) * block_stride + static_cast<int64_t>(kvh) * D;
-        const int64_t scale_base = static_cast<int64_t>(table[start / bs]) * bs * KVH + kvh;
+        const int64_t block = table[start / bs];
+        const T* kb = kc + block * block_stride;
+        const T* vb = vc + block * block_stride;
+        const float* ksb = ks ? ks + block * bs * KVH : nullptr;
+        const float* vsb = vs ? vs + block * bs * KVH : nullptr;
         for (int t = 0; t < n; ++t) {
-            const T* kr = kc + base + t * row_stride;
-            const float kscale = ks ? ks[scale_base + t * KVH] : 1.f;
-            for (int g = 0; g < G; ++g) {
-                float dot = 0.f;
+            for (int h = h0; h < h1; ++h) {
+                const T* kr = kb + t * row_stride + h * D;
+                const float kscale = ksb ? ksb[t * KVH + h] : 1.f;
+                for (int g = 0; g < G; ++g) {
+                    const float* qg = qs + ((h - h0) * G + g) * D;
+                    float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-                for (int d = 0; d < D; ++d) dot += qs[g][d] * load(kr, d);
-                s[g][t] = dot * kscale;
+                    for (int d = 0; d < D; ++d) dot += qg[d] * load(kr, d);
+                    s[((h - h0) * G + g) * bs + t] = dot * kscale;
+                }
             }
         }
-        for (int g = 0; g < G; ++g) {
-            float bmax = m[g];
-            for (int t = 0; t < n; ++t) bmax = s[g][t] > bmax ? s[g][t] : bmax;
-            const float correction = std::exp(m[g] - bmax);  // exp(-inf) = 0 on the first block
-            l[g] *= correction;
-            for (int d = 0; d < D; ++d) acc[g][d] *= correction;
-            m[g] = bmax;
+        for (int i = 0; i < nh; ++i) {
+            float* si = s + i * bs;
+            float bmax = m[i];
+            for (int t = 0; t < n; ++t) bmax = si[t] > bmax ? si[t] : bmax;
+            const float correction = exp_nonpositive(m[i] - bmax);  // ~0 on the first block (m = -inf)
+            l[i] *= correction;
+            for (int d = 0; d < D; ++d) acc[i * D + d] *= correction;
+            m[i] = bmax;
+            float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
             for (int t = 0; t < n; ++t) {
-                s[g][t] = std::exp(s[g][t] - bmax);
-                l[g] += s[g][t];
+                si[t] = exp_nonpositive(si[t] - bmax);
+                sum += si[t];
             }
+            l[i] += sum;
         }
         for (int t = 0; t < n; ++t) {
-            const T* vr = vc + base + t * row_stride;
-            const float vscale = vs ? vs[scale_base + t * KVH] : 1.f;
-            for (int g = 0; g < G; ++g) {
-                const float p = s[g][t] * vscale;
-                for (int d = 0; d < D; ++d) acc[g][d] += p * load(vr, d);
+            for (int h = h0; h < h1; ++h) {
+                const T* vr = vb + t * row_stride + h * D;
+                const float vscale = vsb ? vsb[t * KVH + h] : 1.f;
+                for (int g = 0; g < G; ++g) {
+                    const int i = (h - h0) * G + g;
+                    const float p = s[i * bs + t] * vscale;
+                    float* ai = acc + i * D;
+                    for (int d = 0; d < D; ++d) ai[d] += p * load(vr, d);
+                }
             }
         }
     }
-    for (int g = 0; g < G; ++g) {
-        float* oh = out + static_cast<int64_t>(kvh * G + g) * D;
-        const float inv = 1.f / l[g];
-        for (int d = 0; d < D; ++d) oh[d] = acc[g][d] * inv;
+    for (int i = 0; i < nh; ++i) {
+        float* oh = out + static_cast<int64_t>(h0 * G + i) * D;
+        const float inv = 1.f / l[i];
+        for (int d = 0; d < D; ++d) oh[d] = acc[i * D + d] * inv;
     }
 }
 
+// Work items: whole tokens (all KV heads, best cache reuse) when there are enough of them
+// to keep every thread busy, else token x KV head (a lone decode row still uses all cores).
 template <typename T, int FixedD>
 void run(const float* q, float* out, const void* k_cache, const void* v_cache, const float* k_scale,
          const float* v_scale, const int32_t* block_tables, int table_width, const int64_t* rows,
@@ -98,13 +142,15 @@ void run(const float* q, float* out, const void* k_cache, const void* v_cache, c
     const T* kc = static_cast<const T*>(k_cache);
     const T* vc = static_cast<const T*>(v_cache);
     const int64_t token_stride = static_cast<int64_t>(H) * D;
-    const int64_t items = static_cast<int64_t>(n_rows) * KVH;
+    const int per_item = n_rows >= 2 * threads ? KVH : 1;  // KV heads per work item
+    const int splits = KVH / per_item;
+    const int64_t items = static_cast<int64_t>(n_rows) * splits;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t item = 0; item < items; ++item) {
-        const int i = static_cast<int>(item / KVH), kvh = static_cast<int>(item % KVH);
+        const int i = static_cast<int>(item / splits), h0 = static_cast<int>(item % splits) * per_item;
         attend<T, FixedD>(q + rows[i] * token_stride, out + rows[i] * token_stride, kc, vc, k_scale, v_scale,
-                  block_tables + static_cast<int64_t>(row_seq[i]) * table_width, row_pos[i], H, KVH, D, bs, scale,
-                  kvh);
+                          block_tables + static_cast<int64_t>(row_seq[i]) * table_width, row_pos[i], KVH, H / KVH,
+                          D, bs, scale, h0, h0 + per_item);
     }
 }
 

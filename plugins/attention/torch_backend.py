@@ -113,16 +113,16 @@ def run_prefills(q, k, v, cache: LayerKVCache, prefills: list[_Prefill], out, sc
             kp, vp = k[p.start : p.end], v[p.start : p.end]
         else:
             kp, vp = read_blocks(cache, p.block_ids, q.dtype)
-        o = F.scaled_dot_product_attention(
-            q[p.start : p.end].transpose(0, 1),  # [H, Q, D]
-            kp[: p.seq_len].transpose(0, 1),
-            vp[: p.seq_len].transpose(0, 1),
+        o = F.scaled_dot_product_attention(  # 4-D: 3-D inputs fall back to SDPA's slow math path
+            q[p.start : p.end].transpose(0, 1)[None],  # [1, H, Q, D]
+            kp[: p.seq_len].transpose(0, 1)[None],
+            vp[: p.seq_len].transpose(0, 1)[None],
             attn_mask=p.mask,
             is_causal=p.mask is None,
             scale=scale,
             enable_gqa=gqa,
         )
-        out[p.start : p.end] = o.transpose(0, 1)
+        out[p.start : p.end] = o[0].transpose(0, 1)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
