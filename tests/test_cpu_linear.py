@@ -9,12 +9,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from modserve import LLM, SamplingParams
-from modserve.core.models.cpu_linear import PackedLinear, can_pack, pack_linears
+from modserve.core.models.cpu_linear import MAX_CHUNK, MIN_CHUNK, PackedLinear, can_pack, pack_linears, row_chunks
 
 pytestmark = pytest.mark.skipif(not can_pack("cpu", torch.float32), reason="torch built without oneDNN")
 
 
-@pytest.mark.parametrize("shape", [(7,), (1, 7), (5, 3, 7)])
+@pytest.mark.parametrize("shape", [(7,), (1, 7), (5, 3, 7), (300, 7), (1100, 7)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_equals_f_linear(shape, bias):
     torch.manual_seed(0)
@@ -22,6 +22,38 @@ def test_packed_linear_equals_f_linear(shape, bias):
     x = torch.randn(*shape)
     with torch.inference_mode():
         torch.testing.assert_close(PackedLinear(lin)(x), F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
+
+
+def test_row_chunks_cover_every_row_with_few_shapes():
+    """oneDNN keeps a primitive per input shape: the chunks must come from a small fixed set."""
+    shapes = set()
+    for m in range(1, 3000):
+        chunks = row_chunks(m)
+        shapes.update(size for _, size in chunks)
+        assert chunks[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(chunks, chunks[1:]))
+        end = chunks[-1][0] + chunks[-1][1]
+        assert m <= end < m + MIN_CHUNK
+    assert shapes == {2**k for k in range(MIN_CHUNK.bit_length() - 1, MAX_CHUNK.bit_length())}
+
+
+def test_varying_batch_sizes_do_not_grow_memory():
+    """Before chunking, 600 steps of random sizes grew the process by hundreds of MB."""
+    import random
+
+    lin = PackedLinear(nn.Linear(576, 1536, bias=False))
+
+    def rss_mb():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096 / 2**20
+
+    rng = random.Random(0)
+    with torch.inference_mode():
+        for m in range(1, 40):  # every shape seen once
+            lin(torch.randn(m * 13, 576))
+        before = rss_mb()
+        for _ in range(300):
+            lin(torch.randn(rng.randrange(1, 1500), 576))
+    assert rss_mb() - before < 40
 
 
 def test_pack_linears_swaps_every_linear_and_nothing_else():

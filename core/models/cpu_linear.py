@@ -28,10 +28,42 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        rows = x.reshape(-1, self.in_features)
+        parts = [self._product(rows[start : start + size], size) for start, size in row_chunks(rows.shape[0])]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return out[: rows.shape[0]].view(*x.shape[:-1], self.out_features)
+
+    def _product(self, rows: torch.Tensor, size: int) -> torch.Tensor:
+        if rows.shape[0] < size:  # the last few rows, padded up to the smallest chunk
+            rows = torch.cat([rows, rows.new_zeros(size - rows.shape[0], rows.shape[1])])
+        return torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+MAX_CHUNK, MIN_CHUNK = 512, 4
+
+
+def row_chunks(m: int) -> list[tuple[int, int]]:
+    """``(start, size)`` pieces covering ``m`` rows, every size a power of two in
+    [MIN_CHUNK, MAX_CHUNK] (the last may extend past ``m``: padding, under MIN_CHUNK rows).
+
+    oneDNN builds (and keeps) a primitive for every input shape it sees; with the batch size
+    changing every step that grew a server by hundreds of MB. Six shapes per layer bound it.
+    """
+    chunks, start = [], 0
+    while m - start >= MAX_CHUNK:
+        chunks.append((start, MAX_CHUNK))
+        start += MAX_CHUNK
+    size = MAX_CHUNK // 2
+    while start < m:
+        if m - start >= size or size == MIN_CHUNK:
+            chunks.append((start, size))
+            start += size
+        else:
+            size //= 2
+    return chunks
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
