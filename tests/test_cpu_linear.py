@@ -14,7 +14,7 @@ from modserve.core.models.cpu_linear import MAX_CHUNK, MIN_CHUNK, PackedLinear, 
 pytestmark = pytest.mark.skipif(not can_pack("cpu", torch.float32), reason="torch built without oneDNN")
 
 
-@pytest.mark.parametrize("shape", [(7,), (1, 7), (5, 3, 7), (300, 7), (1100, 7)])
+@pytest.mark.parametrize("shape", [(7,), (0, 7), (1, 7), (5, 3, 7), (300, 7), (1100, 7)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_equals_f_linear(shape, bias):
     torch.manual_seed(0)

@@ -29,6 +29,8 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] == 0:  # e.g. the LM head in a step that samples nothing (a prompt chunk)
+            return x.new_empty(*x.shape[:-1], self.out_features)
         parts = [self._product(rows[start : start + size], size) for start, size in row_chunks(rows.shape[0])]
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return out[: rows.shape[0]].view(*x.shape[:-1], self.out_features)
