@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -28,29 +27,13 @@ import time
 import httpx
 import yaml
 
+from modserve.core.bench.launch import launch_server
+
 
 def start_server(config: str, replicas: int, log_path: str) -> tuple[subprocess.Popen, str]:
-    log = open(log_path, "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "modserve.core.cli", "serve", "-c", config, "--port", "0", "--replicas", str(replicas)],
-        stdout=subprocess.PIPE, stderr=log, text=True,
-    )
-    line = proc.stdout.readline()
-    m = re.search(r"at (http://[^/]+)/v1", line)
-    if m is None:
-        proc.kill()
-        raise RuntimeError(f"server did not start: {line!r}; see {log_path}")
-    url = m.group(1)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    raise TimeoutError("server not healthy after 120 s")
+    args = ["modserve.core.cli", "serve", "-c", config, "--port", "0", "--replicas", str(replicas)]
+    proc, url, _ = launch_server(args, log_path, timeout=120)
+    return proc, url
 
 
 async def run_load(url: str, model: str, prompts: list[str], max_tokens: int, concurrency: int) -> tuple[int, float, dict]:

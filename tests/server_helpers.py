@@ -14,7 +14,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from typing import Any
 
 import httpx
@@ -25,6 +24,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from tiny_models import build_model  # noqa: E402
 
 from modserve.core.async_engine import AsyncEngine  # noqa: E402
+from modserve.core.bench.launch import launch_server, wait_ready  # noqa: E402,F401  (wait_ready: re-exported to the tests)
 from modserve.core.engine import Engine  # noqa: E402
 from modserve.core.server.app import build_app  # noqa: E402
 from modserve.core.server.lifecycle import Runner, bind  # noqa: E402
@@ -94,20 +94,6 @@ class LiveServer(ThreadedServer):
         return parse_metrics(httpx.get(f"{self.url}/metrics", headers=headers).text)
 
 
-def wait_ready(url: str, timeout: float = 60.0, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise TimeoutError(f"server at {url} not ready after {timeout}s")
-
-
 def parse_metrics(text: str) -> dict[str, float]:
     """``name{labels}`` -> value, with the labels kept in the key (model_name dropped)."""
     out = {}
@@ -122,15 +108,5 @@ def server_process(tmp_path, **sections: dict[str, Any]) -> tuple[subprocess.Pop
     """Start ``python -m modserve.core.server`` on a free port; returns it and its base URL."""
     config = tmp_path / "pipeline.yaml"
     config.write_text(yaml.safe_dump(pipeline(**sections)))
-    stderr = open(tmp_path / "server.log", "w")  # a file, so a chatty log cannot fill a pipe and stall
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "modserve.core.server", "-c", str(config)],
-        stdout=subprocess.PIPE, stderr=stderr, text=True,
-    )
-    line = proc.stdout.readline()
-    m = re.search(r"at (http://[^/]+)/v1", line)
-    if m is None:
-        proc.kill()
-        raise RuntimeError(f"no start-up line: {line!r}; log: {(tmp_path / 'server.log').read_text()}")
-    wait_ready(m.group(1), proc=proc)
-    return proc, m.group(1)
+    proc, url, _ = launch_server(["modserve.core.server", "-c", str(config)], tmp_path / "server.log", timeout=60)
+    return proc, url

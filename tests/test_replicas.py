@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import re
 import signal
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 import yaml
-from server_helpers import MODEL_NAME, ThreadedServer, parse_metrics, pipeline, wait_ready
+from server_helpers import MODEL_NAME, ThreadedServer, parse_metrics, pipeline
 
 from modserve import LLM, SamplingParams
+from modserve.core.bench.launch import launch_server
 from modserve.core.config import load_pipeline
 from modserve.core.server.app import build_app, build_replicas
 from modserve.core.server.router import Replicas, Router
@@ -159,16 +157,11 @@ def test_per_replica_metrics(server):
 def test_cli_replicas_flag_and_sigterm_drain(tmp_path):
     config = tmp_path / "pipeline.yaml"
     config.write_text(yaml.safe_dump(pipeline()))
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "modserve.core.cli", "serve", "-c", str(config), "--replicas", "2"],
-        stdout=subprocess.PIPE, stderr=log, text=True,
+    proc, url, line = launch_server(
+        ["modserve.core.cli", "serve", "-c", str(config), "--replicas", "2"], tmp_path / "server.log", timeout=60
     )
     try:
-        line = proc.stdout.readline()
         assert "on 2 replicas" in line, (line, (tmp_path / "server.log").read_text())
-        url = re.search(r"at (http://[^/]+)/v1", line).group(1)
-        wait_ready(url, proc=proc)
         body = {"model": MODEL_NAME, "prompt": _prefix(7), "max_tokens": 4}
         assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
         proc.send_signal(signal.SIGTERM)
