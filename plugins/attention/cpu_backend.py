@@ -25,7 +25,7 @@ import torch
 from modserve.core.hookspecs import hookimpl
 from modserve.core.interfaces import AttentionBackend, AttentionMetadata, AttentionSpec, LayerKVCache
 from modserve.plugins.attention import cpu_kernel_build as kernel
-from modserve.plugins.attention.torch_backend import _Prefill, plan_prefills, run_prefills, write_kv
+from modserve.plugins.attention.torch_backend import PrefillChunk, plan_prefills, run_prefills, write_kv
 
 MODSERVE_CONTRACT = "1.0"
 
@@ -40,7 +40,7 @@ class _KernelRows:
 @dataclass
 class _StepState:
     kernel: _KernelRows | None
-    prefills: list[_Prefill]
+    prefills: list[PrefillChunk]
     block_tables: torch.Tensor  # int32, contiguous
 
 

@@ -31,7 +31,9 @@ class _Decode:
 
 
 @dataclass
-class _Prefill:
+class PrefillChunk:
+    """One request's rows ``[start, end)`` for one causal SDPA call (also used by ``cpu``)."""
+
     start: int
     end: int
     block_ids: torch.Tensor  # [nb]
@@ -42,7 +44,7 @@ class _Prefill:
 @dataclass
 class _StepState:
     decode: _Decode | None
-    prefills: list[_Prefill]
+    prefills: list[PrefillChunk]
 
 
 class TorchAttention(AttentionBackend):
@@ -88,7 +90,7 @@ class TorchAttention(AttentionBackend):
         return out
 
 
-def plan_prefills(meta: AttentionMetadata, block_size: int, skip) -> list[_Prefill]:
+def plan_prefills(meta: AttentionMetadata, block_size: int, skip) -> list[PrefillChunk]:
     """One causal SDPA call per request whose query length ``skip`` does not claim."""
     starts = meta.query_start_loc.tolist()
     prefills = []
@@ -102,11 +104,11 @@ def plan_prefills(meta: AttentionMetadata, block_size: int, skip) -> list[_Prefi
             q_pos = torch.arange(ctx, seq_len, device=meta.block_tables.device)
             mask = torch.arange(seq_len, device=q_pos.device)[None, :] <= q_pos[:, None]
         table = meta.block_tables[i, : -(-seq_len // block_size)]
-        prefills.append(_Prefill(starts[i], starts[i + 1], table, seq_len, mask))
+        prefills.append(PrefillChunk(starts[i], starts[i + 1], table, seq_len, mask))
     return prefills
 
 
-def run_prefills(q, k, v, cache: LayerKVCache, prefills: list[_Prefill], out, scale: float, gqa: bool) -> None:
+def run_prefills(q, k, v, cache: LayerKVCache, prefills: list[PrefillChunk], out, scale: float, gqa: bool) -> None:
     """Causal SDPA per prefill chunk over its cached context plus its new tokens, into ``out``."""
     for p in prefills:
         if p.mask is None and not cache.quantized:  # no cached context: the cache holds exactly k, v
