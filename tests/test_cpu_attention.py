@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from modserve import LLM, SamplingParams
+from modserve.core.config import ConfigError
 from modserve.core.engine_factory import resolve
 from modserve.core.kv_quant import quantize_per_token_head
 from modserve.plugins.attention import cpu_kernel_build
@@ -130,7 +131,11 @@ def test_float16_is_refused_with_the_alternative(tiny_models):
             kv_cache={"plugin": "paged", "num_blocks": 64})
 
 
-def test_unknown_option_names_the_field(tiny_models):
+def test_bad_options_name_the_field(tiny_models):
     path, _ = tiny_models["llama"]
     with pytest.raises(Exception, match="attention.max_query_lenn|max_query_lenn"):
         resolve({"model": {"path": path}, "attention": {"plugin": "cpu", "max_query_lenn": 3}})
+    with pytest.raises(ConfigError, match=r"attention\.max_query_len: expected int >= 1, got 0"):
+        resolve({"model": {"path": path}, "attention": {"plugin": "cpu", "max_query_len": 0}})
+    with pytest.raises(ConfigError, match=r"model\.pack_cpu_weights: expected bool, got 'yes'"):
+        resolve({"model": {"path": path, "pack_cpu_weights": "yes"}})
