@@ -117,7 +117,7 @@ def serve(
             sock.close()
         print(f"modserve serve: error: {_one_line(e)}", file=sys.stderr, flush=True)
         return 2 if isinstance(e, ConfigError) else 1
-    runner = Runner(app, engine, sock, cfg.shutdown_grace_s)
+    runner = Runner(app, engine, sock, cfg.shutdown_grace_s, main_loop=engines[0])
     keys = api_keys(cfg)
     auth = f"{len(keys)} API key(s) required" if keys else "no API key configured: authentication is disabled"
     url_host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
