@@ -64,6 +64,7 @@ class Runner:
         """Serve until drained or the engine dies; returns the process exit code."""
         if self.main_loop is None:
             return self._serve()
+        self.main_loop.claim_loop()  # before uvicorn's lifespan calls start()
         codes: list[int] = []
         http = threading.Thread(target=self._serve_beside_engine, args=(codes,), name="modserve-http")
         with self._signals_start_drain():
