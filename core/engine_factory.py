@@ -152,6 +152,7 @@ def _build(r: ResolvedPipeline, workers) -> EngineComponents:
     loaded = load_model(
         r.source, lambda spec: make_attention(spec, n), dtype, device, p.model.max_model_len, p.model.tokenizer, tp=tp,
         pack_weights=p.model.pack_cpu_weights,
+        fuse_ops=p.model.fuse_cpu_ops,
     )
     spec = loaded.spec
     max_model_len = p.model.max_model_len or spec.max_position_embeddings

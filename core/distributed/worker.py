@@ -56,7 +56,7 @@ def build_shard(pipeline: dict[str, Any], tp: TPGroup) -> tuple[ModelRunner, dic
         )
         return holder["attention"]
 
-    loaded = load_model(r.source, make_attention, dtype, device, p.model.max_model_len, p.model.tokenizer, tp=tp, pack_weights=p.model.pack_cpu_weights)
+    loaded = load_model(r.source, make_attention, dtype, device, p.model.max_model_len, p.model.tokenizer, tp=tp, pack_weights=p.model.pack_cpu_weights, fuse_ops=p.model.fuse_cpu_ops)
     spec = loaded.spec
     max_model_len = p.model.max_model_len or spec.max_position_embeddings
     kv = kv_cls(kv_cfg, KVSpec(spec.num_layers, spec.num_kv_heads // n, spec.head_dim, dtype, device, max_model_len))

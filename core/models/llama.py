@@ -19,22 +19,33 @@ import torch.nn.functional as F
 from torch import nn
 
 from modserve.core.interfaces import AttentionBackend, AttentionMetadata, LayerKVCache
+from modserve.core.models import cpu_fused
 from modserve.core.models.rope import RotaryTable, apply_rotary
 from modserve.core.models.spec import ModelSpec
 
 
 class RMSNorm(nn.Module):
-    """HF's RMSNorm: normalise in float32, cast back, then scale."""
+    """HF's RMSNorm: normalise in float32, cast back, then scale.
+
+    Called on the residual stream with the previous sublayer's output as ``add``, it first
+    adds it in place (``residual += add``), so the add and the norm can run as one kernel.
+    """
+
+    fused = False  # set by LlamaForCausalLM.fuse_cpu_ops
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+    def forward(self, residual: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        if self.fused:
+            return cpu_fused.add_rms_norm(residual, add, self.weight, self.eps)
+        if add is not None:
+            residual.add_(add)
+        xf = residual.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.weight * xf.to(residual.dtype)
 
 
 class Attention(nn.Module):
@@ -48,12 +59,17 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(spec.hidden_size, sum(self.split), bias=spec.qkv_bias)
         self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=False)
         self.backend = backend
+        self.fused = False  # set by LlamaForCausalLM.fuse_cpu_ops
 
     def forward(self, x, cos, sin, cache: LayerKVCache, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        qkv = self.qkv_proj(x)
         t = x.shape[0]
-        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        if self.fused:  # rotate q and k in place inside the fused qkv rows
+            cpu_fused.rope_(qkv, cos.squeeze(1), sin.squeeze(1), self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split(self.split, dim=-1)
+        q, k = q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim)
+        if not self.fused:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.backend.forward(q, k, v.view(t, self.num_kv_heads, self.head_dim), cache, meta)
         out = self.o_proj(out.reshape(t, -1))
         return out if self.tp is None else self.tp.all_reduce(out)
@@ -66,10 +82,15 @@ class MLP(nn.Module):
         self.tp = tp
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * self.intermediate, bias=False)
         self.down_proj = nn.Linear(self.intermediate, spec.hidden_size, bias=False)
+        self.fused = False  # set by LlamaForCausalLM.fuse_cpu_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        out = self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        if self.fused:
+            out = self.down_proj(cpu_fused.silu_mul(gate_up))
+        else:
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            out = self.down_proj(F.silu(gate) * up)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -81,9 +102,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec, tp)
 
-    def forward(self, x, cos, sin, cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, residual, add, cos, sin, cache, meta) -> torch.Tensor:
+        """Adds ``add`` (the previous layer's MLP output) and this layer's attention output to
+        ``residual`` in place; returns this layer's MLP output, for the next one to add."""
+        attn = self.self_attn(self.input_layernorm(residual, add), cos, sin, cache, meta)
+        return self.mlp(self.post_attention_layernorm(residual, attn))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -122,11 +145,18 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm."""
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.lookup(positions, x.dtype)
+        residual = self.embed_tokens(input_ids)  # a fresh tensor: the layers add into it
+        cos, sin = self.rotary.lookup(positions, residual.dtype)
+        add = None
         for layer, cache in zip(self.layers, caches):
-            x = layer(x, cos, sin, cache, meta)
-        return self.norm(x)
+            add = layer(residual, add, cos, sin, cache, meta)
+        return self.norm(residual, add)
+
+    def fuse_cpu_ops(self) -> None:
+        """Run norms, SiLU·mul and RoPE as the fused C++ kernels (:mod:`cpu_fused`)."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention, MLP)):
+                module.fused = True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Float32 logits ``[R, vocab]``; under tensor parallelism only rank 0 gets them (others None)."""

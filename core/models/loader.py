@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 
 from modserve.core.interfaces import AttentionBackend
+from modserve.core.models import cpu_fused
 from modserve.core.models.cpu_linear import can_pack, pack_linears
 from modserve.core.models.gguf_reader import find_smollm2_gguf, read_gguf
 from modserve.core.models.llama import LlamaForCausalLM
@@ -67,6 +68,7 @@ def load_model(
     num_layers: int | None = None,
     tp=None,
     pack_weights: bool = True,
+    fuse_ops: bool = True,
 ) -> LoadedModel:
     """Read config, tokenizer and weights; build the model on ``device`` in ``dtype``.
 
@@ -75,6 +77,7 @@ def load_model(
     is built and read: safetensors slices are read straight from the file; a GGUF file is
     dequantized whole (tensor by tensor, the full tensors freed as they are sliced).
     ``pack_weights``: on the CPU, hold linear weights in oneDNN's layout (:mod:`cpu_linear`).
+    ``fuse_ops``: on the CPU in float32, run the elementwise ops fused (:mod:`cpu_fused`).
     """
     if source.kind == "hf":
         spec = read_spec(source)
@@ -108,6 +111,8 @@ def load_model(
     model.eval().requires_grad_(False)
     if pack_weights and can_pack(device, dtype):
         pack_linears(model)
+    if fuse_ops and cpu_fused.can_fuse(device, dtype):
+        model.fuse_cpu_ops()
     return LoadedModel(spec, model, tokenizer)
 
 

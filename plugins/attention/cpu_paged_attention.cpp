@@ -1,6 +1,6 @@
 // Paged attention for CPUs, read straight from the block cache (no gather copy).
 //
-// Built on first use by cpu_kernel_build.py (g++ -O3 -march=native -fopenmp, no torch
+// Built on first use by core/native/build.py (g++ -O3 -march=native -fopenmp, no torch
 // headers, loaded with ctypes), so it needs nothing but a C++ compiler. It shares torch's
 // libgomp, hence torch's OpenMP thread pool.
 //
@@ -16,7 +16,11 @@
 #include <type_traits>
 #include <vector>
 
+#include "fast_exp.h"
+
 namespace {
+
+using modserve::exp_nonpositive;
 
 constexpr int kMaxGroup = 64;  // query heads per KV head
 constexpr int kMaxHeadDim = 256;
@@ -30,26 +34,6 @@ inline float load(const uint16_t* p, int i) {  // bfloat16: the high half of a f
     return f;
 }
 inline float load(const int8_t* p, int i) { return static_cast<float>(p[i]); }
-
-// exp(x) for x <= 0 without a libm call, so the loops over a block's scores vectorize:
-// Cephes' expf polynomial after a reduction by ln 2 (relative error ~2e-7); flushed to a
-// tiny positive number below -87, which multiplies an all-zero accumulator harmlessly.
-inline float exp_nonpositive(float x) {
-    x = x < -87.f ? -87.f : x;
-    const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const float y = p * r * r + r + 1.f;
-    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n
-    float two_n;
-    std::memcpy(&two_n, &bits, sizeof two_n);
-    return y * two_n;
-}
 
 // FixedD > 0: head_dim known at compile time (fully unrolled, vectorized inner loops).
 // Serves KV heads [h0, h1) of one query token; each block's rows for those heads are read

@@ -1,0 +1,1 @@
+"""Small C++ kernels for the CPU, compiled with g++ on first use and called through ctypes."""

@@ -1,0 +1,109 @@
+"""The fused float32 CPU ops (norm + residual add, SiLU·mul, RoPE): equal to the torch ops
+they replace, on by default, off on request or where they cannot run (the engine-wide HF
+parity tests run with them on)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from modserve import LLM, SamplingParams
+from modserve.core.config import ConfigError
+from modserve.core.engine_factory import resolve
+from modserve.core.models import cpu_fused
+from modserve.core.models.llama import MLP, Attention, RMSNorm
+from modserve.core.models.rope import apply_rotary
+
+pytestmark = pytest.mark.skipif(not cpu_fused.can_fuse("cpu", torch.float32), reason="no C++ compiler")
+
+
+def reference_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_add_rms_norm_adds_in_place_then_normalises(rows):
+    torch.manual_seed(0)
+    residual, weight = torch.randn(rows, 96), torch.randn(96)
+    add = torch.randn(rows, 200)[:, 50:146]  # a strided view, as a sublayer's output can be
+    want_residual = residual + add
+    got = cpu_fused.add_rms_norm(residual, add, weight, 1e-6)
+    torch.testing.assert_close(residual, want_residual, rtol=0, atol=0)
+    torch.testing.assert_close(got, reference_norm(want_residual, weight, 1e-6), rtol=1e-5, atol=1e-5)
+    before = residual.clone()
+    torch.testing.assert_close(cpu_fused.add_rms_norm(residual, None, weight, 1e-6), reference_norm(before, weight, 1e-6))
+    assert torch.equal(residual, before)  # no add: the stream is only read
+
+
+def test_silu_mul_matches_torch_over_the_whole_range():
+    torch.manual_seed(0)
+    gate_up = torch.randn(33, 2 * 40) * 6
+    gate_up[0, :6] = torch.tensor([-200.0, -88.0, -1e-8, 0.0, 50.0, 200.0])  # exp's clamp and both branches
+    want = F.silu(gate_up[:, :40]) * gate_up[:, 40:]
+    got = cpu_fused.silu_mul(gate_up)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_rope_rotates_q_and_k_in_place_and_leaves_v():
+    torch.manual_seed(0)
+    t, heads, kv_heads, d = 19, 4, 2, 32
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d)
+    angles = torch.rand(t, d // 2) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    q, k, v = qkv.split((heads * d, kv_heads * d, kv_heads * d), -1)
+    want_q = apply_rotary(q.reshape(t, heads, d), cos[:, None], sin[:, None])
+    want_k = apply_rotary(k.reshape(t, kv_heads, d), cos[:, None], sin[:, None])
+    want_v = v.clone()
+    cpu_fused.rope_(qkv, cos, sin, heads + kv_heads, d)
+    torch.testing.assert_close(q.reshape(t, heads, d), want_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k.reshape(t, kv_heads, d), want_k, rtol=1e-5, atol=1e-5)
+    assert torch.equal(v, want_v)
+
+
+def test_refuses_what_it_cannot_read():
+    with pytest.raises(ValueError, match="float32 CPU rows"):
+        cpu_fused.silu_mul(torch.randn(4, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="residual stream must be contiguous"):
+        cpu_fused.add_rms_norm(torch.randn(8, 4).t(), None, torch.randn(8), 1e-6)
+
+
+def fused_flags(llm: LLM) -> set[bool]:
+    return {m.fused for m in llm.engine.c.runner.model.modules() if isinstance(m, (RMSNorm, Attention, MLP))}
+
+
+def test_engine_fuses_unless_told_not_to_and_tokens_agree(tiny_models):
+    prompts = [[3, 4, 5, 6], [9] * 40, list(range(5, 70))]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    for arch in ("llama", "qwen2"):  # tied + GQA; qkv bias
+        path, _ = tiny_models[arch]
+        tokens = {}
+        for fuse in (True, False):
+            llm = LLM(model={"path": path, "fuse_cpu_ops": fuse}, kv_cache={"plugin": "paged", "num_blocks": 64})
+            assert fused_flags(llm) == {fuse}
+            tokens[fuse] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert tokens[True] == tokens[False], arch
+
+
+def test_not_fused_for_bfloat16_or_without_a_compiler(tiny_llama, monkeypatch, tmp_path, caplog):
+    path, _ = tiny_llama
+    kv = {"plugin": "paged", "num_blocks": 64}
+    assert fused_flags(LLM(model={"path": path, "dtype": "bfloat16"}, kv_cache=kv)) == {False}
+    monkeypatch.setenv("MODSERVE_CACHE_DIR", str(tmp_path))  # no cached build to fall back on
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    cpu_fused.load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="modserve.models"):
+            llm = LLM(model={"path": path}, kv_cache=kv, attention={"plugin": "torch"})
+        assert fused_flags(llm) == {False}
+        assert "model.fuse_cpu_ops: compiling the fused cpu ops failed" in caplog.text
+    finally:
+        cpu_fused.load.cache_clear()
+
+
+def test_a_non_boolean_setting_names_its_field(tiny_llama):
+    with pytest.raises(ConfigError, match=r"model\.fuse_cpu_ops: expected bool, got 'yes'"):
+        resolve({"model": {"path": tiny_llama[0], "fuse_cpu_ops": "yes"}})
