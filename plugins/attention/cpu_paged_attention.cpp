@@ -35,6 +35,30 @@ inline float load(const uint16_t* p, int i) {  // bfloat16: the high half of a f
 }
 inline float load(const int8_t* p, int i) { return static_cast<float>(p[i]); }
 
+// acc += sum over t < n of p[t] * v[t]: with D known the accumulator lives in registers
+// for the whole block (not loaded and stored for every row), and the V rows of one head,
+// read again for each query head of its group, come from L1.
+template <typename T, int FixedD>
+inline void accumulate_rows(float* acc, const float* p, const T* v, int64_t row_stride, int n, int D_) {
+    if constexpr (FixedD > 0) {
+        float a[FixedD];
+        for (int d = 0; d < FixedD; ++d) a[d] = acc[d];
+        for (int t = 0; t < n; ++t) {
+            const T* vr = v + t * row_stride;
+            const float pt = p[t];
+#pragma omp simd
+            for (int d = 0; d < FixedD; ++d) a[d] += pt * load(vr, d);
+        }
+        for (int d = 0; d < FixedD; ++d) acc[d] = a[d];
+    } else {
+        for (int t = 0; t < n; ++t) {
+            const T* vr = v + t * row_stride;
+            const float pt = p[t];
+            for (int d = 0; d < D_; ++d) acc[d] += pt * load(vr, d);
+        }
+    }
+}
+
 // FixedD > 0: head_dim known at compile time (fully unrolled, vectorized inner loops).
 // Serves KV heads [h0, h1) of one query token; each block's rows for those heads are read
 // once, while they are in cache, for all of their query heads.
@@ -67,16 +91,19 @@ void attend(const float* q, float* out, const T* kc, const T* vc, const float* k
         const T* vb = vc + block * block_stride;
         const float* ksb = ks ? ks + block * bs * KVH : nullptr;
         const float* vsb = vs ? vs + block * bs * KVH : nullptr;
-        for (int t = 0; t < n; ++t) {
-            for (int h = h0; h < h1; ++h) {
-                const T* kr = kb + t * row_stride + h * D;
-                const float kscale = ksb ? ksb[t * KVH + h] : 1.f;
-                for (int g = 0; g < G; ++g) {
-                    const float* qg = qs + ((h - h0) * G + g) * D;
+        for (int h = h0; h < h1; ++h) {
+            for (int g = 0; g < G; ++g) {
+                const float* qg = qs + ((h - h0) * G + g) * D;
+                float* sg = s + ((h - h0) * G + g) * bs;
+                for (int t = 0; t < n; ++t) {
+                    const T* kr = kb + t * row_stride + h * D;
                     float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
                     for (int d = 0; d < D; ++d) dot += qg[d] * load(kr, d);
-                    s[((h - h0) * G + g) * bs + t] = dot * kscale;
+                    sg[t] = dot;
+                }
+                if (ksb) {
+                    for (int u = 0; u < n; ++u) sg[u] *= ksb[u * KVH + h];
                 }
             }
         }
@@ -96,16 +123,16 @@ void attend(const float* q, float* out, const T* kc, const T* vc, const float* k
             }
             l[i] += sum;
         }
-        for (int t = 0; t < n; ++t) {
-            for (int h = h0; h < h1; ++h) {
-                const T* vr = vb + t * row_stride + h * D;
-                const float vscale = vsb ? vsb[t * KVH + h] : 1.f;
+        for (int h = h0; h < h1; ++h) {
+            if (vsb) {  // fold the int8 rows' scales into the weights
                 for (int g = 0; g < G; ++g) {
-                    const int i = (h - h0) * G + g;
-                    const float p = s[i * bs + t] * vscale;
-                    float* ai = acc + i * D;
-                    for (int d = 0; d < D; ++d) ai[d] += p * load(vr, d);
+                    float* si = s + ((h - h0) * G + g) * bs;
+                    for (int t = 0; t < n; ++t) si[t] *= vsb[t * KVH + h];
                 }
+            }
+            for (int g = 0; g < G; ++g) {
+                const int i = (h - h0) * G + g;
+                accumulate_rows<T, FixedD>(acc + i * D, s + i * bs, vb + h * D, row_stride, n, D);
             }
         }
     }
