@@ -19,7 +19,11 @@ from modserve.core.server.lifecycle import bind
 
 
 def test_sigterm_drains_then_exits_zero(tmp_path):
-    proc, url = server_process(tmp_path, max_position_embeddings=2048, server={"shutdown_grace_s": 5.0})
+    # "long" needs 30,000 decode steps: over a minute even at thousands of steps a second, so
+    # it cannot finish inside the 5 s grace however fast the machine is (1,900 once did)
+    proc, url = server_process(
+        tmp_path, max_position_embeddings=32768, kv_cache={"num_blocks": 2048}, server={"shutdown_grace_s": 5.0}
+    )
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
     results: dict[str, object] = {}
     started = {"short": threading.Event(), "long": threading.Event()}
@@ -41,7 +45,7 @@ def test_sigterm_drains_then_exits_zero(tmp_path):
             started[name].set()
 
     try:
-        threads = {"long": threading.Thread(target=run, args=("long", 1900)),
+        threads = {"long": threading.Thread(target=run, args=("long", 30000)),
                    "short": threading.Thread(target=run, args=("short", 60))}
         for name in ("long", "short"):
             threads[name].start()
