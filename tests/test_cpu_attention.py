@@ -28,17 +28,25 @@ def reference(q, k_rows, v_rows, pos, scale):
     return F.scaled_dot_product_attention(q[:, None], k, v, scale=scale)[:, 0]
 
 
+# The standard build takes the AVX-512 path for head_dim 64 and 128 where the CPU has it;
+# the "-mno-avx512f" build runs the portable loops on the same CPU, so both are checked here.
+BUILDS = {"native": (), "portable": ("-mno-avx512f",)}
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim,block_size,dtype",
     [
         (9, 3, 64, 16, torch.float32),  # SmolLM2's shape
         (4, 4, 32, 16, torch.float32),  # MHA, a head size without a specialised path
-        (8, 1, 128, 32, torch.float32),  # MQA
+        (8, 1, 128, 32, torch.float32),  # MQA; blocks of 32 are two 16-token chunks
         (9, 3, 64, 16, torch.bfloat16),
+        (8, 2, 128, 8, torch.bfloat16),  # blocks smaller than a 16-token chunk
         (9, 3, 64, 16, torch.int8),
+        (8, 2, 128, 32, torch.int8),
     ],
 )
-def test_kernel_matches_sdpa_over_scattered_blocks(heads, kv_heads, head_dim, block_size, dtype):
+def test_kernel_matches_sdpa_over_scattered_blocks(heads, kv_heads, head_dim, block_size, dtype, build):
     g = torch.Generator().manual_seed(0)
     num_blocks, seqs = 64, [1, 17, 40, 100]  # lengths inside one block, across blocks, exactly ragged
     width = -(-max(seqs) // block_size)
@@ -65,6 +73,7 @@ def test_kernel_matches_sdpa_over_scattered_blocks(heads, kv_heads, head_dim, bl
     cpu_kernel_build.paged_attention(
         q, out, k_cache, v_cache, k_scale, v_scale, tables, torch.arange(len(rows_pos)),
         torch.tensor(rows_seq, dtype=torch.int32), torch.tensor(rows_pos, dtype=torch.int32), scale,
+        cpu_kernel_build.load(BUILDS[build]),
     )  # fmt: skip
     for r, (i, p) in enumerate(zip(rows_seq, rows_pos)):
         blocks = tables[i].long()

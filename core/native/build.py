@@ -30,15 +30,18 @@ def compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
-def compile_and_load(source: Path, what: str) -> ctypes.CDLL:
+def compile_and_load(source: Path, what: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     """The compiled ``source`` (compiled now if this machine has no cached build); ``what``
-    names it in errors, e.g. "the cpu attention kernel"."""
+    names it in errors, e.g. "the cpu attention kernel". ``extra_flags`` follow the standard
+    ones: the tests build ``-mno-avx512f`` variants to check the portable loops on a CPU
+    where the AVX-512 ones would run."""
     cxx = compiler()
     if cxx is None:
         raise KernelUnavailable(f"{what} needs a C++ compiler (g++); none found on PATH or in $CXX")
-    path = _cache_dir() / f"{source.stem}-{_build_key(cxx, source)}.so"
+    flags = [*FLAGS, *extra_flags]
+    path = _cache_dir() / f"{source.stem}-{_build_key(cxx, source, flags)}.so"
     if not path.exists():
-        _compile(cxx, source, path, what)
+        _compile(cxx, flags, source, path, what)
     return ctypes.CDLL(str(path))
 
 
@@ -48,11 +51,11 @@ def _cache_dir() -> Path:
     return root
 
 
-def _build_key(cxx: str, source: Path) -> str:
+def _build_key(cxx: str, source: Path, flags: list[str]) -> str:
     h = hashlib.sha256(source.read_bytes())
     for header in sorted(HEADERS.glob("*.h")):
         h.update(header.read_bytes())
-    h.update(" ".join([cxx, *FLAGS]).encode())
+    h.update(" ".join([cxx, *flags]).encode())
     try:
         h.update(subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout.encode())
         with open("/proc/cpuinfo") as f:
@@ -62,12 +65,12 @@ def _build_key(cxx: str, source: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def _compile(cxx: str, source: Path, path: Path, what: str) -> None:
+def _compile(cxx: str, flags: list[str], source: Path, path: Path, what: str) -> None:
     """Compile into a temporary file, then rename: concurrent processes never load half a file."""
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cxx, *FLAGS, str(source), "-o", tmp], capture_output=True, text=True, timeout=300)
+        proc = subprocess.run([cxx, *flags, str(source), "-o", tmp], capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             raise KernelUnavailable(f"compiling {what} failed ({cxx}): {proc.stderr.strip()[-800:]}")
         os.replace(tmp, path)

@@ -15,10 +15,11 @@ SOURCE = Path(__file__).with_name("cpu_paged_attention.cpp")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 
 
-@lru_cache(maxsize=1)
-def load() -> ctypes.CDLL:
-    """The compiled kernel library (compiled now if this machine has no cached build)."""
-    lib = compile_and_load(SOURCE, "the cpu attention kernel")
+@lru_cache(maxsize=None)
+def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """The compiled kernel library (compiled now if this machine has no cached build);
+    ``extra_flags``: a variant build, e.g. ``("-mno-avx512f",)`` for the portable loops."""
+    lib = compile_and_load(SOURCE, "the cpu attention kernel", extra_flags)
     lib.modserve_paged_attention.restype = ctypes.c_int
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     lib.modserve_paged_attention.argtypes = (
@@ -47,13 +48,15 @@ def paged_attention(
     row_seq: torch.Tensor,
     row_pos: torch.Tensor,
     scale: float,
+    lib: ctypes.CDLL | None = None,
 ) -> None:
     """``out[rows] = attention(q[rows])`` over the paged cache. ``q``/``out``: contiguous float32
     ``[T, H, D]``; ``rows`` int64, ``row_seq`` / ``row_pos`` int32: each row's sequence (its row
-    in ``block_tables``, int32 contiguous) and position (it sees cache positions ``0..pos``)."""
+    in ``block_tables``, int32 contiguous) and position (it sees cache positions ``0..pos``).
+    ``lib``: a variant build from :func:`load` (default: the standard one)."""
     _, H, D = q.shape
     _, bs, KVH, _ = k_cache.shape
-    code = load().modserve_paged_attention(
+    code = (lib or load()).modserve_paged_attention(
         DTYPE_CODES[k_cache.dtype],
         q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         k_scale.data_ptr() if k_scale is not None else None,

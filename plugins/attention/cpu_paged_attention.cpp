@@ -16,6 +16,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "avx512.h"
 #include "fast_exp.h"
 
 namespace {
@@ -143,6 +144,128 @@ void attend(const float* q, float* out, const T* kc, const T* vc, const float* k
     }
 }
 
+#if defined(__AVX512F__)
+// attend() for head_dim D (a multiple of 16) with AVX-512, 16 cache rows (a chunk) at a
+// time. A chunk's rows for the item's KV heads are widened to float32 once (read in place
+// when the cache is float32); each query head then takes its 16 scores as 16 partial
+// vectors and one transpose-sum (no horizontal sum per score), a vector exp, and P.V with
+// its accumulators in registers. At SmolLM2's decode shape (64 rows x ~300 tokens, bf16,
+// 30 layers' caches) it takes 25-27 ms a step where the portable loops take 39-42.
+// (Tried and dropped: software prefetch of the next chunk, 10% slower; q.k by vdpbf16ps
+// from the bf16 rows, no faster and it rounds q to bf16.)
+template <typename T, int D>
+void attend_avx512(const float* q, float* out, const T* kc, const T* vc, const float* ks, const float* vs,
+                   const int32_t* table, int32_t pos, int KVH, int G, int bs, float scale, int h0, int h1) {
+    using modserve::exp512_nonpositive;
+    using modserve::load16;
+    constexpr int NV = D / 16;  // vectors per row
+    const int nh = (h1 - h0) * G;
+    const int64_t row_stride = static_cast<int64_t>(KVH) * D;
+    const int64_t block_stride = static_cast<int64_t>(bs) * row_stride;
+    const int heads = h1 - h0;
+    static thread_local std::vector<float> work;
+    work.resize(static_cast<size_t>(nh) * (2 * D + 2) + 2 * 16 * heads * D);
+    float* qs = work.data();  // [nh][D], pre-scaled
+    float* acc = qs + nh * D;  // [nh][D]
+    float* m = acc + nh * D;  // [nh] running max
+    float* l = m + nh;  // [nh] running sum of weights
+    float* kbuf = l + nh;  // [16][heads][D]: the item's K rows of a 16-token chunk, as float32
+    float* vbuf = kbuf + 16 * heads * D;  // [16][heads][D]
+    for (int i = 0; i < nh; ++i) {
+        const float* qh = q + static_cast<int64_t>(h0 * G + i) * D;
+        for (int d = 0; d < D; ++d) qs[i * D + d] = qh[d] * scale;
+        for (int d = 0; d < D; ++d) acc[i * D + d] = 0.f;
+        m[i] = -INFINITY;
+        l[i] = 0.f;
+    }
+    const int n_tokens = pos + 1;
+    const int chunk = bs < 16 ? bs : 16;  // block sizes are powers of two: a chunk never crosses a block
+    for (int start = 0; start < n_tokens; start += chunk) {
+        const int in_block = start % bs;
+        const int n = n_tokens - start < chunk ? n_tokens - start : chunk;
+        const int64_t block = table[start / bs];
+        const T* kb = kc + block * block_stride + static_cast<int64_t>(in_block) * row_stride;
+        const T* vb = vc + block * block_stride + static_cast<int64_t>(in_block) * row_stride;
+        const float* ksb = ks ? ks + (block * bs + in_block) * KVH : nullptr;
+        const float* vsb = vs ? vs + (block * bs + in_block) * KVH : nullptr;
+        const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
+        if constexpr (!std::is_same_v<T, float>) {  // widen the item's heads of each row in one sweep
+            for (int t = 0; t < n; ++t) {
+                for (int j = 0; j < heads * NV; ++j) {
+                    _mm512_storeu_ps(kbuf + (t * heads) * D + 16 * j, load16(kb + t * row_stride + h0 * D + 16 * j));
+                    _mm512_storeu_ps(vbuf + (t * heads) * D + 16 * j, load16(vb + t * row_stride + h0 * D + 16 * j));
+                }
+            }
+        }
+        for (int h = h0; h < h1; ++h) {
+            const float* kr;
+            const float* vr;
+            int64_t stride;
+            if constexpr (std::is_same_v<T, float>) {
+                kr = kb + h * D, vr = vb + h * D, stride = row_stride;
+            } else {
+                kr = kbuf + (h - h0) * D, vr = vbuf + (h - h0) * D, stride = static_cast<int64_t>(heads) * D;
+            }
+            __m512 kscale = _mm512_set1_ps(1.f), vscale = _mm512_set1_ps(1.f);
+            if (ksb) {
+                alignas(64) float k16[16] = {}, v16[16] = {};
+                for (int t = 0; t < n; ++t) k16[t] = ksb[t * KVH + h], v16[t] = vsb[t * KVH + h];
+                kscale = _mm512_load_ps(k16), vscale = _mm512_load_ps(v16);
+            }
+            for (int g = 0; g < G; ++g) {
+                const int i = (h - h0) * G + g;
+                __m512 qv[NV];
+                for (int j = 0; j < NV; ++j) qv[j] = _mm512_loadu_ps(qs + i * D + 16 * j);
+                __m512 part[16];
+                for (int t = n; t < 16; ++t) part[t] = _mm512_setzero_ps();
+                for (int t = 0; t < n; ++t) {
+                    __m512 s = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr + t * stride));
+                    for (int j = 1; j < NV; ++j) s = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(kr + t * stride + 16 * j), s);
+                    part[t] = s;
+                }
+                __m512 scores = _mm512_mul_ps(modserve::transpose_sum16(part), kscale);
+                scores = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), scores);
+                const float bmax = std::fmax(m[i], _mm512_reduce_max_ps(scores));
+                const float correction = exp_nonpositive(m[i] - bmax);  // ~0 on the first chunk (m = -inf)
+                const __m512 p = _mm512_maskz_mov_ps(valid, exp512_nonpositive(_mm512_sub_ps(scores, _mm512_set1_ps(bmax))));
+                l[i] = l[i] * correction + _mm512_reduce_add_ps(p);
+                m[i] = bmax;
+                const __m512 pv = _mm512_mul_ps(p, vscale);  // int8: the V rows' scales folded in
+                // lane t broadcast in registers (a scalar reload of a just-stored vector would
+                // stall on store forwarding)
+                const auto lane = [&](int t) { return _mm512_permutexvar_ps(_mm512_set1_epi32(t), pv); };
+                // even and odd rows into separate accumulators: twice the independent FMA
+                // chains, so the FMA latency is hidden even for D = 64 (4 vectors a row)
+                __m512 a[NV], b[NV];
+                const __m512 corr = _mm512_set1_ps(correction);
+                for (int j = 0; j < NV; ++j) {
+                    a[j] = _mm512_mul_ps(_mm512_loadu_ps(acc + i * D + 16 * j), corr);
+                    b[j] = _mm512_setzero_ps();
+                }
+                int t = 0;
+                for (; t + 1 < n; t += 2) {
+                    const __m512 p0 = lane(t), p1 = lane(t + 1);
+                    for (int j = 0; j < NV; ++j) {
+                        a[j] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(vr + t * stride + 16 * j), a[j]);
+                        b[j] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(vr + (t + 1) * stride + 16 * j), b[j]);
+                    }
+                }
+                if (t < n) {
+                    const __m512 p0 = lane(t);
+                    for (int j = 0; j < NV; ++j) a[j] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(vr + t * stride + 16 * j), a[j]);
+                }
+                for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + i * D + 16 * j, _mm512_add_ps(a[j], b[j]));
+            }
+        }
+    }
+    for (int i = 0; i < nh; ++i) {
+        float* oh = out + static_cast<int64_t>(h0 * G + i) * D;
+        const float inv = 1.f / l[i];
+        for (int d = 0; d < D; ++d) oh[d] = acc[i * D + d] * inv;
+    }
+}
+#endif  // __AVX512F__
+
 // Work items: whole tokens (all KV heads, best cache reuse) when there are enough of them
 // to keep every thread busy, else token x KV head (a lone decode row still uses all cores).
 template <typename T, int FixedD>
@@ -159,6 +282,14 @@ void run(const float* q, float* out, const void* k_cache, const void* v_cache, c
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t item = 0; item < items; ++item) {
         const int i = static_cast<int>(item / splits), h0 = static_cast<int>(item % splits) * per_item;
+#if defined(__AVX512F__)
+        if constexpr (FixedD > 0) {
+            attend_avx512<T, FixedD>(q + rows[i] * token_stride, out + rows[i] * token_stride, kc, vc, k_scale,
+                                     v_scale, block_tables + static_cast<int64_t>(row_seq[i]) * table_width,
+                                     row_pos[i], KVH, H / KVH, bs, scale, h0, h0 + per_item);
+            continue;
+        }
+#endif
         attend<T, FixedD>(q + rows[i] * token_stride, out + rows[i] * token_stride, kc, vc, k_scale, v_scale,
                           block_tables + static_cast<int64_t>(row_seq[i]) * table_width, row_pos[i], KVH, H / KVH,
                           D, bs, scale, h0, h0 + per_item);

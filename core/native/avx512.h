@@ -1,0 +1,61 @@
+// AVX-512 helpers shared by the CPU kernels; empty where the compiler targets no AVX-512F
+// (the kernels then keep their portable loops). Every helper works on 16 float32 lanes.
+#pragma once
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace modserve {
+
+// 16 elements as float32: float32 as is, bfloat16 (the high half of a float32) widened,
+// int8 converted (scales are applied by the caller).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline __m512 load16(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// exp(x) for x <= 0, lane-wise: the same reduction and polynomial as exp_nonpositive in
+// fast_exp.h (relative error ~2e-7), with 2^n applied by scalef.
+inline __m512 exp512_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(y, n);
+}
+
+// Lane i of the result = the sum of the 16 lanes of v[i]: sixteen horizontal sums for the
+// price of about three (pairwise unpacks, then 128-bit lane shuffles).
+inline __m512 transpose_sum16(const __m512* v) {
+    __m512 a[8];
+    for (int i = 0; i < 8; ++i) {  // per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3]
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    }
+    __m512 b[4];
+    for (int i = 0; i < 4; ++i) {  // per 128-bit lane: partial sums of v[4i .. 4i+3]
+        const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    constexpr int kEven = _MM_SHUFFLE(2, 0, 2, 0), kOdd = _MM_SHUFFLE(3, 1, 3, 1);
+    const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], kEven), _mm512_shuffle_f32x4(b[0], b[1], kOdd));
+    const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], kEven), _mm512_shuffle_f32x4(b[2], b[3], kOdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, kEven), _mm512_shuffle_f32x4(s01, s23, kOdd));
+}
+
+}  // namespace modserve
+
+#endif  // __AVX512F__
