@@ -35,7 +35,7 @@ class ModelSection(_Section):
     max_model_len: Annotated[int, msgspec.Meta(ge=2)] | None = None  # prompt + output tokens; default: the model's max_position_embeddings
     tokenizer: str | None = None  # an HF directory, if not beside the weights
     pack_cpu_weights: bool = True  # on the CPU, reorder linear weights once for oneDNN (faster matmuls)
-    fuse_cpu_ops: bool = True  # on the CPU in float32, run norms, SiLU·mul and RoPE as fused C++ kernels
+    fuse_cpu_ops: bool = True  # on the CPU in float32 or bfloat16, run norms, SiLU·mul and RoPE as fused C++ kernels
 
 
 class ServerSection(_Section):

@@ -1,6 +1,6 @@
-"""The fused float32 CPU ops (norm + residual add, SiLU·mul, RoPE): equal to the torch ops
-they replace, on by default, off on request or where they cannot run (the engine-wide HF
-parity tests run with them on)."""
+"""The fused CPU ops (norm + residual add, SiLU·mul, RoPE) in float32 and bfloat16: equal to
+the torch ops they replace, on by default, off on request or where they cannot run (the
+engine-wide HF parity tests run with them on)."""
 
 from __future__ import annotations
 
@@ -64,9 +64,43 @@ def test_rope_rotates_q_and_k_in_place_and_leaves_v():
     assert torch.equal(v, want_v)
 
 
+def bf16_ulps(got: torch.Tensor, want: torch.Tensor) -> int:
+    """Largest distance in bfloat16 steps (same-sign values: their bit patterns' difference)."""
+    assert got.dtype == want.dtype == torch.bfloat16
+    return int((got.view(torch.int16).int() - want.view(torch.int16).int()).abs().max())
+
+
+def test_bfloat16_ops_round_where_torchs_bfloat16_ops_do():
+    """Each fused op against HF's unfused bfloat16 chain on the same bfloat16 inputs: equal
+    but for the odd last-bit difference (float32 summation order in the norm, FMAs)."""
+    torch.manual_seed(0)
+    bf = torch.bfloat16
+    residual, add, weight = (torch.randn(37, 576) * 4).to(bf), torch.randn(37, 576).to(bf), torch.randn(576).to(bf)
+    want_residual = residual + add
+    hf_norm = weight * (lambda x: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))(want_residual.float()).to(bf)
+    got = cpu_fused.add_rms_norm(residual, add, weight, 1e-5)
+    assert torch.equal(residual, want_residual)
+    assert got.dtype == bf and bf16_ulps(got, hf_norm) <= 1 and (got != hf_norm).float().mean() < 0.01
+
+    gate_up = (torch.randn(37, 2 * 96) * 4).to(bf)
+    want = F.silu(gate_up[:, :96]) * gate_up[:, 96:]
+    got = cpu_fused.silu_mul(gate_up)
+    assert bf16_ulps(got, want) <= 1 and (got != want).float().mean() < 0.01
+
+    t, heads, d = 37, 6, 64
+    qkv = torch.randn(t, heads * d).to(bf)
+    angles = torch.rand(t, d // 2) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1).to(bf), torch.cat([angles.sin()] * 2, -1).to(bf)
+    want = apply_rotary(qkv.view(t, heads, d), cos[:, None], sin[:, None]).reshape(t, -1)
+    cpu_fused.rope_(qkv, cos, sin, heads, d)
+    assert torch.equal(qkv, want)
+
+
 def test_refuses_what_it_cannot_read():
-    with pytest.raises(ValueError, match="float32 CPU rows"):
-        cpu_fused.silu_mul(torch.randn(4, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="float32 or bfloat16 CPU rows"):
+        cpu_fused.silu_mul(torch.randn(4, 8, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"all one dtype"):
+        cpu_fused.add_rms_norm(torch.randn(4, 8, dtype=torch.bfloat16), None, torch.randn(8), 1e-6)
     with pytest.raises(ValueError, match="residual stream must be contiguous"):
         cpu_fused.add_rms_norm(torch.randn(8, 4).t(), None, torch.randn(8), 1e-6)
 
@@ -75,23 +109,24 @@ def fused_flags(llm: LLM) -> set[bool]:
     return {m.fused for m in llm.engine.c.runner.model.modules() if isinstance(m, (RMSNorm, Attention, MLP))}
 
 
-def test_engine_fuses_unless_told_not_to_and_tokens_agree(tiny_models):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_fuses_unless_told_not_to_and_tokens_agree(tiny_models, dtype):
     prompts = [[3, 4, 5, 6], [9] * 40, list(range(5, 70))]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     for arch in ("llama", "qwen2"):  # tied + GQA; qkv bias
         path, _ = tiny_models[arch]
         tokens = {}
         for fuse in (True, False):
-            llm = LLM(model={"path": path, "fuse_cpu_ops": fuse}, kv_cache={"plugin": "paged", "num_blocks": 64})
+            llm = LLM(model={"path": path, "fuse_cpu_ops": fuse, "dtype": dtype}, kv_cache={"plugin": "paged", "num_blocks": 64})
             assert fused_flags(llm) == {fuse}
             tokens[fuse] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         assert tokens[True] == tokens[False], arch
 
 
-def test_not_fused_for_bfloat16_or_without_a_compiler(tiny_llama, monkeypatch, tmp_path, caplog):
+def test_not_fused_for_float16_or_without_a_compiler(tiny_llama, monkeypatch, tmp_path, caplog):
     path, _ = tiny_llama
     kv = {"plugin": "paged", "num_blocks": 64}
-    assert fused_flags(LLM(model={"path": path, "dtype": "bfloat16"}, kv_cache=kv)) == {False}
+    assert fused_flags(LLM(model={"path": path, "dtype": "float16"}, kv_cache=kv, attention={"plugin": "torch"})) == {False}
     monkeypatch.setenv("MODSERVE_CACHE_DIR", str(tmp_path))  # no cached build to fall back on
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     cpu_fused.load.cache_clear()

@@ -1,13 +1,15 @@
-"""The Llama layer's elementwise ops as single-pass C++ kernels (float32, CPU).
+"""The Llama layer's elementwise ops as single-pass C++ kernels (float32 or bfloat16, CPU).
 
 Why: unfused, RMSNorm + residual add, SiLU·mul and RoPE are chains of torch ops that each
 stream the whole activation through memory; in a 2048-token prefill step they took about
-a fifth of the time. ``cpu_fused_ops.cpp`` does each in one pass (built once per machine
+a fifth of the time, and in a bfloat16 decode step their ~80 small ops per layer cost more
+than the arithmetic. ``cpu_fused_ops.cpp`` does each in one pass (built once per machine
 by :mod:`modserve.core.native.build`). Results equal the torch ops up to float32 rounding
-(fused multiply-adds, a different summation order in the norm).
+(fused multiply-adds, a different summation order in the norm); in bfloat16 they round
+wherever torch's bfloat16 ops round.
 
 ``model.fuse_cpu_ops`` (default true) turns it on where it can run: a CPU device, float32
-weights and a working C++ compiler; anything else keeps the torch ops.
+or bfloat16 weights and a working C++ compiler; anything else keeps the torch ops.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from modserve.core.native.build import KernelUnavailable, compile_and_load
 
 SOURCE = Path(__file__).with_name("cpu_fused_ops.cpp")
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 log = logging.getLogger("modserve.models")
 
 
@@ -29,9 +32,9 @@ log = logging.getLogger("modserve.models")
 def load() -> ctypes.CDLL:
     lib = compile_and_load(SOURCE, "the fused cpu ops")
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-    lib.modserve_add_rms_norm.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i32, i32, f32, i32]
-    lib.modserve_silu_mul.argtypes = [ptr, ptr, i32, i32, i32]
-    lib.modserve_rope.argtypes = [ptr, i64, ptr, ptr, i32, i32, i32, i32]
+    lib.modserve_add_rms_norm.argtypes = [i32, ptr, i64, ptr, ptr, ptr, i64, i32, i32, f32, i32]
+    lib.modserve_silu_mul.argtypes = [i32, ptr, ptr, i32, i32, i32]
+    lib.modserve_rope.argtypes = [i32, ptr, i64, ptr, ptr, i32, i32, i32, i32]
     for fn in (lib.modserve_add_rms_norm, lib.modserve_silu_mul, lib.modserve_rope):
         fn.restype = None
     return lib
@@ -39,7 +42,7 @@ def load() -> ctypes.CDLL:
 
 def can_fuse(device: torch.device, dtype: torch.dtype) -> bool:
     """True where the kernels run; says why not (once) when only the compiler is missing."""
-    if torch.device(device).type != "cpu" or dtype != torch.float32:
+    if torch.device(device).type != "cpu" or dtype not in DTYPE_CODES:
         return False
     try:
         load()
@@ -60,9 +63,9 @@ def add_rms_norm(residual: torch.Tensor, add: torch.Tensor | None, weight: torch
         src, stride, res = residual, residual.stride(0), None
     else:
         src, stride, res = add, add.stride(0), residual.data_ptr()
-    _check(src, residual)
+    code = _check(src, residual, weight)
     load().modserve_add_rms_norm(
-        src.data_ptr(), stride, res, weight.data_ptr(), out.data_ptr(), out.stride(0), rows, dim, eps,
+        code, src.data_ptr(), stride, res, weight.data_ptr(), out.data_ptr(), out.stride(0), rows, dim, eps,
         torch.get_num_threads(),
     )  # fmt: skip
     return out
@@ -71,24 +74,34 @@ def add_rms_norm(residual: torch.Tensor, add: torch.Tensor | None, weight: torch
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up = [gate | up]``, contiguous ``[T, 2 * inter]``."""
     rows, width = gate_up.shape
-    _check(gate_up)
+    code = _check(gate_up)
+    if not gate_up.is_contiguous():
+        raise ValueError("fused cpu ops: gate_up must be contiguous")
     out = gate_up.new_empty(rows, width // 2)
-    load().modserve_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
+    load().modserve_silu_mul(code, gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
     return out
 
 
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> None:
     """Rotate-half RoPE in place on the first ``heads`` heads of each row of ``x``
     (``[T, >= heads * head_dim]``, unit inner stride); ``cos``/``sin``: contiguous ``[T, head_dim]``."""
-    _check(x)
-    _check(cos, sin)
+    code = _check(x, cos, sin)
+    if not (cos.is_contiguous() and sin.is_contiguous()):
+        raise ValueError("fused cpu ops: cos and sin must be contiguous")
     load().modserve_rope(
-        x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), x.shape[0], heads, head_dim,
+        code, x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), x.shape[0], heads, head_dim,
         torch.get_num_threads(),
     )  # fmt: skip
 
 
-def _check(*tensors: torch.Tensor) -> None:
+def _check(*tensors: torch.Tensor) -> int:
+    """The kernels' dtype code for tensors that are all float32 or all bfloat16 CPU rows with
+    unit inner stride; else ValueError."""
+    dtype = tensors[0].dtype
     for t in tensors:
-        if t.dtype != torch.float32 or t.device.type != "cpu" or t.stride(-1) != 1:
-            raise ValueError(f"fused cpu ops need float32 CPU rows with unit inner stride, got {t.dtype} {t.stride()}")
+        if t.dtype != dtype or dtype not in DTYPE_CODES or t.device.type != "cpu" or t.stride(-1) != 1:
+            raise ValueError(
+                "fused cpu ops need float32 or bfloat16 CPU rows (all one dtype) with unit inner stride, "
+                f"got {[(x.dtype, x.stride()) for x in tensors]}"
+            )
+    return DTYPE_CODES[dtype]

@@ -1,18 +1,51 @@
-// The Llama layer's elementwise work in one pass each, for float32 on the CPU.
+// The Llama layer's elementwise work in one pass each, for float32 and bfloat16 on the CPU.
 //
 // Unfused, torch runs these as chains of ops that each read and write the whole
 // activation: RMSNorm is pow, mean, add, rsqrt, mul, mul; SiLU-and-multiply is silu then
 // mul; rotate-half RoPE is neg, cat, mul, mul, add; the residual add is one more. At
-// prefill sizes that memory traffic was about a fifth of a step. Built by
-// core/native/build.py; rows are split across torch's OpenMP pool.
+// prefill sizes that memory traffic was about a fifth of a step, and at decode sizes in
+// bfloat16 the ~80 small ops per layer (casts included) cost more than their arithmetic.
+// Built by core/native/build.py; rows are split across torch's OpenMP pool.
+//
+// bfloat16 rounds where torch's bfloat16 ops do (each op's result is a bfloat16 tensor),
+// so the fused ops give HF's bfloat16 values, not a more precise float32 chain:
+// norm: x -> bf16(x * rsqrt(mean(x^2) + eps)) -> bf16(w * that); silu: bf16(silu(g)) then
+// bf16(that * u); rope: bf16(bf16(a * cos) + bf16(rot * sin)); residual: bf16(r + x).
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "fast_exp.h"
 
 namespace {
 
 using modserve::exp_nonpositive;
+using bf16 = uint16_t;
+
+inline float widen(float x) { return x; }
+inline float widen(bf16 x) {
+    const uint32_t bits = static_cast<uint32_t>(x) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+// Round to the element type: nearest-even for bfloat16 (as torch's float -> bfloat16 cast).
+template <typename T>
+inline T narrow(float x);
+template <>
+inline float narrow<float>(float x) { return x; }
+template <>
+inline bf16 narrow<bf16>(float x) {
+    uint32_t bits;
+    std::memcpy(&bits, &x, sizeof bits);
+    bits += 0x7FFFu + ((bits >> 16) & 1u);
+    return static_cast<bf16>(bits >> 16);
+}
+
+// The value as its element type would hold it: identity for float32.
+template <typename T>
+inline float rounded(float x) { return widen(narrow<T>(x)); }
 
 // silu(x) = x * sigmoid(x), with exp only ever of a non-positive argument.
 inline float silu(float x) {
@@ -22,43 +55,86 @@ inline float silu(float x) {
     return x * (x >= 0.f ? r : er);
 }
 
+template <typename T>
+void add_rms_norm(const T* x, int64_t x_stride, T* residual, const T* w, T* out, int64_t out_stride, int rows, int dim,
+                  float eps, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int r = 0; r < rows; ++r) {
+        const T* xr = x + r * x_stride;
+        T* o = out + r * out_stride;
+        const T* src = xr;
+        if (residual != nullptr) {
+            T* res = residual + static_cast<int64_t>(r) * dim;
+            for (int i = 0; i < dim; ++i) res[i] = narrow<T>(widen(res[i]) + widen(xr[i]));
+            src = res;
+        }
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int i = 0; i < dim; ++i) sum += widen(src[i]) * widen(src[i]);
+        const float inv = 1.f / std::sqrt(sum / dim + eps);
+        for (int i = 0; i < dim; ++i) o[i] = narrow<T>(widen(w[i]) * rounded<T>(widen(src[i]) * inv));
+    }
+}
+
+template <typename T>
+void silu_mul(const T* gate_up, T* out, int rows, int inter, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int r = 0; r < rows; ++r) {
+        const T* g = gate_up + static_cast<int64_t>(r) * 2 * inter;
+        const T* u = g + inter;
+        T* o = out + static_cast<int64_t>(r) * inter;
+#pragma omp simd
+        for (int j = 0; j < inter; ++j) o[j] = narrow<T>(rounded<T>(silu(widen(g[j]))) * widen(u[j]));
+    }
+}
+
+template <typename T>
+void rope(T* x, int64_t x_stride, const T* cos, const T* sin, int rows, int heads, int D, int threads) {
+    const int half = D / 2;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int r = 0; r < rows; ++r) {
+        const T* c = cos + static_cast<int64_t>(r) * D;
+        const T* s = sin + static_cast<int64_t>(r) * D;
+        for (int h = 0; h < heads; ++h) {
+            T* a = x + r * x_stride + static_cast<int64_t>(h) * D;
+            T* b = a + half;
+#pragma omp simd
+            for (int i = 0; i < half; ++i) {
+                const float a0 = widen(a[i]), b0 = widen(b[i]);
+                a[i] = narrow<T>(rounded<T>(a0 * widen(c[i])) + rounded<T>(-b0 * widen(s[i])));
+                b[i] = narrow<T>(rounded<T>(b0 * widen(c[i + half])) + rounded<T>(a0 * widen(s[i + half])));
+            }
+        }
+    }
+}
+
 }  // namespace
 
 extern "C" {
+
+// dtype: 0 float32, 1 bfloat16, for every tensor argument.
 
 // residual == nullptr: out = rms_norm(x) * w.
 // Otherwise:          residual += x, then out = rms_norm(residual) * w (the pre-norm
 // layer's "add the sublayer's output, normalise for the next sublayer").
 // x, residual, out: [rows, dim] with row strides; w: [dim].
-void modserve_add_rms_norm(const float* x, int64_t x_stride, float* residual, const float* w, float* out,
+void modserve_add_rms_norm(int dtype, const void* x, int64_t x_stride, void* residual, const void* w, void* out,
                            int64_t out_stride, int rows, int dim, float eps, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int r = 0; r < rows; ++r) {
-        const float* xr = x + r * x_stride;
-        float* o = out + r * out_stride;
-        const float* src = xr;
-        if (residual != nullptr) {
-            float* res = residual + static_cast<int64_t>(r) * dim;
-            for (int i = 0; i < dim; ++i) res[i] += xr[i];
-            src = res;
-        }
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int i = 0; i < dim; ++i) sum += src[i] * src[i];
-        const float inv = 1.f / std::sqrt(sum / dim + eps);
-        for (int i = 0; i < dim; ++i) o[i] = w[i] * (src[i] * inv);
+    if (dtype == 1) {
+        add_rms_norm(static_cast<const bf16*>(x), x_stride, static_cast<bf16*>(residual), static_cast<const bf16*>(w),
+                     static_cast<bf16*>(out), out_stride, rows, dim, eps, threads);
+    } else {
+        add_rms_norm(static_cast<const float*>(x), x_stride, static_cast<float*>(residual),
+                     static_cast<const float*>(w), static_cast<float*>(out), out_stride, rows, dim, eps, threads);
     }
 }
 
 // out[r, j] = silu(gate_up[r, j]) * gate_up[r, inter + j]; gate_up: [rows, 2 * inter].
-void modserve_silu_mul(const float* gate_up, float* out, int rows, int inter, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int r = 0; r < rows; ++r) {
-        const float* g = gate_up + static_cast<int64_t>(r) * 2 * inter;
-        const float* u = g + inter;
-        float* o = out + static_cast<int64_t>(r) * inter;
-#pragma omp simd
-        for (int j = 0; j < inter; ++j) o[j] = silu(g[j]) * u[j];
+void modserve_silu_mul(int dtype, const void* gate_up, void* out, int rows, int inter, int threads) {
+    if (dtype == 1) {
+        silu_mul(static_cast<const bf16*>(gate_up), static_cast<bf16*>(out), rows, inter, threads);
+    } else {
+        silu_mul(static_cast<const float*>(gate_up), static_cast<float*>(out), rows, inter, threads);
     }
 }
 
@@ -67,23 +143,14 @@ void modserve_silu_mul(const float* gate_up, float* out, int rows, int inter, in
 //   x[i]       <- x[i] * cos[i] - x[i + D/2] * sin[i]
 //   x[i + D/2] <- x[i + D/2] * cos[i + D/2] + x[i] * sin[i + D/2]
 // cos, sin: [rows, D], already gathered for each row's position.
-void modserve_rope(float* x, int64_t x_stride, const float* cos, const float* sin, int rows, int heads, int D,
+void modserve_rope(int dtype, void* x, int64_t x_stride, const void* cos, const void* sin, int rows, int heads, int D,
                    int threads) {
-    const int half = D / 2;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int r = 0; r < rows; ++r) {
-        const float* c = cos + static_cast<int64_t>(r) * D;
-        const float* s = sin + static_cast<int64_t>(r) * D;
-        for (int h = 0; h < heads; ++h) {
-            float* a = x + r * x_stride + static_cast<int64_t>(h) * D;
-            float* b = a + half;
-#pragma omp simd
-            for (int i = 0; i < half; ++i) {
-                const float a0 = a[i], b0 = b[i];
-                a[i] = a0 * c[i] - b0 * s[i];
-                b[i] = b0 * c[i + half] + a0 * s[i + half];
-            }
-        }
+    if (dtype == 1) {
+        rope(static_cast<bf16*>(x), x_stride, static_cast<const bf16*>(cos), static_cast<const bf16*>(sin), rows, heads,
+             D, threads);
+    } else {
+        rope(static_cast<float*>(x), x_stride, static_cast<const float*>(cos), static_cast<const float*>(sin), rows,
+             heads, D, threads);
     }
 }
 
