@@ -36,6 +36,11 @@ default_cpus
 mkdir -p "$OUT"
 export MODEL_DIR SERVER_CPUS DTYPE
 
+# the client's --plot needs the `bench` extra (matplotlib), which `scripts/setup.sh` does not install
+if ! "$PY" -c "import matplotlib" 2>/dev/null; then
+    "$PY" -m pip install --quiet "matplotlib>=3.8"
+fi
+
 # the client: `modserve bench serve` (the module itself if the CLI does not have it)
 if "$PY" -m modserve.core.cli bench serve --help >/dev/null 2>&1; then
     BENCH=("$PY" -m modserve.core.cli bench serve)
