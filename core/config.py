@@ -36,6 +36,7 @@ class ModelSection(_Section):
     tokenizer: str | None = None  # an HF directory, if not beside the weights
     pack_cpu_weights: bool = True  # on the CPU, reorder linear weights once for oneDNN (faster matmuls)
     fuse_cpu_ops: bool = True  # on the CPU in float32 or bfloat16, run norms, SiLU·mul and RoPE as fused C++ kernels
+    reuse_cpu_memory: bool = True  # on the CPU (glibc), keep freed step memory in the process instead of faulting it in again every step
 
 
 class ServerSection(_Section):

@@ -270,7 +270,11 @@ class Engine:
         offsets = plan.sample_offsets()
 
         def choose(entries):
-            rows = torch.cat([logits[offsets[id(e)] : offsets[id(e)] + len(e.rows)] for e in entries])
+            first, end = offsets[id(entries[0])], offsets[id(entries[-1])] + len(entries[-1].rows)
+            if end - first == sum(len(e.rows) for e in entries):  # one run in order (all, or one): a view
+                rows = logits[first:end]
+            else:
+                rows = torch.cat([logits[offsets[id(e)] : offsets[id(e)] + len(e.rows)] for e in entries])
             return select_tokens(self.sampler, rows, entries, self.c.spec.vocab_size)
 
         chosen, faults = run_isolated(choose, plan.entries)

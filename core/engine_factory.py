@@ -10,6 +10,7 @@ import msgspec
 import torch
 
 from modserve.core.config import PipelineConfig, load_pipeline
+from modserve.core.cpu_memory import keep_freed_memory
 from modserve.core.interfaces import AttentionSpec, KVSpec, SchedulerLimits
 from modserve.core.models.loader import ModelSource, load_model, locate
 from modserve.core.models.spec import ModelSpec
@@ -148,6 +149,8 @@ def _build(r: ResolvedPipeline, workers) -> EngineComponents:
         )
         return holder["attention"]
 
+    if device.type == "cpu" and p.model.reuse_cpu_memory:
+        keep_freed_memory()
     tp = workers.tp if workers is not None else None
     loaded = load_model(
         r.source, lambda spec: make_attention(spec, n), dtype, device, p.model.max_model_len, p.model.tokenizer, tp=tp,
