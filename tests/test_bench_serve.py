@@ -387,6 +387,8 @@ def test_comparison_report():
 
     offline = [{"system": "modserve", "dtype": "bfloat16", "max_num_seqs": 16, "num_requests": 64, "elapsed_s": 10.0,
                 "output_tokens": 5000, "total_tokens": 20000, "output_tok_s": 500.0},
+               {"system": "modserve", "dtype": "bfloat16", "max_num_seqs": 64, "num_requests": 64, "elapsed_s": 5.0,
+                "output_tokens": 5000, "total_tokens": 20000, "output_tok_s": 1000.0},
                {"system": "hf", "dtype": "bfloat16", "max_num_seqs": 16, "num_requests": 64, "elapsed_s": 50.0,
                 "output_tokens": 5000, "total_tokens": 20000, "output_tok_s": 100.0}]
     text = render({"modserve": [run(16, 200, 500), run(64, 600, 800)], "vllm-cpu": [run(16, 160, 1000),
@@ -394,4 +396,5 @@ def test_comparison_report():
                   offline, ["same machine"])
     assert "| 16 | vllm-cpu | 1.25x | 1.25x | 0.50x |" in text
     assert "| 64 | vllm-cpu | 2.00x | 2.00x | 2.00x |" in text
-    assert "modserve / hf = 5.00x" in text and "256 ± 50% tokens" in text and "- same machine" in text
+    assert "| modserve | bfloat16 | 16 | 64 | 500.0 | 2000.0 | / hf (batch 16) = 5.00x |" in text
+    assert "| modserve | bfloat16 | 64 | 64 | 1000.0 | 4000.0 | / hf (batch 16) = 10.00x |" in text and "256 ± 50% tokens" in text and "- same machine" in text

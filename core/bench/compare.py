@@ -98,11 +98,11 @@ def render(systems: dict[str, list[dict[str, Any]]], offline: list[dict[str, Any
         lines += ["", "## Offline (`modserve bench throughput --baseline hf`)", "",
                   "| system | dtype | batch / max_num_seqs | requests | output tok/s | total tok/s | ratio |",
                   "|---|---|---:|---:|---:|---:|---:|"]
-        ours = {(r["dtype"], r["max_num_seqs"]): r for r in offline if r["system"] == "modserve"}
+        peers = [r for r in offline if r["system"] != "modserve"]
         for r in offline:
-            base = ours.get((r["dtype"], r["max_num_seqs"]))
-            ratio = "" if r["system"] == "modserve" or base is None else (
-                f"modserve / {r['system']} = {_ratio(base['output_tok_s'], r['output_tok_s'])}")
+            ratio = "" if r["system"] != "modserve" else ", ".join(
+                f"/ {p['system']} (batch {p['max_num_seqs']}) = {_ratio(r['output_tok_s'], p['output_tok_s'])}"
+                for p in peers if p["dtype"] == r["dtype"])
             lines.append(f"| {r['system']} | {r['dtype']} | {r['max_num_seqs']} | {r['num_requests']} "
                          f"| {_fmt(r['output_tok_s'])} | {_fmt(r['total_tokens'] / r['elapsed_s'])} | {ratio} |")
     return "\n".join(lines) + "\n"

@@ -1,17 +1,21 @@
 """``modserve bench throughput``: offline throughput, all requests submitted at once, ``ignore_eos``.
 
+Requests come from ``bench serve``'s ``random`` dataset: prompt and output lengths drawn
+uniformly within ``--range-ratio`` of ``--input-len`` / ``--output-len`` (0: all equal).
 With ``--baseline hf`` the same requests run through HF ``transformers`` ``generate`` in
-static batches of ``max_num_seqs`` in the same process, and the ratio is printed.
+static batches of ``max_num_seqs`` in the same process, as vLLM's ``bench throughput
+--backend hf`` runs them: each batch left-padded to its longest prompt and generating its
+longest output, only each request's own output tokens counted. The ratio is printed.
 Sweeps: ``--max-num-seqs 1,8,32`` and ``--dtype float32,bfloat16`` run every combination.
 """
 
 from __future__ import annotations
 
 import json
-import random
 import time
 from dataclasses import asdict, dataclass
 
+from modserve.core.bench import datasets as ds
 from modserve.core.hookspecs import hookimpl
 
 
@@ -20,9 +24,11 @@ def add_arguments(p) -> None:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--range-ratio", type=float, default=0.0, help="lengths vary uniformly by this fraction, in [0, 1)")
     p.add_argument("--max-num-seqs", default="64", help="comma-separated sweep")
     p.add_argument("--dtype", default="float32", help="comma-separated sweep")
     p.add_argument("--baseline", choices=["none", "hf"], default="none")
+    p.add_argument("--hf-batch-size", type=int, help="HF's static batch size (default: each --max-num-seqs)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", help="write results as JSON")
     p.set_defaults(func=run)
@@ -63,7 +69,12 @@ def run(args) -> int:
     for flag in ("num_prompts", "input_len", "output_len"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')}: must be >= 1, got {getattr(args, flag)}")
+    if not 0.0 <= args.range_ratio < 1.0:
+        raise ValueError(f"--range-ratio: must be in [0, 1), got {args.range_ratio}")
+    if args.hf_batch_size is not None and args.hf_batch_size < 1:
+        raise ValueError(f"--hf-batch-size: must be >= 1, got {args.hf_batch_size}")
     results: list[Result] = []
+    hf_runs: dict[tuple[str, int], Result] = {}  # one HF run per (dtype, batch size), whatever the sweep
     for dtype in dtypes:
         for size in sizes:
             ours = run_modserve(args, dtype, size)
@@ -73,11 +84,14 @@ def run(args) -> int:
             line += f", model {100 * ours.model_share:.0f}% of wall)"
             print(line, flush=True)
             if args.baseline == "hf":
-                hf = run_hf(args, dtype, size)
-                results.append(hf)
+                batch = args.hf_batch_size or size
+                if (dtype, batch) not in hf_runs:
+                    hf_runs[dtype, batch] = run_hf(args, dtype, batch)
+                    results.append(hf_runs[dtype, batch])
+                hf = hf_runs[dtype, batch]
                 print(
-                    f"hf        dtype={dtype:<8} batch={size:<10} {hf.output_tok_s:8.1f} out tok/s"
-                    f"  -> modserve/hf = {ours.output_tok_s / hf.output_tok_s:.2f}x",
+                    f"hf        dtype={dtype:<8} batch={batch:<10} {hf.output_tok_s:8.1f} out tok/s"
+                    f"  -> modserve (max_num_seqs {size}) / hf (batch {batch}) = {ours.output_tok_s / hf.output_tok_s:.2f}x",
                     flush=True,
                 )
     if args.output:
@@ -86,9 +100,18 @@ def run(args) -> int:
     return 0
 
 
+def _token_space(vocab: int) -> ds.TokenSpace:
+    return ds.TokenSpace.from_range(min(100, vocab - 1), vocab)  # clear of the low (special) ids
+
+
+def make_requests(args, vocab: int) -> list[ds.SampleRequest]:
+    """The run's requests: token-id prompts from ids 100.. of the model's vocabulary."""
+    return ds.random_requests(args.num_prompts, args.input_len, args.output_len, args.range_ratio, _token_space(vocab), args.seed)
+
+
 def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(num)]
+    """``num`` random token-id prompts of exactly ``length`` tokens (``bench roofline``)."""
+    return [r.prompt for r in ds.random_requests(num, length, 1, 0.0, _token_space(vocab), seed)]
 
 
 def run_modserve(args, dtype: str, max_num_seqs: int) -> Result:
@@ -101,8 +124,9 @@ def run_modserve(args, dtype: str, max_num_seqs: int) -> Result:
     )
     model_time = _ModelTimer()
     llm.engine.c.registry.pm.register(model_time)
-    prompts = make_prompts(args.num_prompts, args.input_len, llm.engine.c.spec.vocab_size, args.seed)
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    requests = make_requests(args, llm.engine.c.spec.vocab_size)
+    prompts = [r.prompt for r in requests]
+    params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
     model_time.reset()
     t0 = time.perf_counter()
@@ -130,28 +154,33 @@ class _ModelTimer:
 
 
 def run_hf(args, dtype: str, batch_size: int) -> Result:
-    """HF ``generate`` with static batches on the same weights and prompts."""
+    """HF ``generate`` with static batches on the same weights and requests."""
     import torch
 
     from modserve.core.bench.hf_baseline import load_hf_model
 
     model = load_hf_model(args.config, getattr(torch, dtype))
-    prompts = make_prompts(args.num_prompts, args.input_len, model.config.vocab_size, args.seed)
-    _hf_generate(model, prompts[:1], 4)  # warm-up
+    requests = make_requests(args, model.config.vocab_size)
+    _hf_generate(model, requests[:1], 4)  # warm-up
     t0 = time.perf_counter()
-    out_tokens = 0
-    for i in range(0, len(prompts), batch_size):
-        out_tokens += _hf_generate(model, prompts[i : i + batch_size], args.output_len)
+    for i in range(0, len(requests), batch_size):
+        _hf_generate(model, requests[i : i + batch_size])
     elapsed = time.perf_counter() - t0
-    return Result("hf", dtype, batch_size, len(prompts), elapsed, out_tokens, out_tokens + sum(map(len, prompts)))
+    out_tokens = sum(r.output_len for r in requests)  # each request's own tokens, as vLLM counts them
+    return Result("hf", dtype, batch_size, len(requests), elapsed, out_tokens, out_tokens + sum(r.prompt_len for r in requests))
 
 
-def _hf_generate(model, prompts: list[list[int]], max_new: int) -> int:
+def _hf_generate(model, batch: list[ds.SampleRequest], max_new: int | None = None) -> None:
+    """One static batch: prompts left-padded to the longest, every row generating the
+    batch's longest output (``max_new`` overrides it)."""
     import torch
 
-    ids = torch.tensor(prompts)  # equal lengths: no padding needed
+    width = max(r.prompt_len for r in batch)
+    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, r in enumerate(batch):
+        ids[row, width - r.prompt_len :] = torch.tensor(r.prompt)
+        mask[row, width - r.prompt_len :] = 1
+    new = max_new or max(r.output_len for r in batch)
     with torch.inference_mode():
-        out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False
-        )
-    return (out.shape[1] - ids.shape[1]) * ids.shape[0]
+        model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
