@@ -16,6 +16,7 @@ from modserve.plugins.attention.cpu_backend import CpuAttention
 from modserve.plugins.attention.torch_backend import TorchAttention
 
 from test_parity_hf import hf_greedy, prompts
+from tiny_models import build_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -33,6 +34,13 @@ def reference(q, k_rows, v_rows, pos, scale):
 BUILDS = {"native": (), "portable": ("-mno-avx512f",)}
 
 
+# Query rows per sequence (lengths 1, 17, 40, 100): "verify" takes each one's last 3 positions
+# (tiles of 3 rows); "prefill" takes all of the first three and positions 37..99 of the last,
+# a chunk after cached context (tiles of 16 rows crossing 16-key chunks and blocks).
+QUERIES = {"verify": lambda n, i: range(max(0, n - 3), n), "prefill": lambda n, i: range(37 if i == 3 else 0, n)}
+
+
+@pytest.mark.parametrize("queries", list(QUERIES))
 @pytest.mark.parametrize("build", list(BUILDS))
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim,block_size,dtype",
@@ -46,7 +54,7 @@ BUILDS = {"native": (), "portable": ("-mno-avx512f",)}
         (8, 2, 128, 32, torch.int8),
     ],
 )
-def test_kernel_matches_sdpa_over_scattered_blocks(heads, kv_heads, head_dim, block_size, dtype, build):
+def test_kernel_matches_sdpa_over_scattered_blocks(heads, kv_heads, head_dim, block_size, dtype, build, queries):
     g = torch.Generator().manual_seed(0)
     num_blocks, seqs = 64, [1, 17, 40, 100]  # lengths inside one block, across blocks, exactly ragged
     width = -(-max(seqs) // block_size)
@@ -61,10 +69,9 @@ def test_kernel_matches_sdpa_over_scattered_blocks(heads, kv_heads, head_dim, bl
         k_cache, v_cache, k_scale, v_scale = k_all.to(dtype), v_all.to(dtype), None, None
         k_all, v_all = k_cache.float(), v_cache.float()
     tables = torch.randperm(num_blocks, generator=g)[: len(seqs) * width].view(len(seqs), width).to(torch.int32)
-    # every sequence gets its last 3 positions as query rows (a speculative verify), the first only 1
     rows_seq, rows_pos = [], []
     for i, n in enumerate(seqs):
-        for p in range(max(0, n - 3), n):
+        for p in QUERIES[queries](n, i):
             rows_seq.append(i)
             rows_pos.append(p)
     q = torch.randn(len(rows_pos), heads, head_dim, generator=g)
@@ -107,6 +114,44 @@ def test_greedy_output_matches_hf(tiny_models, arch, max_query_len):
         scheduler={"plugin": "fcfs", "max_num_batched_tokens": 40},
     )
     assert isinstance(llm.engine.c.attention, CpuAttention)
+    ps = prompts(hf.config.vocab_size, count=8, seed=5)
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY)
+    for p, o in zip(ps, outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, 24), f"prompt of {len(p)} tokens diverged"
+
+
+@pytest.fixture(scope="module")
+def llama_head_dim_64(tmp_path_factory):
+    """A tiny Llama with head_dim 64 (hidden 128, 2 heads, 1 KV head): the AVX-512 paths' size."""
+    path = str(tmp_path_factory.mktemp("llama-hd64"))
+    return path, build_model(path, "llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+
+
+def cpu_has_avx512f() -> bool:
+    with open("/proc/cpuinfo") as f:
+        return " avx512f " in next(line for line in f if line.startswith("flags")) + " "
+
+
+def test_default_sends_prefill_to_the_kernel_where_it_has_tiles(llama_head_dim_64, tiny_models):
+    """head_dim 64 with AVX-512: every request in the kernel (tiles); otherwise chunks over 16
+    tokens go to SDPA. The portable build never reports tiles."""
+    assert cpu_kernel_build.tiled(64) == cpu_has_avx512f()
+    assert not cpu_kernel_build.tiled(32)
+    assert not cpu_kernel_build.load(BUILDS["portable"]).modserve_tiled(64)
+    kv = {"plugin": "paged", "num_blocks": 64}
+    for path, want in ((llama_head_dim_64[0], 4096 if cpu_has_avx512f() else 16), (tiny_models["mistral"][0], 16)):
+        llm = LLM(model={"path": path, "max_model_len": 512}, attention={"plugin": "cpu"}, kv_cache=kv)
+        assert llm.engine.c.attention.max_query_len == want
+
+
+def test_head_dim_64_greedy_output_matches_hf(llama_head_dim_64):
+    """End to end through the paths a head_dim-64 model takes (tiled prefill, with cached
+    context under a small token budget, then decode), token for token against HF."""
+    path, hf = llama_head_dim_64
+    llm = LLM(
+        model=path, attention={"plugin": "cpu"}, kv_cache={"plugin": "paged", "block_size": 16, "num_blocks": 256},
+        scheduler={"plugin": "fcfs", "max_num_batched_tokens": 40},
+    )
     ps = prompts(hf.config.vocab_size, count=8, seed=5)
     outs = llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY)
     for p, o in zip(ps, outs):

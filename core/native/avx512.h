@@ -56,6 +56,32 @@ inline __m512 transpose_sum16(const __m512* v) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, kEven), _mm512_shuffle_f32x4(s01, s23, kOdd));
 }
 
+// Transposes a 16 x 16 float32 block held as 16 row vectors, in place: r[i][j] <- r[j][i].
+inline void transpose16x16(__m512* r) {
+    __m512 a[16], b[16];
+    for (int i = 0; i < 8; ++i) {  // per 128-bit lane L: [x_{4L} y_{4L} x_{4L+1} y_{4L+1}], [.. +2, .. +3]
+        a[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {  // b[4i + j], lane L: element 4L + j of rows 4i .. 4i + 3
+        const __m512d a0 = _mm512_castps_pd(a[4 * i]), a1 = _mm512_castps_pd(a[4 * i + 1]);
+        const __m512d a2 = _mm512_castps_pd(a[4 * i + 2]), a3 = _mm512_castps_pd(a[4 * i + 3]);
+        b[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a0, a2));
+        b[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a0, a2));
+        b[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(a1, a3));
+        b[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(a1, a3));
+    }
+    for (int j = 0; j < 4; ++j) {  // a 4 x 4 transpose of 128-bit lanes: column 4L + j from lane L of each
+        const __m512 c0 = _mm512_shuffle_f32x4(b[j], b[4 + j], 0x44), c1 = _mm512_shuffle_f32x4(b[j], b[4 + j], 0xEE);
+        const __m512 c2 = _mm512_shuffle_f32x4(b[8 + j], b[12 + j], 0x44);
+        const __m512 c3 = _mm512_shuffle_f32x4(b[8 + j], b[12 + j], 0xEE);
+        r[j] = _mm512_shuffle_f32x4(c0, c2, 0x88);
+        r[4 + j] = _mm512_shuffle_f32x4(c0, c2, 0xDD);
+        r[8 + j] = _mm512_shuffle_f32x4(c1, c3, 0x88);
+        r[12 + j] = _mm512_shuffle_f32x4(c1, c3, 0xDD);
+    }
+}
+
 }  // namespace modserve
 
 #endif  // __AVX512F__

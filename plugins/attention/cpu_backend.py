@@ -1,13 +1,14 @@
-"""Attention backend ``cpu``: a compiled paged-attention kernel for decode, SDPA for prefill.
+"""Attention backend ``cpu``: a compiled paged-attention kernel, SDPA for what it leaves.
 
 The ``torch`` backend gathers every decode request's KV blocks into a padded tensor per
 layer before SDPA: on a CPU that copy, plus the padding, costs more than the attention
-itself. Here, rows of requests scheduled with at most ``max_query_len`` tokens (decode,
-speculative verification, short chunks) go to ``cpu_paged_attention.cpp``, which reads
-K/V straight from the blocks once per KV head (GQA without copies) with an online
-softmax, parallel over tokens x KV heads on torch's OpenMP threads. Longer chunks are
-compute-bound causal blocks, where SDPA's flash kernel wins, so they keep the ``torch``
-path. Float32 and bfloat16 caches and the int8 cache are read directly.
+itself. Here, rows of requests scheduled with at most ``max_query_len`` tokens go to
+``cpu_paged_attention.cpp``, which reads K/V straight from the blocks once per KV head
+(GQA without copies) with an online softmax, parallel over tokens x KV heads on torch's
+OpenMP threads. With AVX-512 (head_dim 64 or 128) it takes runs of a request's rows as
+tiles, which beats SDPA's flash kernel on prefill chunks too, so by default every request
+goes there; without, chunks longer than 16 tokens keep the ``torch`` path (SDPA).
+Float32 and bfloat16 caches and the int8 cache are read directly.
 
 The kernel is compiled with the machine's C++ compiler on first use (about a second,
 then cached); without one the backend refuses to start and says so, and
@@ -47,16 +48,19 @@ class _StepState:
 class CpuAttention(AttentionBackend):
     class Config(msgspec.Struct, forbid_unknown_fields=True):
         # Requests scheduled with at most this many tokens in a step use the kernel; longer
-        # prefill chunks use SDPA (faster for large causal blocks).
-        max_query_len: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 16
+        # prefill chunks use SDPA. Default: every request where the kernel has its tiled
+        # AVX-512 path for the model's head_dim (2.4x SDPA on 256-token chunks), else 16
+        # (the portable loops lose to SDPA's flash kernel on long causal blocks).
+        max_query_len: Annotated[int, msgspec.Meta(ge=1, le=4096)] | None = None
 
     def __init__(self, config: Config, spec: AttentionSpec) -> None:
         super().__init__(config, spec)
         _check_spec(spec)
         self.gqa = spec.num_heads != spec.num_kv_heads
+        self.max_query_len = config.max_query_len or (4096 if kernel.tiled(spec.head_dim) else 16)
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        limit = self.config.max_query_len
+        limit = self.max_query_len
         rows, seq, pos = [], [], []
         starts = meta.query_start_loc.tolist()
         for i, q_len in enumerate(meta.query_lens_cpu):

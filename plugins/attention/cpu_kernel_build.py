@@ -26,6 +26,8 @@ def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
         [i32] + [ptr] * 7 + [i32] + [ptr] * 3 + [i32] * 5 + [ctypes.c_float, i32]
     )  # dtype; q, out, k, v, k_scale, v_scale, tables; width; rows, seq, pos; n, H, KVH, D, bs; scale; threads
     lib.modserve_limits.argtypes = [ctypes.POINTER(ctypes.c_int)] * 3
+    lib.modserve_tiled.argtypes = [i32]
+    lib.modserve_tiled.restype = i32
     return lib
 
 
@@ -34,6 +36,12 @@ def limits() -> tuple[int, int, int]:
     vals = [ctypes.c_int() for _ in range(3)]
     load().modserve_limits(*[ctypes.byref(v) for v in vals])
     return vals[0].value, vals[1].value, vals[2].value
+
+
+def tiled(head_dim: int) -> bool:
+    """Whether runs of query rows (prefill chunks) take the kernel's tiled AVX-512 path for
+    ``head_dim`` on this machine; where they do, the kernel beats SDPA at prefill too."""
+    return bool(load().modserve_tiled(head_dim))
 
 
 def paged_attention(

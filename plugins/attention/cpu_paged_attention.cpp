@@ -10,6 +10,7 @@
 // cache block at a time: scores for the block, a new running max, rescale, accumulate.
 // The token at position p attends to cache positions 0..p of its own sequence, so decode
 // rows, speculative verify rows and chunks with cached context all use the same loop.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -26,6 +27,8 @@ using modserve::exp_nonpositive;
 constexpr int kMaxGroup = 64;  // query heads per KV head
 constexpr int kMaxHeadDim = 256;
 constexpr int kMaxBlock = 256;
+constexpr int kTileRows = 16;  // consecutive query rows of a sequence handled together (AVX-512 path)
+constexpr int kRowGroup = 8;  // row-heads whose scores are computed together, sharing each K load
 
 inline float load(const float* p, int i) { return p[i]; }
 inline float load(const uint16_t* p, int i) {  // bfloat16: the high half of a float32
@@ -264,10 +267,123 @@ void attend_avx512(const float* q, float* out, const T* kc, const T* vc, const f
         for (int d = 0; d < D; ++d) oh[d] = acc[i * D + d] * inv;
     }
 }
+
+// Causal attention for a tile: up to kTileRows consecutive query rows of one sequence
+// (a prefill chunk, speculative verify rows) against KV head h. Each 16-key chunk of the
+// head's K is widened and transposed once to [D][16], so every (row, query head) of the
+// tile gets its 16 scores from D FMAs, kRowGroup row-heads at a time sharing each K load;
+// V is widened once; softmax runs online per row-head, masked by the row's position.
+template <typename T, int D>
+void attend_tile_avx512(const float* q, float* out, int64_t token_stride, const int64_t* rows, int n_rows,
+                        int32_t first_pos, const T* kc, const T* vc, const float* ks, const float* vs,
+                        const int32_t* table, int KVH, int G, int bs, float scale, int h) {
+    using modserve::exp512_nonpositive;
+    using modserve::load16;
+    constexpr int NV = D / 16;
+    const int R = n_rows * G;  // row-heads, row-major: rh = i * G + g
+    const int R_pad = (R + kRowGroup - 1) / kRowGroup * kRowGroup;
+    const int64_t row_stride = static_cast<int64_t>(KVH) * D;
+    const int64_t block_stride = static_cast<int64_t>(bs) * row_stride;
+    static thread_local std::vector<float> work;
+    work.resize(static_cast<size_t>(R_pad) * (2 * D + 16 + 2) + 2 * 16 * D + 64);
+    float* qs = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(work.data()) + 63) & ~uintptr_t{63});
+    float* acc = qs + R_pad * D;  // [R][D]
+    float* sbuf = acc + R_pad * D;  // [R_pad][16] this chunk's scores
+    float* m = sbuf + R_pad * 16;
+    float* l = m + R_pad;
+    float* kt = l + R_pad;  // [D][16]: the chunk's K, transposed
+    float* vbuf = kt + 16 * D;  // [16][D]
+    for (int rh = 0; rh < R_pad; ++rh) {
+        const float* qh = rh < R ? q + rows[rh / G] * token_stride + static_cast<int64_t>(h * G + rh % G) * D : nullptr;
+        for (int d = 0; d < D; ++d) qs[rh * D + d] = qh ? qh[d] * scale : 0.f;
+        for (int d = 0; d < D; ++d) acc[rh * D + d] = 0.f;
+        m[rh] = -INFINITY;
+        l[rh] = 0.f;
+    }
+    const int n_keys = first_pos + n_rows;  // the last row sees keys 0 .. first_pos + n_rows - 1
+    const int chunk = bs < 16 ? bs : 16;
+    for (int start = 0; start < n_keys; start += chunk) {
+        const int n = n_keys - start < chunk ? n_keys - start : chunk;
+        const int64_t block = table[start / bs];
+        const int64_t offset = block * block_stride + static_cast<int64_t>(start % bs) * row_stride + h * D;
+        const T* kb = kc + offset;
+        const T* vb = vc + offset;
+        __m512 kscale = _mm512_set1_ps(1.f), vscale = _mm512_set1_ps(1.f);
+        if (ks) {
+            alignas(64) float k16[16] = {}, v16[16] = {};
+            const int64_t srow = block * bs + start % bs;
+            for (int t = 0; t < n; ++t) k16[t] = ks[(srow + t) * KVH + h], v16[t] = vs[(srow + t) * KVH + h];
+            kscale = _mm512_load_ps(k16), vscale = _mm512_load_ps(v16);
+        }
+        for (int j = 0; j < NV; ++j) {  // K: 16 keys x 16 dims per block, transposed into kt
+            __m512 blk[16];
+            for (int t = 0; t < 16; ++t) blk[t] = t < n ? load16(kb + t * row_stride + 16 * j) : _mm512_setzero_ps();
+            modserve::transpose16x16(blk);
+            for (int d = 0; d < 16; ++d) _mm512_store_ps(kt + (16 * j + d) * 16, blk[d]);
+        }
+        for (int t = 0; t < n; ++t) {
+            for (int j = 0; j < NV; ++j) _mm512_store_ps(vbuf + t * D + 16 * j, load16(vb + t * row_stride + 16 * j));
+        }
+        for (int g0 = 0; g0 < R; g0 += kRowGroup) {  // scores: kRowGroup row-heads share each K load
+            __m512 s[kRowGroup];
+            for (int r = 0; r < kRowGroup; ++r) s[r] = _mm512_setzero_ps();
+            for (int d = 0; d < D; ++d) {
+                const __m512 kd = _mm512_load_ps(kt + d * 16);
+                for (int r = 0; r < kRowGroup; ++r) s[r] = _mm512_fmadd_ps(_mm512_set1_ps(qs[(g0 + r) * D + d]), kd, s[r]);
+            }
+            for (int r = 0; r < kRowGroup; ++r) _mm512_store_ps(sbuf + (g0 + r) * 16, _mm512_mul_ps(s[r], kscale));
+        }
+        for (int rh = 0; rh < R; ++rh) {
+            const int visible = first_pos + rh / G - start + 1;  // keys of this chunk the row may see
+            const int count = visible < n ? visible : n;
+            if (count <= 0) continue;
+            const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1u);
+            const __m512 scores = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), _mm512_load_ps(sbuf + rh * 16));
+            const float bmax = std::fmax(m[rh], _mm512_reduce_max_ps(scores));
+            const float correction = exp_nonpositive(m[rh] - bmax);
+            const __m512 p = _mm512_maskz_mov_ps(valid, exp512_nonpositive(_mm512_sub_ps(scores, _mm512_set1_ps(bmax))));
+            l[rh] = l[rh] * correction + _mm512_reduce_add_ps(p);
+            m[rh] = bmax;
+            const __m512 pv = _mm512_mul_ps(p, vscale);
+            const auto lane = [&](int t) { return _mm512_permutexvar_ps(_mm512_set1_epi32(t), pv); };
+            __m512 a[NV], b[NV];
+            const __m512 corr = _mm512_set1_ps(correction);
+            for (int j = 0; j < NV; ++j) {
+                a[j] = _mm512_mul_ps(_mm512_load_ps(acc + rh * D + 16 * j), corr);
+                b[j] = _mm512_setzero_ps();
+            }
+            int t = 0;
+            for (; t + 1 < count; t += 2) {
+                const __m512 p0 = lane(t), p1 = lane(t + 1);
+                for (int j = 0; j < NV; ++j) {
+                    a[j] = _mm512_fmadd_ps(p0, _mm512_load_ps(vbuf + t * D + 16 * j), a[j]);
+                    b[j] = _mm512_fmadd_ps(p1, _mm512_load_ps(vbuf + (t + 1) * D + 16 * j), b[j]);
+                }
+            }
+            if (t < count) {
+                const __m512 p0 = lane(t);
+                for (int j = 0; j < NV; ++j) a[j] = _mm512_fmadd_ps(p0, _mm512_load_ps(vbuf + t * D + 16 * j), a[j]);
+            }
+            for (int j = 0; j < NV; ++j) _mm512_store_ps(acc + rh * D + 16 * j, _mm512_add_ps(a[j], b[j]));
+        }
+    }
+    for (int rh = 0; rh < R; ++rh) {
+        float* oh = out + rows[rh / G] * token_stride + static_cast<int64_t>(h * G + rh % G) * D;
+        const float inv = 1.f / l[rh];
+        for (int d = 0; d < D; ++d) oh[d] = acc[rh * D + d] * inv;
+    }
+}
 #endif  // __AVX512F__
 
-// Work items: whole tokens (all KV heads, best cache reuse) when there are enough of them
-// to keep every thread busy, else token x KV head (a lone decode row still uses all cores).
+// Work items. A lone query row (decode): whole tokens (all KV heads, best cache reuse) when
+// there are enough of them to keep every thread busy, else token x KV head (a lone decode
+// row still uses all cores). With the AVX-512 path, runs of consecutive positions of one
+// sequence (prefill chunks, verify rows) become tiles of up to kTileRows rows, one item
+// per tile x KV head, the most keys first (the items are dealt out dynamically).
+struct Item {
+    int first, count, h0, h1;  // rows[first .. first + count), KV heads [h0, h1)
+};
+
 template <typename T, int FixedD>
 void run(const float* q, float* out, const void* k_cache, const void* v_cache, const float* k_scale,
          const float* v_scale, const int32_t* block_tables, int table_width, const int64_t* rows,
@@ -276,23 +392,48 @@ void run(const float* q, float* out, const void* k_cache, const void* v_cache, c
     const T* kc = static_cast<const T*>(k_cache);
     const T* vc = static_cast<const T*>(v_cache);
     const int64_t token_stride = static_cast<int64_t>(H) * D;
-    const int per_item = n_rows >= 2 * threads ? KVH : 1;  // KV heads per work item
-    const int splits = KVH / per_item;
-    const int64_t items = static_cast<int64_t>(n_rows) * splits;
+    bool tiled = false;
+#if defined(__AVX512F__)
+    tiled = FixedD > 0;
+#endif
+    std::vector<Item> tiles, singles;
+    for (int i = 0; i < n_rows;) {
+        int c = 1;
+        while (tiled && i + c < n_rows && c < kTileRows && row_seq[i + c] == row_seq[i] && row_pos[i + c] == row_pos[i] + c) ++c;
+        (c > 1 ? tiles : singles).push_back({i, c, 0, KVH});
+        i += c;
+    }
+    std::sort(tiles.begin(), tiles.end(), [&](const Item& a, const Item& b) {
+        return row_pos[a.first] + a.count > row_pos[b.first] + b.count;
+    });
+    std::vector<Item> items;
+    for (const Item& t : tiles) {
+        for (int h = 0; h < KVH; ++h) items.push_back({t.first, t.count, h, h + 1});
+    }
+    const int per_item = static_cast<int>(singles.size()) >= 2 * threads ? KVH : 1;  // KV heads per item
+    for (const Item& r : singles) {
+        for (int h0 = 0; h0 < KVH; h0 += per_item) items.push_back({r.first, 1, h0, h0 + per_item});
+    }
+    const int64_t n_items = static_cast<int64_t>(items.size());
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (int64_t item = 0; item < items; ++item) {
-        const int i = static_cast<int>(item / splits), h0 = static_cast<int>(item % splits) * per_item;
+    for (int64_t k = 0; k < n_items; ++k) {
+        const Item it = items[k];
+        const int i = it.first;
+        const int32_t* table = block_tables + static_cast<int64_t>(row_seq[i]) * table_width;
 #if defined(__AVX512F__)
         if constexpr (FixedD > 0) {
-            attend_avx512<T, FixedD>(q + rows[i] * token_stride, out + rows[i] * token_stride, kc, vc, k_scale,
-                                     v_scale, block_tables + static_cast<int64_t>(row_seq[i]) * table_width,
-                                     row_pos[i], KVH, H / KVH, bs, scale, h0, h0 + per_item);
+            if (it.count > 1) {
+                attend_tile_avx512<T, FixedD>(q, out, token_stride, rows + i, it.count, row_pos[i], kc, vc, k_scale,
+                                              v_scale, table, KVH, H / KVH, bs, scale, it.h0);
+            } else {
+                attend_avx512<T, FixedD>(q + rows[i] * token_stride, out + rows[i] * token_stride, kc, vc, k_scale,
+                                         v_scale, table, row_pos[i], KVH, H / KVH, bs, scale, it.h0, it.h1);
+            }
             continue;
         }
 #endif
-        attend<T, FixedD>(q + rows[i] * token_stride, out + rows[i] * token_stride, kc, vc, k_scale, v_scale,
-                          block_tables + static_cast<int64_t>(row_seq[i]) * table_width, row_pos[i], KVH, H / KVH,
-                          D, bs, scale, h0, h0 + per_item);
+        attend<T, FixedD>(q + rows[i] * token_stride, out + rows[i] * token_stride, kc, vc, k_scale, v_scale, table,
+                          row_pos[i], KVH, H / KVH, D, bs, scale, it.h0, it.h1);
     }
 }
 
@@ -320,6 +461,17 @@ int modserve_limits(int* max_group, int* max_head_dim, int* max_block) {
     *max_head_dim = kMaxHeadDim;
     *max_block = kMaxBlock;
     return 0;
+}
+
+// 1 where runs of query rows of head_dim D take the tiled AVX-512 path: then prefill chunks
+// are faster here than in SDPA (the backend's max_query_len default follows this).
+int modserve_tiled(int D) {
+#if defined(__AVX512F__)
+    return D == 64 || D == 128;
+#else
+    (void)D;
+    return 0;
+#endif
 }
 
 // dtype: 0 float32, 1 bfloat16, 2 int8 (k_scale / v_scale required). q and out are float32
