@@ -9,7 +9,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from modserve import LLM, SamplingParams
-from modserve.core.models.cpu_linear import MAX_CHUNK, MIN_CHUNK, PackedLinear, can_pack, pack_linears, row_chunks
+from modserve.core.models.cpu_linear import (
+    MAX_CHUNK,
+    MIN_CHUNK,
+    PAD_BELOW,
+    PackedLinear,
+    can_pack,
+    pack_linears,
+    row_chunks,
+)
 
 pytestmark = pytest.mark.skipif(not can_pack("cpu", torch.float32), reason="torch built without oneDNN")
 
@@ -32,8 +40,13 @@ def test_row_chunks_cover_every_row_with_few_shapes():
         shapes.update(size for _, size in chunks)
         assert chunks[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(chunks, chunks[1:]))
         end = chunks[-1][0] + chunks[-1][1]
-        assert m <= end < m + MIN_CHUNK
+        assert m <= end and end - m < max(MIN_CHUNK, chunks[-1][1] // 2 + 1)  # padding: under half the last
+        assert sum(1 for _, size in chunks if size < PAD_BELOW) <= 1  # a small remainder is one call
+        if m < PAD_BELOW:
+            assert len(chunks) == 1  # decode-sized batches: a single padded call
     assert shapes == {2**k for k in range(MIN_CHUNK.bit_length() - 1, MAX_CHUNK.bit_length())}
+    assert row_chunks(13) == [(0, 16)] and row_chunks(300) == [(0, 256), (256, 64)]
+    assert row_chunks(2048 + 70) == [(0, 2048), (2048, 64), (2112, 8)]
 
 
 def test_varying_batch_sizes_do_not_grow_memory():
