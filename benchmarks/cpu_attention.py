@@ -37,26 +37,32 @@ def decode(args, dtype: torch.dtype) -> None:
         for _ in range(args.layers)
     ]
     tables = torch.arange(args.batch * blocks_per_seq, dtype=torch.int32).view(args.batch, -1).contiguous()
-    q = torch.randn(args.batch, HEADS, HEAD_DIM)
+    q = torch.randn(args.batch, HEADS, HEAD_DIM).to(dtype).float()  # the values a model of this dtype gives
     out = torch.empty_like(q)
     rows = torch.arange(args.batch)
     seq = torch.arange(args.batch, dtype=torch.int32)
     pos = torch.full((args.batch,), args.context - 1, dtype=torch.int32)
-    times = {}
-    for name, flags in (("portable", ("-mno-avx512f",)), ("standard", ())):
+    times, outs = {}, {}
+    variants = [("portable build", ("-mno-avx512f",), False), ("standard build", (), False)]
+    if dtype == torch.bfloat16:
+        variants.append(("standard, bf16 dots", (), True))  # what the backend asks for with a bf16 model
+    for name, flags, q_bf16 in variants:
         lib = kernel.load(flags)
 
-        def step(lib=lib):
+        def step(lib=lib, q_bf16=q_bf16):
             for k, v in caches:
-                kernel.paged_attention(q, out, k, v, None, None, tables, rows, seq, pos, HEAD_DIM**-0.5, lib)
+                kernel.paged_attention(q, out, k, v, None, None, tables, rows, seq, pos, HEAD_DIM**-0.5, lib, q_bf16)
 
         times[name] = timed(step, args.repeats)
+        outs[name] = out.clone()
     kv_bytes = args.layers * args.batch * args.context * KV_HEADS * HEAD_DIM * 2 * caches[0][0].element_size()
     print(f"decode, {args.batch} rows x {args.context} tokens, {args.layers} layers, {dtype}:")
+    base = times["portable build"]
     for name, t in times.items():
-        print(f"  {name:9s} build {t * 1e3:7.1f} ms a step ({kv_bytes / t / 1e9:5.1f} GB/s of KV)")
-    print(f"  standard / portable: {times['portable'] / times['standard']:.2f}x faster"
-          f" (tiled AVX-512 path compiled: {kernel.tiled(HEAD_DIM)})")
+        err = (outs[name] - outs["portable build"]).abs().max().item()
+        print(f"  {name:20s} {t * 1e3:7.1f} ms a step ({kv_bytes / t / 1e9:5.1f} GB/s of KV), {base / t:.2f}x the "
+              f"portable build, max |diff| {err:.1e}")
+    print(f"  (tiled AVX-512 path compiled: {kernel.tiled(HEAD_DIM)})")
 
 
 def prefill(args, dtype: torch.dtype, length: int, chunks: int) -> None:

@@ -90,7 +90,7 @@ class CpuAttention(AttentionBackend):
             r = state.kernel
             kernel.paged_attention(
                 qf, out, cache.k, cache.v, cache.k_scale, cache.v_scale,
-                state.block_tables, r.rows, r.seq, r.pos, self.spec.scale,
+                state.block_tables, r.rows, r.seq, r.pos, self.spec.scale, q_bf16=q.dtype == torch.bfloat16,
             )  # fmt: skip
             out = out.to(q.dtype)
         run_prefills(q, k, v, cache, state.prefills, out, self.spec.scale, self.gqa)

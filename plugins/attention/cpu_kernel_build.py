@@ -23,8 +23,8 @@ def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     lib.modserve_paged_attention.restype = ctypes.c_int
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     lib.modserve_paged_attention.argtypes = (
-        [i32] + [ptr] * 7 + [i32] + [ptr] * 3 + [i32] * 5 + [ctypes.c_float, i32]
-    )  # dtype; q, out, k, v, k_scale, v_scale, tables; width; rows, seq, pos; n, H, KVH, D, bs; scale; threads
+        [i32] + [ptr] * 7 + [i32] + [ptr] * 3 + [i32] * 5 + [ctypes.c_float, i32, i32]
+    )  # dtype; q, out, k, v, k_scale, v_scale, tables; width; rows, seq, pos; n, H, KVH, D, bs; scale; q_bf16; threads
     lib.modserve_limits.argtypes = [ctypes.POINTER(ctypes.c_int)] * 3
     lib.modserve_tiled.argtypes = [i32]
     lib.modserve_tiled.restype = i32
@@ -57,11 +57,14 @@ def paged_attention(
     row_pos: torch.Tensor,
     scale: float,
     lib: ctypes.CDLL | None = None,
+    q_bf16: bool = False,
 ) -> None:
     """``out[rows] = attention(q[rows])`` over the paged cache. ``q``/``out``: contiguous float32
     ``[T, H, D]``; ``rows`` int64, ``row_seq`` / ``row_pos`` int32: each row's sequence (its row
     in ``block_tables``, int32 contiguous) and position (it sees cache positions ``0..pos``).
-    ``lib``: a variant build from :func:`load` (default: the standard one)."""
+    ``lib``: a variant build from :func:`load` (default: the standard one). ``q_bf16``: ``q``'s
+    values are bfloat16 values (a bfloat16 model's), so decode rows over a bfloat16 cache may
+    use bfloat16 dot products, with P.V's weights rounded to bfloat16."""
     _, H, D = q.shape
     _, bs, KVH, _ = k_cache.shape
     code = (lib or load()).modserve_paged_attention(
@@ -71,7 +74,7 @@ def paged_attention(
         v_scale.data_ptr() if v_scale is not None else None,
         block_tables.data_ptr(), block_tables.shape[1],
         rows.data_ptr(), row_seq.data_ptr(), row_pos.data_ptr(), rows.numel(),
-        H, KVH, D, bs, scale, torch.get_num_threads(),
+        H, KVH, D, bs, scale, int(q_bf16), torch.get_num_threads(),
     )  # fmt: skip
     if code:
         raise ValueError(f"cpu paged attention: unsupported shape or dtype (code {code})")

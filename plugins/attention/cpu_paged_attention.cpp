@@ -154,8 +154,8 @@ void attend(const float* q, float* out, const T* kc, const T* vc, const float* k
 // vectors and one transpose-sum (no horizontal sum per score), a vector exp, and P.V with
 // its accumulators in registers. At SmolLM2's decode shape (64 rows x ~300 tokens, bf16,
 // 30 layers' caches) it takes 25-27 ms a step where the portable loops take 39-42.
-// (Tried and dropped: software prefetch of the next chunk, 10% slower; q.k by vdpbf16ps
-// from the bf16 rows, no faster and it rounds q to bf16.)
+// (Tried and dropped: software prefetch of the next chunks, within the noise at best.
+// attend_bf16dot below serves a bfloat16 model's rows over a bfloat16 cache.)
 template <typename T, int D>
 void attend_avx512(const float* q, float* out, const T* kc, const T* vc, const float* ks, const float* vs,
                    const int32_t* table, int32_t pos, int KVH, int G, int bs, float scale, int h0, int h1) {
@@ -267,6 +267,119 @@ void attend_avx512(const float* q, float* out, const T* kc, const T* vc, const f
         for (int d = 0; d < D; ++d) oh[d] = acc[i * D + d] * inv;
     }
 }
+
+#if defined(__AVX512BF16__)
+// attend_avx512 for a bfloat16 cache whose q holds bfloat16 values (a bfloat16 model's q):
+// q.k straight from the cache rows with vdpbf16ps (bf16 products summed in float32: exact
+// for such q; the scale goes on the scores), and P.V over pairs of rows: the chunk's V rows
+// are interleaved pairwise once and each query head's weights rounded to bfloat16, as
+// torch's flash SDPA feeds its second GEMM. No widening of K or V, about half the
+// instructions of attend_avx512. The accumulators hold each 32-element half of a row as
+// two vectors of interleaved 4-element groups (unpacklo/unpackhi order), put back in
+// order at the end.
+template <int D>
+void attend_bf16dot(const float* q, float* out, const uint16_t* kc, const uint16_t* vc, const int32_t* table,
+                    int32_t pos, int KVH, int G, int bs, float scale, int h0, int h1) {
+    constexpr int NB = D / 32;  // 32-element bfloat16 vectors per row
+    const int heads = h1 - h0;
+    const int nh = heads * G;
+    const int64_t row_stride = static_cast<int64_t>(KVH) * D;
+    const int64_t block_stride = static_cast<int64_t>(bs) * row_stride;
+    static thread_local std::vector<float> work;
+    static thread_local std::vector<uint16_t> bwork;
+    work.resize(static_cast<size_t>(nh) * (D + 2));
+    bwork.resize(static_cast<size_t>(nh) * D + static_cast<size_t>(heads) * 8 * NB * 64);
+    float* acc = work.data();  // [nh][D], permuted within each 32-element half
+    float* m = acc + nh * D;
+    float* l = m + nh;
+    uint16_t* qb = bwork.data();  // [nh][D] q as bfloat16 (its top 16 bits: exact for bf16 values)
+    uint16_t* vi = qb + nh * D;  // [heads][8 pairs][NB][lo 32 | hi 32]: V rows interleaved pairwise
+    for (int i = 0; i < nh; ++i) {
+        const float* qh = q + static_cast<int64_t>(h0 * G + i) * D;
+        for (int d = 0; d < D; ++d) {
+            uint32_t bits;
+            std::memcpy(&bits, qh + d, sizeof bits);
+            qb[i * D + d] = static_cast<uint16_t>(bits >> 16);
+        }
+        for (int d = 0; d < D; ++d) acc[i * D + d] = 0.f;
+        m[i] = -INFINITY;
+        l[i] = 0.f;
+    }
+    const __m512 vscale = _mm512_set1_ps(scale);
+    const int n_tokens = pos + 1;
+    const int chunk = bs < 16 ? bs : 16;
+    for (int start = 0; start < n_tokens; start += chunk) {
+        const int n = n_tokens - start < chunk ? n_tokens - start : chunk;
+        const int pairs = (n + 1) / 2;
+        const int64_t base = table[start / bs] * block_stride + static_cast<int64_t>(start % bs) * row_stride;
+        const uint16_t* kb = kc + base;
+        const uint16_t* vb = vc + base;
+        const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
+        for (int hh = 0; hh < heads; ++hh) {
+            for (int u = 0; u < pairs; ++u) {
+                for (int j = 0; j < NB; ++j) {
+                    const int64_t col = static_cast<int64_t>(h0 + hh) * D + 32 * j;
+                    const __m512i a = _mm512_loadu_si512(vb + 2 * u * row_stride + col);
+                    const __m512i b = 2 * u + 1 < n ? _mm512_loadu_si512(vb + (2 * u + 1) * row_stride + col)
+                                                    : _mm512_setzero_si512();
+                    uint16_t* dst = vi + ((static_cast<int64_t>(hh) * 8 + u) * NB + j) * 64;
+                    _mm512_storeu_si512(dst, _mm512_unpacklo_epi16(a, b));
+                    _mm512_storeu_si512(dst + 32, _mm512_unpackhi_epi16(a, b));
+                }
+            }
+        }
+        for (int h = h0; h < h1; ++h) {
+            const uint16_t* vh = vi + static_cast<int64_t>(h - h0) * 8 * NB * 64;
+            for (int g = 0; g < G; ++g) {
+                const int i = (h - h0) * G + g;
+                __m512bh qv[NB];
+                for (int j = 0; j < NB; ++j) qv[j] = (__m512bh)_mm512_loadu_si512(qb + i * D + 32 * j);
+                __m512 part[16];
+                for (int t = n; t < 16; ++t) part[t] = _mm512_setzero_ps();
+                for (int t = 0; t < n; ++t) {
+                    __m512 s = _mm512_setzero_ps();
+                    for (int j = 0; j < NB; ++j) {
+                        s = _mm512_dpbf16_ps(s, qv[j], (__m512bh)_mm512_loadu_si512(kb + t * row_stride + h * D + 32 * j));
+                    }
+                    part[t] = s;
+                }
+                __m512 scores = _mm512_mul_ps(modserve::transpose_sum16(part), vscale);
+                scores = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), scores);
+                const float bmax = std::fmax(m[i], _mm512_reduce_max_ps(scores));
+                const float correction = exp_nonpositive(m[i] - bmax);
+                const __m512 p = _mm512_maskz_mov_ps(valid, modserve::exp512_nonpositive(_mm512_sub_ps(scores, _mm512_set1_ps(bmax))));
+                const __m256bh pb = _mm512_cvtneps_pbh(p);  // the weights P.V uses; l sums the same
+                l[i] = l[i] * correction + _mm512_reduce_add_ps(_mm512_cvtpbh_ps(pb));
+                m[i] = bmax;
+                const __m512i pairs_p = _mm512_castsi256_si512((__m256i)pb);
+                __m512 a[2 * NB];
+                const __m512 corr = _mm512_set1_ps(correction);
+                for (int j = 0; j < 2 * NB; ++j) a[j] = _mm512_mul_ps(_mm512_loadu_ps(acc + i * D + 16 * j), corr);
+                for (int u = 0; u < pairs; ++u) {
+                    const __m512bh w = (__m512bh)_mm512_permutexvar_epi32(_mm512_set1_epi32(u), pairs_p);
+                    const uint16_t* vu = vh + static_cast<int64_t>(u) * NB * 64;
+                    for (int j = 0; j < 2 * NB; ++j) a[j] = _mm512_dpbf16_ps(a[j], w, (__m512bh)_mm512_loadu_si512(vu + 32 * j));
+                }
+                for (int j = 0; j < 2 * NB; ++j) _mm512_storeu_ps(acc + i * D + 16 * j, a[j]);
+            }
+        }
+    }
+    for (int i = 0; i < nh; ++i) {  // undo the interleave: lane 4L + e of lo is 8L + e, of hi 8L + 4 + e
+        float* oh = out + static_cast<int64_t>(h0 * G + i) * D;
+        const float inv = 1.f / l[i];
+        for (int j = 0; j < NB; ++j) {
+            const float* lo = acc + i * D + 32 * j;
+            const float* hi = lo + 16;
+            for (int L = 0; L < 4; ++L) {
+                for (int e = 0; e < 4; ++e) {
+                    oh[32 * j + 8 * L + e] = lo[4 * L + e] * inv;
+                    oh[32 * j + 8 * L + 4 + e] = hi[4 * L + e] * inv;
+                }
+            }
+        }
+    }
+}
+#endif  // __AVX512BF16__
 
 // Causal attention for a tile: up to kTileRows consecutive query rows of one sequence
 // (a prefill chunk, speculative verify rows) against KV head h. Each 16-key chunk of the
@@ -388,7 +501,7 @@ template <typename T, int FixedD>
 void run(const float* q, float* out, const void* k_cache, const void* v_cache, const float* k_scale,
          const float* v_scale, const int32_t* block_tables, int table_width, const int64_t* rows,
          const int32_t* row_seq, const int32_t* row_pos, int n_rows, int H, int KVH, int D, int bs, float scale,
-         int threads) {
+         int q_bf16, int threads) {
     const T* kc = static_cast<const T*>(k_cache);
     const T* vc = static_cast<const T*>(v_cache);
     const int64_t token_stride = static_cast<int64_t>(H) * D;
@@ -426,12 +539,22 @@ void run(const float* q, float* out, const void* k_cache, const void* v_cache, c
                 attend_tile_avx512<T, FixedD>(q, out, token_stride, rows + i, it.count, row_pos[i], kc, vc, k_scale,
                                               v_scale, table, KVH, H / KVH, bs, scale, it.h0);
             } else {
+#if defined(__AVX512BF16__)
+                if constexpr (std::is_same_v<T, uint16_t>) {
+                    if (q_bf16) {
+                        attend_bf16dot<FixedD>(q + rows[i] * token_stride, out + rows[i] * token_stride, kc, vc, table,
+                                               row_pos[i], KVH, H / KVH, bs, scale, it.h0, it.h1);
+                        continue;
+                    }
+                }
+#endif
                 attend_avx512<T, FixedD>(q + rows[i] * token_stride, out + rows[i] * token_stride, kc, vc, k_scale,
                                          v_scale, table, row_pos[i], KVH, H / KVH, bs, scale, it.h0, it.h1);
             }
             continue;
         }
 #endif
+        (void)q_bf16;
         attend<T, FixedD>(q + rows[i] * token_stride, out + rows[i] * token_stride, kc, vc, k_scale, v_scale, table,
                           row_pos[i], KVH, H / KVH, D, bs, scale, it.h0, it.h1);
     }
@@ -443,10 +566,10 @@ template <typename T>
 int dispatch_head_dim(const float* q, float* out, const void* k_cache, const void* v_cache, const float* k_scale,
                       const float* v_scale, const int32_t* block_tables, int table_width, const int64_t* rows,
                       const int32_t* row_seq, const int32_t* row_pos, int n_rows, int H, int KVH, int D, int bs,
-                      float scale, int threads) {
+                      float scale, int q_bf16, int threads) {
     auto go = [&](auto fixed) {
         run<T, decltype(fixed)::value>(q, out, k_cache, v_cache, k_scale, v_scale, block_tables, table_width, rows,
-                                       row_seq, row_pos, n_rows, H, KVH, D, bs, scale, threads);
+                                       row_seq, row_pos, n_rows, H, KVH, D, bs, scale, q_bf16, threads);
     };
     if (D == 64) go(std::integral_constant<int, 64>{});
     else if (D == 128) go(std::integral_constant<int, 128>{});
@@ -475,23 +598,25 @@ int modserve_tiled(int D) {
 }
 
 // dtype: 0 float32, 1 bfloat16, 2 int8 (k_scale / v_scale required). q and out are float32
-// [T, H, D]; only the token rows listed in `rows` are read and written.
+// [T, H, D]; only the token rows listed in `rows` are read and written. q_bf16: q's values
+// are bfloat16 values (a bfloat16 model's), which lets decode rows over a bfloat16 cache
+// use bfloat16 dot products (P.V then uses the weights rounded to bfloat16).
 int modserve_paged_attention(int dtype, const float* q, float* out, const void* k_cache, const void* v_cache,
                              const float* k_scale, const float* v_scale, const int32_t* block_tables,
                              int table_width, const int64_t* rows, const int32_t* row_seq, const int32_t* row_pos,
-                             int n_rows, int H, int KVH, int D, int bs, float scale, int threads) {
+                             int n_rows, int H, int KVH, int D, int bs, float scale, int q_bf16, int threads) {
     if (H % KVH || H / KVH > kMaxGroup || D > kMaxHeadDim || bs > kMaxBlock) return 1;
     switch (dtype) {
         case 0:
             return dispatch_head_dim<float>(q, out, k_cache, v_cache, nullptr, nullptr, block_tables, table_width,
-                                            rows, row_seq, row_pos, n_rows, H, KVH, D, bs, scale, threads);
+                                            rows, row_seq, row_pos, n_rows, H, KVH, D, bs, scale, q_bf16, threads);
         case 1:
             return dispatch_head_dim<uint16_t>(q, out, k_cache, v_cache, nullptr, nullptr, block_tables, table_width,
-                                               rows, row_seq, row_pos, n_rows, H, KVH, D, bs, scale, threads);
+                                               rows, row_seq, row_pos, n_rows, H, KVH, D, bs, scale, q_bf16, threads);
         case 2:
             if (!k_scale || !v_scale) return 2;
             return dispatch_head_dim<int8_t>(q, out, k_cache, v_cache, k_scale, v_scale, block_tables, table_width,
-                                             rows, row_seq, row_pos, n_rows, H, KVH, D, bs, scale, threads);
+                                             rows, row_seq, row_pos, n_rows, H, KVH, D, bs, scale, q_bf16, threads);
     }
     return 3;
 }
