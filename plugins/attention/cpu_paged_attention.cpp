@@ -385,7 +385,9 @@ void attend_bf16dot(const float* q, float* out, const uint16_t* kc, const uint16
 // (a prefill chunk, speculative verify rows) against KV head h. Each 16-key chunk of the
 // head's K is widened and transposed once to [D][16], so every (row, query head) of the
 // tile gets its 16 scores from D FMAs, kRowGroup row-heads at a time sharing each K load;
-// V is widened once; softmax runs online per row-head, masked by the row's position.
+// V is widened once. The online softmax runs on 16 row-heads at a time, their scores
+// transposed so that each vector is one key across the 16 (the causal mask is one compare
+// of the row positions, the maxima, exps and sums are lane-wise: no scalar chains).
 template <typename T, int D>
 void attend_tile_avx512(const float* q, float* out, int64_t token_stride, const int64_t* rows, int n_rows,
                         int32_t first_pos, const T* kc, const T* vc, const float* ks, const float* vs,
@@ -394,17 +396,20 @@ void attend_tile_avx512(const float* q, float* out, int64_t token_stride, const 
     using modserve::load16;
     constexpr int NV = D / 16;
     const int R = n_rows * G;  // row-heads, row-major: rh = i * G + g
-    const int R_pad = (R + kRowGroup - 1) / kRowGroup * kRowGroup;
+    const int R_pad = (R + 15) / 16 * 16;  // whole groups of 16 (and of kRowGroup)
     const int64_t row_stride = static_cast<int64_t>(KVH) * D;
     const int64_t block_stride = static_cast<int64_t>(bs) * row_stride;
     static thread_local std::vector<float> work;
-    work.resize(static_cast<size_t>(R_pad) * (2 * D + 16 + 2) + 2 * 16 * D + 64);
+    work.resize(static_cast<size_t>(R_pad) * (2 * D + 16 + 16 + 4) + 2 * 16 * D + 64);
     float* qs = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(work.data()) + 63) & ~uintptr_t{63});
-    float* acc = qs + R_pad * D;  // [R][D]
+    float* acc = qs + R_pad * D;  // [R_pad][D]
     float* sbuf = acc + R_pad * D;  // [R_pad][16] this chunk's scores
-    float* m = sbuf + R_pad * 16;
-    float* l = m + R_pad;
-    float* kt = l + R_pad;  // [D][16]: the chunk's K, transposed
+    float* ptile = sbuf + R_pad * 16;  // [R_pad / 16][16 keys][16 row-heads] this chunk's weights
+    float* m = ptile + R_pad * 16;  // [R_pad] running max
+    float* l = m + R_pad;  // [R_pad] running sum of weights
+    float* corrs = l + R_pad;  // [R_pad] this chunk's rescale of each row-head's accumulator
+    int32_t* rpos = reinterpret_cast<int32_t*>(corrs + R_pad);  // [R_pad] each row-head's position
+    float* kt = corrs + 2 * R_pad;  // [D][16]: the chunk's K, transposed
     float* vbuf = kt + 16 * D;  // [16][D]
     for (int rh = 0; rh < R_pad; ++rh) {
         const float* qh = rh < R ? q + rows[rh / G] * token_stride + static_cast<int64_t>(h * G + rh % G) * D : nullptr;
@@ -412,6 +417,7 @@ void attend_tile_avx512(const float* q, float* out, int64_t token_stride, const 
         for (int d = 0; d < D; ++d) acc[rh * D + d] = 0.f;
         m[rh] = -INFINITY;
         l[rh] = 0.f;
+        rpos[rh] = rh < R ? first_pos + rh / G : -1;  // padding rows see nothing
     }
     const int n_keys = first_pos + n_rows;  // the last row sees keys 0 .. first_pos + n_rows - 1
     const int chunk = bs < 16 ? bs : 16;
@@ -437,7 +443,7 @@ void attend_tile_avx512(const float* q, float* out, int64_t token_stride, const 
         for (int t = 0; t < n; ++t) {
             for (int j = 0; j < NV; ++j) _mm512_store_ps(vbuf + t * D + 16 * j, load16(vb + t * row_stride + 16 * j));
         }
-        for (int g0 = 0; g0 < R; g0 += kRowGroup) {  // scores: kRowGroup row-heads share each K load
+        for (int g0 = 0; g0 < R_pad; g0 += kRowGroup) {  // scores: kRowGroup row-heads share each K load
             __m512 s[kRowGroup];
             for (int r = 0; r < kRowGroup; ++r) s[r] = _mm512_setzero_ps();
             for (int d = 0; d < D; ++d) {
@@ -446,35 +452,55 @@ void attend_tile_avx512(const float* q, float* out, int64_t token_stride, const 
             }
             for (int r = 0; r < kRowGroup; ++r) _mm512_store_ps(sbuf + (g0 + r) * 16, _mm512_mul_ps(s[r], kscale));
         }
-        for (int rh = 0; rh < R; ++rh) {
+        alignas(64) float vs16[16];
+        _mm512_store_ps(vs16, vscale);
+        for (int g0 = 0; g0 < R_pad; g0 += 16) {  // online softmax, 16 row-heads a vector
+            __m512 st[16];
+            for (int r = 0; r < 16; ++r) st[r] = _mm512_load_ps(sbuf + (g0 + r) * 16);
+            modserve::transpose16x16(st);  // st[t]: key start + t's scores for the 16 row-heads
+            const __m512i pos = _mm512_loadu_si512(rpos + g0);
+            __mmask16 valid[16];
+            __m512 rowmax = _mm512_set1_ps(-INFINITY);
+            for (int t = 0; t < 16; ++t) {
+                valid[t] = t < n ? _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(start + t)) : 0;
+                st[t] = _mm512_mask_blend_ps(valid[t], _mm512_set1_ps(-INFINITY), st[t]);
+                rowmax = _mm512_max_ps(rowmax, st[t]);
+            }
+            const __m512 m_old = _mm512_load_ps(m + g0);
+            const __m512 m_new = _mm512_max_ps(m_old, rowmax);  // rows that see no key here keep their max
+            const __m512 corr = exp512_nonpositive(_mm512_sub_ps(m_old, m_new));  // ~0 on the first chunk
+            __m512 sum = _mm512_setzero_ps();
+            float* pt = ptile + g0 * 16;
+            for (int t = 0; t < 16; ++t) {
+                const __m512 p = _mm512_maskz_mov_ps(valid[t], exp512_nonpositive(_mm512_sub_ps(st[t], m_new)));
+                sum = _mm512_add_ps(sum, p);
+                _mm512_store_ps(pt + t * 16, _mm512_mul_ps(p, _mm512_set1_ps(vs16[t])));  // int8: V's scales folded in
+            }
+            _mm512_store_ps(m + g0, m_new);
+            _mm512_store_ps(l + g0, _mm512_fmadd_ps(_mm512_load_ps(l + g0), corr, sum));
+            _mm512_store_ps(corrs + g0, corr);
+        }
+        for (int rh = 0; rh < R; ++rh) {  // P.V: each row-head's weights broadcast from ptile
             const int visible = first_pos + rh / G - start + 1;  // keys of this chunk the row may see
             const int count = visible < n ? visible : n;
             if (count <= 0) continue;
-            const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1u);
-            const __m512 scores = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), _mm512_load_ps(sbuf + rh * 16));
-            const float bmax = std::fmax(m[rh], _mm512_reduce_max_ps(scores));
-            const float correction = exp_nonpositive(m[rh] - bmax);
-            const __m512 p = _mm512_maskz_mov_ps(valid, exp512_nonpositive(_mm512_sub_ps(scores, _mm512_set1_ps(bmax))));
-            l[rh] = l[rh] * correction + _mm512_reduce_add_ps(p);
-            m[rh] = bmax;
-            const __m512 pv = _mm512_mul_ps(p, vscale);
-            const auto lane = [&](int t) { return _mm512_permutexvar_ps(_mm512_set1_epi32(t), pv); };
+            const float* pw = ptile + (rh / 16) * 256 + rh % 16;  // key t's weight: pw[16 * t]
             __m512 a[NV], b[NV];
-            const __m512 corr = _mm512_set1_ps(correction);
+            const __m512 corr = _mm512_set1_ps(corrs[rh]);
             for (int j = 0; j < NV; ++j) {
                 a[j] = _mm512_mul_ps(_mm512_load_ps(acc + rh * D + 16 * j), corr);
                 b[j] = _mm512_setzero_ps();
             }
             int t = 0;
             for (; t + 1 < count; t += 2) {
-                const __m512 p0 = lane(t), p1 = lane(t + 1);
+                const __m512 p0 = _mm512_set1_ps(pw[16 * t]), p1 = _mm512_set1_ps(pw[16 * (t + 1)]);
                 for (int j = 0; j < NV; ++j) {
                     a[j] = _mm512_fmadd_ps(p0, _mm512_load_ps(vbuf + t * D + 16 * j), a[j]);
                     b[j] = _mm512_fmadd_ps(p1, _mm512_load_ps(vbuf + (t + 1) * D + 16 * j), b[j]);
                 }
             }
             if (t < count) {
-                const __m512 p0 = lane(t);
+                const __m512 p0 = _mm512_set1_ps(pw[16 * t]);
                 for (int j = 0; j < NV; ++j) a[j] = _mm512_fmadd_ps(p0, _mm512_load_ps(vbuf + t * D + 16 * j), a[j]);
             }
             for (int j = 0; j < NV; ++j) _mm512_store_ps(acc + rh * D + 16 * j, _mm512_add_ps(a[j], b[j]));
