@@ -50,7 +50,7 @@ QUERIES = {"verify": lambda n, i: range(max(0, n - 3), n), "prefill": lambda n, 
         (8, 1, 128, 32, torch.float32, False),  # MQA; blocks of 32 are two 16-token chunks
         (9, 3, 64, 16, torch.bfloat16, False),
         (8, 2, 128, 8, torch.bfloat16, False),  # blocks smaller than a 16-token chunk
-        (9, 3, 64, 16, torch.bfloat16, True),  # a bf16 model's q: decode rows may use bf16 dot products
+        (9, 3, 64, 16, torch.bfloat16, True),  # a bf16 model (bf16 q, out): decode rows may use bf16 dots
         (8, 2, 128, 8, torch.bfloat16, True),
         (4, 4, 32, 16, torch.bfloat16, True),  # ... only where the head size has the AVX-512 paths
         (9, 3, 64, 16, torch.int8, False),
@@ -58,6 +58,9 @@ QUERIES = {"verify": lambda n, i: range(max(0, n - 3), n), "prefill": lambda n, 
     ],
 )
 def test_kernel_matches_sdpa_over_scattered_blocks(heads, kv_heads, head_dim, block_size, dtype, q_bf16, build, queries):
+    """q is a strided view (as inside the qkv rows). Except for int8, the query positions' K/V
+    rows start zeroed in the cache and arrive through ``new_kv``, as the backend passes them:
+    the kernel must write them (and the tests' reference reads them) before attending."""
     g = torch.Generator().manual_seed(0)
     num_blocks, seqs = 64, [1, 17, 40, 100]  # lengths inside one block, across blocks, exactly ragged
     width = -(-max(seqs) // block_size)
@@ -77,17 +80,24 @@ def test_kernel_matches_sdpa_over_scattered_blocks(heads, kv_heads, head_dim, bl
         for p in QUERIES[queries](n, i):
             rows_seq.append(i)
             rows_pos.append(p)
-    q = torch.randn(len(rows_pos), heads, head_dim, generator=g)
-    if q_bf16:
-        q = q.bfloat16().float()
-    out = torch.full_like(q, float("nan"))
+    io_dtype = torch.bfloat16 if q_bf16 else torch.float32
+    q = torch.randn(len(rows_pos), heads * head_dim + 40, generator=g)[:, 8 : 8 + heads * head_dim]
+    q = q.to(io_dtype).view(len(rows_pos), heads, head_dim)
+    out = torch.full(q.shape, float("nan"), dtype=io_dtype)
+    new_kv = None
+    if dtype != torch.int8:
+        slots = torch.tensor([int(tables[i, p // block_size]) * block_size + p % block_size for i, p in zip(rows_seq, rows_pos)])
+        flat_k, flat_v = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
+        new_kv = (flat_k[slots].clone(), flat_v[slots].clone(), slots)
+        flat_k[slots], flat_v[slots] = 0, 0  # only the kernel's write brings them back
     scale = head_dim**-0.5
     cpu_kernel_build.paged_attention(
         q, out, k_cache, v_cache, k_scale, v_scale, tables, torch.arange(len(rows_pos)),
         torch.tensor(rows_seq, dtype=torch.int32), torch.tensor(rows_pos, dtype=torch.int32), scale,
-        cpu_kernel_build.load(BUILDS[build]), q_bf16,
+        cpu_kernel_build.load(BUILDS[build]), new_kv,
     )  # fmt: skip
-    # with q_bf16, decode rows may weight V by bf16-rounded probabilities (relative error 2^-9)
+    q, out = q.float(), out.float()
+    # in bf16, out is rounded to bf16 and decode rows may weight V by bf16-rounded probabilities
     tol = dict(atol=3e-3, rtol=1e-2) if q_bf16 else dict(atol=2e-5, rtol=1e-4)
     for r, (i, p) in enumerate(zip(rows_seq, rows_pos)):
         blocks = tables[i].long()

@@ -18,6 +18,9 @@ import torch
 from torch import nn
 
 
+_LINEAR = torch.ops.mkldnn._linear_pointwise.default
+
+
 class PackedLinear(nn.Module):
     """``y = x @ W.T + b`` with ``W`` held only in oneDNN's blocked layout."""
 
@@ -28,10 +31,10 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] in _CHUNK_SIZES:  # the model's rows, one exact chunk: one call
+            return _LINEAR(x, self.packed, self.bias, "none", [], "")
         rows = x.reshape(-1, self.in_features)
         m = rows.shape[0]
-        if m in _CHUNK_SIZES:  # one exact chunk (e.g. 16 or 64 decode rows): a single call
-            return self._product(rows, m).view(*x.shape[:-1], self.out_features)
         if m == 0:  # e.g. the LM head in a step that samples nothing (a prompt chunk)
             return x.new_empty(*x.shape[:-1], self.out_features)
         parts = [self._product(rows[start : start + size], size) for start, size in row_chunks(m)]
@@ -41,7 +44,7 @@ class PackedLinear(nn.Module):
     def _product(self, rows: torch.Tensor, size: int) -> torch.Tensor:
         if rows.shape[0] < size:  # the last few rows, padded up to the smallest chunk
             rows = torch.cat([rows, rows.new_zeros(size - rows.shape[0], rows.shape[1])])
-        return torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        return _LINEAR(rows, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -4,6 +4,10 @@ Differences between the three are config switches (q/k/v bias, tied embeddings,
 head_dim, RoPE scaling). Attention is delegated to the chosen attention backend, which
 reads and writes the paged KV cache; the model itself holds no per-request state.
 
+On the hot path submodules are called through ``.forward``: ``nn.Module.__call__`` costs
+about 2 us of hook bookkeeping a call, 270 calls in a decode step, and modserve registers
+no module hooks.
+
 With ``tp`` (a :class:`modserve.core.distributed.tp.TPGroup`) the model is one rank's
 shard (Megatron-style): this rank's heads and MLP columns, an all-reduce after
 ``o_proj`` and ``down_proj``, a vocab-parallel embedding and head whose logits are
@@ -62,7 +66,7 @@ class Attention(nn.Module):
         self.fused = False  # set by LlamaForCausalLM.fuse_cpu_ops
 
     def forward(self, x, cos, sin, cache: LayerKVCache, meta: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj.forward(x)
         t = x.shape[0]
         if self.fused:  # rotate q and k in place inside the fused qkv rows
             cpu_fused.rope_(qkv, cos.squeeze(1), sin.squeeze(1), self.num_heads + self.num_kv_heads, self.head_dim)
@@ -71,7 +75,7 @@ class Attention(nn.Module):
         if not self.fused:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.backend.forward(q, k, v.view(t, self.num_kv_heads, self.head_dim), cache, meta)
-        out = self.o_proj(out.reshape(t, -1))
+        out = self.o_proj.forward(out.reshape(t, -1))
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -85,12 +89,12 @@ class MLP(nn.Module):
         self.fused = False  # set by LlamaForCausalLM.fuse_cpu_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        gate_up = self.gate_up_proj.forward(x)
         if self.fused:
-            out = self.down_proj(cpu_fused.silu_mul(gate_up))
+            out = self.down_proj.forward(cpu_fused.silu_mul(gate_up))
         else:
             gate, up = gate_up.split(self.intermediate, dim=-1)
-            out = self.down_proj(F.silu(gate) * up)
+            out = self.down_proj.forward(F.silu(gate) * up)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -105,8 +109,8 @@ class DecoderLayer(nn.Module):
     def forward(self, residual, add, cos, sin, cache, meta) -> torch.Tensor:
         """Adds ``add`` (the previous layer's MLP output) and this layer's attention output to
         ``residual`` in place; returns this layer's MLP output, for the next one to add."""
-        attn = self.self_attn(self.input_layernorm(residual, add), cos, sin, cache, meta)
-        return self.mlp(self.post_attention_layernorm(residual, attn))
+        attn = self.self_attn.forward(self.input_layernorm.forward(residual, add), cos, sin, cache, meta)
+        return self.mlp.forward(self.post_attention_layernorm.forward(residual, attn))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -149,8 +153,8 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary.lookup(positions, residual.dtype)
         add = None
         for layer, cache in zip(self.layers, caches):
-            add = layer(residual, add, cos, sin, cache, meta)
-        return self.norm(residual, add)
+            add = layer.forward(residual, add, cos, sin, cache, meta)
+        return self.norm.forward(residual, add)
 
     def fuse_cpu_ops(self) -> None:
         """Run norms, SiLU·mul and RoPE as the fused C++ kernels (:mod:`cpu_fused`)."""
@@ -161,8 +165,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Float32 logits ``[R, vocab]``; under tensor parallelism only rank 0 gets them (others None)."""
         if self.tp is None:
-            return self.lm_head(hidden).float()
-        return self.tp.gather_vocab(self.lm_head(hidden).float(), self.spec.vocab_size)
+            return self.lm_head.forward(hidden).float()
+        return self.tp.gather_vocab(self.lm_head.forward(hidden).float(), self.spec.vocab_size)
 
     # ----------------------------------------------------------------- weight loading
 

@@ -38,6 +38,9 @@ class _KernelRows:
     pos: torch.Tensor  # int32 [N]: each row's position; it attends to cache positions 0..pos
 
 
+_NO_ROWS = _KernelRows(torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.int32))
+
+
 @dataclass
 class _StepState:
     kernel: _KernelRows | None
@@ -80,19 +83,21 @@ class CpuAttention(AttentionBackend):
         meta.backend_state = _StepState(kernel_rows, prefills, meta.block_tables.to(torch.int32).contiguous())
 
     def forward(self, q, k, v, cache: LayerKVCache, meta: AttentionMetadata) -> torch.Tensor:
-        write_kv(k, v, cache, meta.slot_mapping)
+        """One kernel call writes the step's K/V rows into the cache and attends for the
+        kernel's rows, reading q and writing out in the model's dtype (a quantized cache is
+        written by ``write_kv`` first); chunks beyond ``max_query_len`` then go to SDPA."""
         state: _StepState = meta.backend_state
-        if state.kernel is None:
-            out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype)
+        new_kv = None
+        if cache.quantized:
+            write_kv(k, v, cache, meta.slot_mapping)
         else:
-            qf = q.float().contiguous()
-            out = torch.empty_like(qf)
-            r = state.kernel
-            kernel.paged_attention(
-                qf, out, cache.k, cache.v, cache.k_scale, cache.v_scale,
-                state.block_tables, r.rows, r.seq, r.pos, self.spec.scale, q_bf16=q.dtype == torch.bfloat16,
-            )  # fmt: skip
-            out = out.to(q.dtype)
+            new_kv = (k, v, meta.slot_mapping)
+        r = state.kernel or _NO_ROWS
+        kernel.paged_attention(
+            q, out, cache.k, cache.v, cache.k_scale, cache.v_scale, state.block_tables, r.rows, r.seq, r.pos,
+            self.spec.scale, new_kv=new_kv,
+        )  # fmt: skip
         run_prefills(q, k, v, cache, state.prefills, out, self.spec.scale, self.gqa)
         return out
 

@@ -21,10 +21,14 @@ def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     ``extra_flags``: a variant build, e.g. ``("-mno-avx512f",)`` for the portable loops."""
     lib = compile_and_load(SOURCE, "the cpu attention kernel", extra_flags)
     lib.modserve_paged_attention.restype = ctypes.c_int
-    ptr, i32 = ctypes.c_void_p, ctypes.c_int
-    lib.modserve_paged_attention.argtypes = (
-        [i32] + [ptr] * 7 + [i32] + [ptr] * 3 + [i32] * 5 + [ctypes.c_float, i32, i32]
-    )  # dtype; q, out, k, v, k_scale, v_scale, tables; width; rows, seq, pos; n, H, KVH, D, bs; scale; q_bf16; threads
+    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    lib.modserve_paged_attention.argtypes = [
+        i32, i32, ptr, i64, ptr, i64,  # cache dtype, io_bf16, q, q_stride, out, out_stride
+        ptr, ptr, ptr, ptr,  # k_cache, v_cache, k_scale, v_scale
+        ptr, ptr, i64, i64, ptr, i32,  # k_new, v_new, their token strides, slots, n_new
+        ptr, i32, ptr, ptr, ptr, i32,  # block_tables, width, rows, row_seq, row_pos, n_rows
+        i32, i32, i32, i32, ctypes.c_float, i32,  # H, KVH, D, bs, scale, threads
+    ]
     lib.modserve_limits.argtypes = [ctypes.POINTER(ctypes.c_int)] * 3
     lib.modserve_tiled.argtypes = [i32]
     lib.modserve_tiled.restype = i32
@@ -57,24 +61,44 @@ def paged_attention(
     row_pos: torch.Tensor,
     scale: float,
     lib: ctypes.CDLL | None = None,
-    q_bf16: bool = False,
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """``out[rows] = attention(q[rows])`` over the paged cache. ``q``/``out``: contiguous float32
-    ``[T, H, D]``; ``rows`` int64, ``row_seq`` / ``row_pos`` int32: each row's sequence (its row
-    in ``block_tables``, int32 contiguous) and position (it sees cache positions ``0..pos``).
-    ``lib``: a variant build from :func:`load` (default: the standard one). ``q_bf16``: ``q``'s
-    values are bfloat16 values (a bfloat16 model's), so decode rows over a bfloat16 cache may
-    use bfloat16 dot products, with P.V's weights rounded to bfloat16."""
+    """``out[rows] = attention(q[rows])`` over the paged cache, after writing ``new_kv``.
+
+    ``q``/``out``: ``[T, H, D]``, both float32 or both bfloat16 (a bfloat16 q over a bfloat16
+    cache lets decode rows use bfloat16 dot products, with P.V's weights rounded to bfloat16),
+    heads contiguous, any stride between tokens (q may be a view into the qkv rows).
+    ``rows`` int64, ``row_seq`` / ``row_pos`` int32: each row's sequence (its row in
+    ``block_tables``, int32 contiguous) and position (it sees cache positions ``0..pos``).
+    ``new_kv``: ``(k, v, slots)``, the step's K/V rows ``[N, KVH, D]`` in the cache's dtype
+    (not int8: quantize first) and their int64 slots, written before any row attends.
+    ``lib``: a variant build from :func:`load` (default: the standard one)."""
     _, H, D = q.shape
     _, bs, KVH, _ = k_cache.shape
+    if q.dtype != out.dtype or q.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"cpu paged attention: q and out must both be float32 or bfloat16, got {q.dtype}, {out.dtype}")
+    for name, t in (("q", q), ("out", out)):
+        if t.stride(2) != 1 or t.stride(1) != D:
+            raise ValueError(f"cpu paged attention: {name} needs contiguous heads, got strides {t.stride()}")
+    k_new = v_new = slots = None
+    k_stride = v_stride = n_new = 0
+    if new_kv is not None:
+        k_new, v_new, slots = new_kv
+        for name, t in (("k", k_new), ("v", v_new)):
+            if t.dtype != k_cache.dtype or t.stride(2) != 1 or t.stride(1) != D:
+                raise ValueError(f"cpu paged attention: new {name} rows must be {k_cache.dtype} with contiguous heads")
+        k_stride, v_stride, n_new = k_new.stride(0), v_new.stride(0), slots.numel()
     code = (lib or load()).modserve_paged_attention(
-        DTYPE_CODES[k_cache.dtype],
-        q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        DTYPE_CODES[k_cache.dtype], int(q.dtype == torch.bfloat16),
+        q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0),
+        k_cache.data_ptr(), v_cache.data_ptr(),
         k_scale.data_ptr() if k_scale is not None else None,
         v_scale.data_ptr() if v_scale is not None else None,
+        k_new.data_ptr() if k_new is not None else None, v_new.data_ptr() if v_new is not None else None,
+        k_stride, v_stride, slots.data_ptr() if slots is not None else None, n_new,
         block_tables.data_ptr(), block_tables.shape[1],
         rows.data_ptr(), row_seq.data_ptr(), row_pos.data_ptr(), rows.numel(),
-        H, KVH, D, bs, scale, int(q_bf16), torch.get_num_threads(),
+        H, KVH, D, bs, scale, torch.get_num_threads(),
     )  # fmt: skip
     if code:
         raise ValueError(f"cpu paged attention: unsupported shape or dtype (code {code})")

@@ -39,6 +39,33 @@ inline float load(const uint16_t* p, int i) {  // bfloat16: the high half of a f
 }
 inline float load(const int8_t* p, int i) { return static_cast<float>(p[i]); }
 
+inline uint16_t to_bf16(float x) {  // round to nearest even, as torch's float -> bfloat16 cast
+    uint32_t bits;
+    std::memcpy(&bits, &x, sizeof bits);
+    return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// Where a step's query rows come from and its outputs go: [tokens, H, D] in the model's
+// dtype (float32 or bfloat16), any stride between tokens (q is a view into the qkv rows).
+// Read and written once per row and head, outside the inner loops.
+struct QIO {
+    const void* q;
+    void* out;
+    int64_t q_stride, out_stride;  // elements between tokens
+    bool bf16;
+    float q_at(int64_t token, int64_t i) const {  // i = head * D + d
+        return bf16 ? load(static_cast<const uint16_t*>(q) + token * q_stride, static_cast<int>(i))
+                    : static_cast<const float*>(q)[token * q_stride + i];
+    }
+    void put(int64_t token, int64_t i, float v) const {
+        if (bf16) {
+            static_cast<uint16_t*>(out)[token * out_stride + i] = to_bf16(v);
+        } else {
+            static_cast<float*>(out)[token * out_stride + i] = v;
+        }
+    }
+};
+
 // acc += sum over t < n of p[t] * v[t]: with D known the accumulator lives in registers
 // for the whole block (not loaded and stored for every row), and the V rows of one head,
 // read again for each query head of its group, come from L1.
@@ -67,7 +94,7 @@ inline void accumulate_rows(float* acc, const float* p, const T* v, int64_t row_
 // Serves KV heads [h0, h1) of one query token; each block's rows for those heads are read
 // once, while they are in cache, for all of their query heads.
 template <typename T, int FixedD>
-void attend(const float* q, float* out, const T* kc, const T* vc, const float* ks, const float* vs,
+void attend(const QIO& io, int64_t token, const T* kc, const T* vc, const float* ks, const float* vs,
             const int32_t* table, int32_t pos, int KVH, int G, int D_, int bs, float scale, int h0, int h1) {
     const int D = FixedD > 0 ? FixedD : D_;
     const int nh = (h1 - h0) * G;  // query heads served: h0 * G ..
@@ -81,8 +108,8 @@ void attend(const float* q, float* out, const T* kc, const T* vc, const float* k
     float* m = s + nh * bs;  // [nh] running max
     float* l = m + nh;  // [nh] running sum of weights
     for (int i = 0; i < nh; ++i) {
-        const float* qh = q + static_cast<int64_t>(h0 * G + i) * D;
-        for (int d = 0; d < D; ++d) qs[i * D + d] = qh[d] * scale;
+        const int64_t qi = static_cast<int64_t>(h0 * G + i) * D;
+        for (int d = 0; d < D; ++d) qs[i * D + d] = io.q_at(token, qi + d) * scale;
         for (int d = 0; d < D; ++d) acc[i * D + d] = 0.f;
         m[i] = -INFINITY;
         l[i] = 0.f;
@@ -141,9 +168,9 @@ void attend(const float* q, float* out, const T* kc, const T* vc, const float* k
         }
     }
     for (int i = 0; i < nh; ++i) {
-        float* oh = out + static_cast<int64_t>(h0 * G + i) * D;
+        const int64_t oi = static_cast<int64_t>(h0 * G + i) * D;
         const float inv = 1.f / l[i];
-        for (int d = 0; d < D; ++d) oh[d] = acc[i * D + d] * inv;
+        for (int d = 0; d < D; ++d) io.put(token, oi + d, acc[i * D + d] * inv);
     }
 }
 
@@ -157,7 +184,7 @@ void attend(const float* q, float* out, const T* kc, const T* vc, const float* k
 // (Tried and dropped: software prefetch of the next chunks, within the noise at best.
 // attend_bf16dot below serves a bfloat16 model's rows over a bfloat16 cache.)
 template <typename T, int D>
-void attend_avx512(const float* q, float* out, const T* kc, const T* vc, const float* ks, const float* vs,
+void attend_avx512(const QIO& io, int64_t token, const T* kc, const T* vc, const float* ks, const float* vs,
                    const int32_t* table, int32_t pos, int KVH, int G, int bs, float scale, int h0, int h1) {
     using modserve::exp512_nonpositive;
     using modserve::load16;
@@ -175,8 +202,8 @@ void attend_avx512(const float* q, float* out, const T* kc, const T* vc, const f
     float* kbuf = l + nh;  // [16][heads][D]: the item's K rows of a 16-token chunk, as float32
     float* vbuf = kbuf + 16 * heads * D;  // [16][heads][D]
     for (int i = 0; i < nh; ++i) {
-        const float* qh = q + static_cast<int64_t>(h0 * G + i) * D;
-        for (int d = 0; d < D; ++d) qs[i * D + d] = qh[d] * scale;
+        const int64_t qi = static_cast<int64_t>(h0 * G + i) * D;
+        for (int d = 0; d < D; ++d) qs[i * D + d] = io.q_at(token, qi + d) * scale;
         for (int d = 0; d < D; ++d) acc[i * D + d] = 0.f;
         m[i] = -INFINITY;
         l[i] = 0.f;
@@ -262,14 +289,14 @@ void attend_avx512(const float* q, float* out, const T* kc, const T* vc, const f
         }
     }
     for (int i = 0; i < nh; ++i) {
-        float* oh = out + static_cast<int64_t>(h0 * G + i) * D;
+        const int64_t oi = static_cast<int64_t>(h0 * G + i) * D;
         const float inv = 1.f / l[i];
-        for (int d = 0; d < D; ++d) oh[d] = acc[i * D + d] * inv;
+        for (int d = 0; d < D; ++d) io.put(token, oi + d, acc[i * D + d] * inv);
     }
 }
 
 #if defined(__AVX512BF16__)
-// attend_avx512 for a bfloat16 cache whose q holds bfloat16 values (a bfloat16 model's q):
+// attend_avx512 for a bfloat16 model (q, out and cache in bfloat16):
 // q.k straight from the cache rows with vdpbf16ps (bf16 products summed in float32: exact
 // for such q; the scale goes on the scores), and P.V over pairs of rows: the chunk's V rows
 // are interleaved pairwise once and each query head's weights rounded to bfloat16, as
@@ -278,7 +305,7 @@ void attend_avx512(const float* q, float* out, const T* kc, const T* vc, const f
 // two vectors of interleaved 4-element groups (unpacklo/unpackhi order), put back in
 // order at the end.
 template <int D>
-void attend_bf16dot(const float* q, float* out, const uint16_t* kc, const uint16_t* vc, const int32_t* table,
+void attend_bf16dot(const QIO& io, int64_t token, const uint16_t* kc, const uint16_t* vc, const int32_t* table,
                     int32_t pos, int KVH, int G, int bs, float scale, int h0, int h1) {
     constexpr int NB = D / 32;  // 32-element bfloat16 vectors per row
     const int heads = h1 - h0;
@@ -292,15 +319,11 @@ void attend_bf16dot(const float* q, float* out, const uint16_t* kc, const uint16
     float* acc = work.data();  // [nh][D], permuted within each 32-element half
     float* m = acc + nh * D;
     float* l = m + nh;
-    uint16_t* qb = bwork.data();  // [nh][D] q as bfloat16 (its top 16 bits: exact for bf16 values)
+    uint16_t* qb = bwork.data();  // [nh][D] this token's q
     uint16_t* vi = qb + nh * D;  // [heads][8 pairs][NB][lo 32 | hi 32]: V rows interleaved pairwise
+    const uint16_t* qrow = static_cast<const uint16_t*>(io.q) + token * io.q_stride;
     for (int i = 0; i < nh; ++i) {
-        const float* qh = q + static_cast<int64_t>(h0 * G + i) * D;
-        for (int d = 0; d < D; ++d) {
-            uint32_t bits;
-            std::memcpy(&bits, qh + d, sizeof bits);
-            qb[i * D + d] = static_cast<uint16_t>(bits >> 16);
-        }
+        for (int d = 0; d < D; ++d) qb[i * D + d] = qrow[static_cast<int64_t>(h0 * G + i) * D + d];
         for (int d = 0; d < D; ++d) acc[i * D + d] = 0.f;
         m[i] = -INFINITY;
         l[i] = 0.f;
@@ -365,15 +388,15 @@ void attend_bf16dot(const float* q, float* out, const uint16_t* kc, const uint16
         }
     }
     for (int i = 0; i < nh; ++i) {  // undo the interleave: lane 4L + e of lo is 8L + e, of hi 8L + 4 + e
-        float* oh = out + static_cast<int64_t>(h0 * G + i) * D;
+        const int64_t oi = static_cast<int64_t>(h0 * G + i) * D;
         const float inv = 1.f / l[i];
         for (int j = 0; j < NB; ++j) {
             const float* lo = acc + i * D + 32 * j;
             const float* hi = lo + 16;
             for (int L = 0; L < 4; ++L) {
                 for (int e = 0; e < 4; ++e) {
-                    oh[32 * j + 8 * L + e] = lo[4 * L + e] * inv;
-                    oh[32 * j + 8 * L + 4 + e] = hi[4 * L + e] * inv;
+                    io.put(token, oi + 32 * j + 8 * L + e, lo[4 * L + e] * inv);
+                    io.put(token, oi + 32 * j + 8 * L + 4 + e, hi[4 * L + e] * inv);
                 }
             }
         }
@@ -389,8 +412,7 @@ void attend_bf16dot(const float* q, float* out, const uint16_t* kc, const uint16
 // transposed so that each vector is one key across the 16 (the causal mask is one compare
 // of the row positions, the maxima, exps and sums are lane-wise: no scalar chains).
 template <typename T, int D>
-void attend_tile_avx512(const float* q, float* out, int64_t token_stride, const int64_t* rows, int n_rows,
-                        int32_t first_pos, const T* kc, const T* vc, const float* ks, const float* vs,
+void attend_tile_avx512(const QIO& io, const int64_t* rows, int n_rows, int32_t first_pos, const T* kc, const T* vc, const float* ks, const float* vs,
                         const int32_t* table, int KVH, int G, int bs, float scale, int h) {
     using modserve::exp512_nonpositive;
     using modserve::load16;
@@ -412,8 +434,8 @@ void attend_tile_avx512(const float* q, float* out, int64_t token_stride, const 
     float* kt = corrs + 2 * R_pad;  // [D][16]: the chunk's K, transposed
     float* vbuf = kt + 16 * D;  // [16][D]
     for (int rh = 0; rh < R_pad; ++rh) {
-        const float* qh = rh < R ? q + rows[rh / G] * token_stride + static_cast<int64_t>(h * G + rh % G) * D : nullptr;
-        for (int d = 0; d < D; ++d) qs[rh * D + d] = qh ? qh[d] * scale : 0.f;
+        const int64_t qi = static_cast<int64_t>(h * G + rh % G) * D;
+        for (int d = 0; d < D; ++d) qs[rh * D + d] = rh < R ? io.q_at(rows[rh / G], qi + d) * scale : 0.f;
         for (int d = 0; d < D; ++d) acc[rh * D + d] = 0.f;
         m[rh] = -INFINITY;
         l[rh] = 0.f;
@@ -507,9 +529,9 @@ void attend_tile_avx512(const float* q, float* out, int64_t token_stride, const 
         }
     }
     for (int rh = 0; rh < R; ++rh) {
-        float* oh = out + rows[rh / G] * token_stride + static_cast<int64_t>(h * G + rh % G) * D;
+        const int64_t oi = static_cast<int64_t>(h * G + rh % G) * D;
         const float inv = 1.f / l[rh];
-        for (int d = 0; d < D; ++d) oh[d] = acc[rh * D + d] * inv;
+        for (int d = 0; d < D; ++d) io.put(rows[rh / G], oi + d, acc[rh * D + d] * inv);
     }
 }
 #endif  // __AVX512F__
@@ -524,13 +546,11 @@ struct Item {
 };
 
 template <typename T, int FixedD>
-void run(const float* q, float* out, const void* k_cache, const void* v_cache, const float* k_scale,
-         const float* v_scale, const int32_t* block_tables, int table_width, const int64_t* rows,
-         const int32_t* row_seq, const int32_t* row_pos, int n_rows, int H, int KVH, int D, int bs, float scale,
-         int q_bf16, int threads) {
+void run(const QIO& io, const void* k_cache, const void* v_cache, const float* k_scale, const float* v_scale,
+         const int32_t* block_tables, int table_width, const int64_t* rows, const int32_t* row_seq,
+         const int32_t* row_pos, int n_rows, int H, int KVH, int D, int bs, float scale, int threads) {
     const T* kc = static_cast<const T*>(k_cache);
     const T* vc = static_cast<const T*>(v_cache);
-    const int64_t token_stride = static_cast<int64_t>(H) * D;
     bool tiled = false;
 #if defined(__AVX512F__)
     tiled = FixedD > 0;
@@ -562,40 +582,54 @@ void run(const float* q, float* out, const void* k_cache, const void* v_cache, c
 #if defined(__AVX512F__)
         if constexpr (FixedD > 0) {
             if (it.count > 1) {
-                attend_tile_avx512<T, FixedD>(q, out, token_stride, rows + i, it.count, row_pos[i], kc, vc, k_scale,
-                                              v_scale, table, KVH, H / KVH, bs, scale, it.h0);
+                attend_tile_avx512<T, FixedD>(io, rows + i, it.count, row_pos[i], kc, vc, k_scale, v_scale, table, KVH,
+                                              H / KVH, bs, scale, it.h0);
             } else {
 #if defined(__AVX512BF16__)
                 if constexpr (std::is_same_v<T, uint16_t>) {
-                    if (q_bf16) {
-                        attend_bf16dot<FixedD>(q + rows[i] * token_stride, out + rows[i] * token_stride, kc, vc, table,
-                                               row_pos[i], KVH, H / KVH, bs, scale, it.h0, it.h1);
+                    if (io.bf16) {
+                        attend_bf16dot<FixedD>(io, rows[i], kc, vc, table, row_pos[i], KVH, H / KVH, bs, scale, it.h0,
+                                               it.h1);
                         continue;
                     }
                 }
 #endif
-                attend_avx512<T, FixedD>(q + rows[i] * token_stride, out + rows[i] * token_stride, kc, vc, k_scale,
-                                         v_scale, table, row_pos[i], KVH, H / KVH, bs, scale, it.h0, it.h1);
+                attend_avx512<T, FixedD>(io, rows[i], kc, vc, k_scale, v_scale, table, row_pos[i], KVH, H / KVH, bs,
+                                         scale, it.h0, it.h1);
             }
             continue;
         }
 #endif
-        (void)q_bf16;
-        attend<T, FixedD>(q + rows[i] * token_stride, out + rows[i] * token_stride, kc, vc, k_scale, v_scale, table,
-                          row_pos[i], KVH, H / KVH, D, bs, scale, it.h0, it.h1);
+        attend<T, FixedD>(io, rows[i], kc, vc, k_scale, v_scale, table, row_pos[i], KVH, H / KVH, D, bs, scale,
+                          it.h0, it.h1);
     }
 }
 
 }  // namespace
 
+// The step's new K/V rows into their cache slots (a slot is a row of the [blocks * bs] rows).
 template <typename T>
-int dispatch_head_dim(const float* q, float* out, const void* k_cache, const void* v_cache, const float* k_scale,
+void write_new_rows(void* k_cache, void* v_cache, const void* k_new, const void* v_new, int64_t k_stride,
+                    int64_t v_stride, const int64_t* slots, int n_new, int64_t row_elems, int threads) {
+    T* kc = static_cast<T*>(k_cache);
+    T* vc = static_cast<T*>(v_cache);
+    const T* kn = static_cast<const T*>(k_new);
+    const T* vn = static_cast<const T*>(v_new);
+#pragma omp parallel for num_threads(threads) schedule(static) if (n_new >= 64)
+    for (int i = 0; i < n_new; ++i) {
+        std::memcpy(kc + slots[i] * row_elems, kn + i * k_stride, row_elems * sizeof(T));
+        std::memcpy(vc + slots[i] * row_elems, vn + i * v_stride, row_elems * sizeof(T));
+    }
+}
+
+template <typename T>
+int dispatch_head_dim(const QIO& io, const void* k_cache, const void* v_cache, const float* k_scale,
                       const float* v_scale, const int32_t* block_tables, int table_width, const int64_t* rows,
                       const int32_t* row_seq, const int32_t* row_pos, int n_rows, int H, int KVH, int D, int bs,
-                      float scale, int q_bf16, int threads) {
+                      float scale, int threads) {
     auto go = [&](auto fixed) {
-        run<T, decltype(fixed)::value>(q, out, k_cache, v_cache, k_scale, v_scale, block_tables, table_width, rows,
-                                       row_seq, row_pos, n_rows, H, KVH, D, bs, scale, q_bf16, threads);
+        run<T, decltype(fixed)::value>(io, k_cache, v_cache, k_scale, v_scale, block_tables, table_width, rows, row_seq,
+                                       row_pos, n_rows, H, KVH, D, bs, scale, threads);
     };
     if (D == 64) go(std::integral_constant<int, 64>{});
     else if (D == 128) go(std::integral_constant<int, 128>{});
@@ -623,26 +657,37 @@ int modserve_tiled(int D) {
 #endif
 }
 
-// dtype: 0 float32, 1 bfloat16, 2 int8 (k_scale / v_scale required). q and out are float32
-// [T, H, D]; only the token rows listed in `rows` are read and written. q_bf16: q's values
-// are bfloat16 values (a bfloat16 model's), which lets decode rows over a bfloat16 cache
-// use bfloat16 dot products (P.V then uses the weights rounded to bfloat16).
-int modserve_paged_attention(int dtype, const float* q, float* out, const void* k_cache, const void* v_cache,
-                             const float* k_scale, const float* v_scale, const int32_t* block_tables,
-                             int table_width, const int64_t* rows, const int32_t* row_seq, const int32_t* row_pos,
-                             int n_rows, int H, int KVH, int D, int bs, float scale, int q_bf16, int threads) {
+// dtype: the cache's, 0 float32, 1 bfloat16, 2 int8 (k_scale / v_scale required).
+// q and out: [T, H, D] in float32 (io_bf16 0) or bfloat16 (1), heads contiguous, q_stride /
+// out_stride elements between tokens; only the token rows listed in `rows` are read and
+// written. A bfloat16 q over a bfloat16 cache lets decode rows use bfloat16 dot products
+// (P.V then uses the weights rounded to bfloat16). k_new / v_new: n_new rows [KVH, D] in
+// the cache's dtype (not int8), written to their `slots` before any row attends.
+int modserve_paged_attention(int dtype, int io_bf16, const void* q, int64_t q_stride, void* out, int64_t out_stride,
+                             void* k_cache, void* v_cache, const float* k_scale, const float* v_scale,
+                             const void* k_new, const void* v_new, int64_t k_new_stride, int64_t v_new_stride,
+                             const int64_t* slots, int n_new, const int32_t* block_tables, int table_width,
+                             const int64_t* rows, const int32_t* row_seq, const int32_t* row_pos, int n_rows, int H,
+                             int KVH, int D, int bs, float scale, int threads) {
     if (H % KVH || H / KVH > kMaxGroup || D > kMaxHeadDim || bs > kMaxBlock) return 1;
+    if (n_new > 0 && (dtype == 2 || !k_new || !v_new || !slots)) return 4;
+    const QIO io{q, out, q_stride, out_stride, io_bf16 != 0};
+    const int64_t row_elems = static_cast<int64_t>(KVH) * D;
     switch (dtype) {
         case 0:
-            return dispatch_head_dim<float>(q, out, k_cache, v_cache, nullptr, nullptr, block_tables, table_width,
-                                            rows, row_seq, row_pos, n_rows, H, KVH, D, bs, scale, q_bf16, threads);
+            write_new_rows<float>(k_cache, v_cache, k_new, v_new, k_new_stride, v_new_stride, slots, n_new, row_elems,
+                                  threads);
+            return dispatch_head_dim<float>(io, k_cache, v_cache, nullptr, nullptr, block_tables, table_width, rows,
+                                            row_seq, row_pos, n_rows, H, KVH, D, bs, scale, threads);
         case 1:
-            return dispatch_head_dim<uint16_t>(q, out, k_cache, v_cache, nullptr, nullptr, block_tables, table_width,
-                                               rows, row_seq, row_pos, n_rows, H, KVH, D, bs, scale, q_bf16, threads);
+            write_new_rows<uint16_t>(k_cache, v_cache, k_new, v_new, k_new_stride, v_new_stride, slots, n_new,
+                                     row_elems, threads);
+            return dispatch_head_dim<uint16_t>(io, k_cache, v_cache, nullptr, nullptr, block_tables, table_width, rows,
+                                               row_seq, row_pos, n_rows, H, KVH, D, bs, scale, threads);
         case 2:
             if (!k_scale || !v_scale) return 2;
-            return dispatch_head_dim<int8_t>(q, out, k_cache, v_cache, k_scale, v_scale, block_tables, table_width,
-                                             rows, row_seq, row_pos, n_rows, H, KVH, D, bs, scale, q_bf16, threads);
+            return dispatch_head_dim<int8_t>(io, k_cache, v_cache, k_scale, v_scale, block_tables, table_width, rows,
+                                             row_seq, row_pos, n_rows, H, KVH, D, bs, scale, threads);
     }
     return 3;
 }
