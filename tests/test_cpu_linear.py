@@ -13,7 +13,9 @@ from modserve.core.models.cpu_linear import (
     MAX_CHUNK,
     MIN_CHUNK,
     PAD_BELOW,
+    ROW_STEP,
     PackedLinear,
+    _CHUNK_SIZES,
     can_pack,
     pack_linears,
     row_chunks,
@@ -40,13 +42,13 @@ def test_row_chunks_cover_every_row_with_few_shapes():
         shapes.update(size for _, size in chunks)
         assert chunks[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(chunks, chunks[1:]))
         end = chunks[-1][0] + chunks[-1][1]
-        assert m <= end and end - m < max(MIN_CHUNK, chunks[-1][1] // 2 + 1)  # padding: under half the last
-        assert sum(1 for _, size in chunks if size < PAD_BELOW) <= 1  # a small remainder is one call
-        if m < PAD_BELOW:
-            assert len(chunks) == 1  # decode-sized batches: a single padded call
-    assert shapes == {2**k for k in range(MIN_CHUNK.bit_length() - 1, MAX_CHUNK.bit_length())}
-    assert row_chunks(13) == [(0, 16)] and row_chunks(300) == [(0, 256), (256, 64)]
-    assert row_chunks(2048 + 70) == [(0, 2048), (2048, 64), (2112, 8)]
+        padding = end - m
+        assert 0 <= padding < (ROW_STEP if chunks[-1][1] > PAD_BELOW else max(MIN_CHUNK, chunks[-1][1] // 2 + 1))
+        assert all(size == MAX_CHUNK for _, size in chunks[:-1])  # whole chunks, then one padded call
+    small = {2**k for k in range(MIN_CHUNK.bit_length() - 1, PAD_BELOW.bit_length())}
+    assert shapes == small | set(range(ROW_STEP, MAX_CHUNK + 1, ROW_STEP)) and len(shapes) == 36
+    assert row_chunks(13) == [(0, 16)] and row_chunks(315) == [(0, 320)] and row_chunks(65) == [(0, 128)]
+    assert row_chunks(2048 + 70) == [(0, 2048), (2048, 128)]
 
 
 def test_varying_batch_sizes_do_not_grow_memory():
@@ -61,8 +63,8 @@ def test_varying_batch_sizes_do_not_grow_memory():
 
     rng = random.Random(0)
     with torch.inference_mode():
-        for m in range(1, 40):  # every shape seen once
-            lin(torch.randn(m * 13, 576))
+        for m in sorted(_CHUNK_SIZES):  # every shape seen once
+            lin(torch.randn(m, 576))
         before = rss_mb()
         for _ in range(300):
             lin(torch.randn(rng.randrange(1, 1500), 576))
