@@ -38,23 +38,24 @@ def decode(args, dtype: torch.dtype) -> None:
     ]
     tables = torch.arange(args.batch * blocks_per_seq, dtype=torch.int32).view(args.batch, -1).contiguous()
     q = torch.randn(args.batch, HEADS, HEAD_DIM).to(dtype).float()  # the values a model of this dtype gives
-    out = torch.empty_like(q)
     rows = torch.arange(args.batch)
     seq = torch.arange(args.batch, dtype=torch.int32)
     pos = torch.full((args.batch,), args.context - 1, dtype=torch.int32)
     times, outs = {}, {}
-    variants = [("portable build", ("-mno-avx512f",), False), ("standard build", (), False)]
+    variants = [("portable build", ("-mno-avx512f",), torch.float32), ("standard build", (), torch.float32)]
     if dtype == torch.bfloat16:
-        variants.append(("standard, bf16 dots", (), True))  # what the backend asks for with a bf16 model
-    for name, flags, q_bf16 in variants:
+        variants.append(("standard, bf16 q", (), torch.bfloat16))  # what the backend passes with a bf16 model
+    for name, flags, io_dtype in variants:
         lib = kernel.load(flags)
+        qi = q.to(io_dtype)
+        out = torch.empty_like(qi)
 
-        def step(lib=lib, q_bf16=q_bf16):
+        def step(lib=lib, qi=qi, out=out):
             for k, v in caches:
-                kernel.paged_attention(q, out, k, v, None, None, tables, rows, seq, pos, HEAD_DIM**-0.5, lib, q_bf16)
+                kernel.paged_attention(qi, out, k, v, None, None, tables, rows, seq, pos, HEAD_DIM**-0.5, lib)
 
         times[name] = timed(step, args.repeats)
-        outs[name] = out.clone()
+        outs[name] = out.float()
     kv_bytes = args.layers * args.batch * args.context * KV_HEADS * HEAD_DIM * 2 * caches[0][0].element_size()
     print(f"decode, {args.batch} rows x {args.context} tokens, {args.layers} layers, {dtype}:")
     base = times["portable build"]
@@ -76,9 +77,8 @@ def prefill(args, dtype: torch.dtype, length: int, chunks: int) -> None:
     pos = torch.arange(length, dtype=torch.int32).repeat(chunks)
     scale = HEAD_DIM**-0.5
 
-    def ours():
-        qf = q.float()
-        kernel.paged_attention(qf, torch.empty_like(qf), k_cache, v_cache, None, None, tables, rows, seq, pos, scale)
+    def ours():  # q and out in the model's dtype, as the backend passes them
+        kernel.paged_attention(q, torch.empty_like(q), k_cache, v_cache, None, None, tables, rows, seq, pos, scale)
 
     def sdpa():  # what the torch backend does for a chunk: gather its blocks, one causal call
         for i in range(chunks):

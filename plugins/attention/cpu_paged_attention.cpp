@@ -534,6 +534,146 @@ void attend_tile_avx512(const QIO& io, const int64_t* rows, int n_rows, int32_t 
         for (int d = 0; d < D; ++d) io.put(rows[rh / G], oi + d, acc[rh * D + d] * inv);
     }
 }
+
+#if defined(__AVX512BF16__)
+// attend_tile_avx512 for a bfloat16 model (q, out and cache in bfloat16), with vdpbf16ps:
+// q.k over pairs of dimensions (each chunk's K rows transposed as 32-bit pairs, two 16 x 16
+// transposes per 32 dimensions; q exact, the scale on the scores) and P.V over pairs of
+// keys (V interleaved pairwise as in attend_bf16dot, each row-head's weights rounded to
+// bfloat16 pairs). Half the FMA work of the float32 tile; accumulators in the interleaved
+// order of attend_bf16dot.
+template <int D>
+void attend_tile_bf16dot(const QIO& io, const int64_t* rows, int n_rows, int32_t first_pos, const uint16_t* kc,
+                         const uint16_t* vc, const int32_t* table, int KVH, int G, int bs, float scale, int h) {
+    using modserve::exp512_nonpositive;
+    constexpr int NB = D / 32;  // 32-element bfloat16 vectors per row
+    constexpr int NP = D / 2;  // dimension pairs
+    const int R = n_rows * G;  // row-heads, row-major: rh = i * G + g
+    const int R_pad = (R + 15) / 16 * 16;
+    const int64_t row_stride = static_cast<int64_t>(KVH) * D;
+    const int64_t block_stride = static_cast<int64_t>(bs) * row_stride;
+    static thread_local std::vector<float> work;
+    work.resize(static_cast<size_t>(R_pad) * (D + 16 + 16 + 4 + NP + 8) + NP * 16 + 8 * NB * 32 + 16);
+    float* acc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(work.data()) + 63) & ~uintptr_t{63});  // [R_pad][D]
+    float* sbuf = acc + R_pad * D;  // [R_pad][16] this chunk's scores
+    float* m = sbuf + R_pad * 16;  // [R_pad] running max
+    float* l = m + R_pad;  // [R_pad] running sum of the (rounded) weights
+    float* corrs = l + R_pad;  // [R_pad] this chunk's rescale
+    int32_t* rpos = reinterpret_cast<int32_t*>(corrs + R_pad);  // [R_pad] each row-head's position
+    uint32_t* qp = reinterpret_cast<uint32_t*>(rpos + R_pad);  // [R_pad][NP] q as bf16 pairs
+    uint32_t* pp = qp + R_pad * NP;  // [R_pad / 16][8 key pairs][16 row-heads] weights as bf16 pairs
+    uint32_t* kt2 = pp + R_pad * 8;  // [NP][16 keys] K as bf16 pairs, transposed
+    uint16_t* vi = reinterpret_cast<uint16_t*>(kt2 + NP * 16);  // [8 pairs][NB][lo 32 | hi 32]
+    const uint16_t* qbase = static_cast<const uint16_t*>(io.q);
+    for (int rh = 0; rh < R_pad; ++rh) {
+        if (rh < R) {
+            const uint16_t* qr = qbase + rows[rh / G] * io.q_stride + static_cast<int64_t>(h * G + rh % G) * D;
+            std::memcpy(qp + rh * NP, qr, D * sizeof(uint16_t));
+        } else {
+            std::memset(qp + rh * NP, 0, D * sizeof(uint16_t));
+        }
+        for (int d = 0; d < D; ++d) acc[rh * D + d] = 0.f;
+        m[rh] = -INFINITY;
+        l[rh] = 0.f;
+        rpos[rh] = rh < R ? first_pos + rh / G : -1;  // padding rows see nothing
+    }
+    const __m512 vscale = _mm512_set1_ps(scale);
+    const int n_keys = first_pos + n_rows;
+    const int chunk = bs < 16 ? bs : 16;
+    for (int start = 0; start < n_keys; start += chunk) {
+        const int n = n_keys - start < chunk ? n_keys - start : chunk;
+        const int64_t offset = table[start / bs] * block_stride + static_cast<int64_t>(start % bs) * row_stride + h * D;
+        const uint16_t* kb = kc + offset;
+        const uint16_t* vb = vc + offset;
+        for (int jj = 0; jj < NP / 16; ++jj) {  // K: 16 keys x 16 dimension pairs per transpose
+            __m512 blk[16];
+            for (int t = 0; t < 16; ++t) {
+                blk[t] = t < n ? _mm512_castsi512_ps(_mm512_loadu_si512(kb + t * row_stride + 32 * jj)) : _mm512_setzero_ps();
+            }
+            modserve::transpose16x16(blk);
+            for (int p = 0; p < 16; ++p) _mm512_store_ps(reinterpret_cast<float*>(kt2 + (16 * jj + p) * 16), blk[p]);
+        }
+        const int pairs = (n + 1) / 2;
+        for (int u = 0; u < pairs; ++u) {  // V rows interleaved pairwise
+            for (int j = 0; j < NB; ++j) {
+                const __m512i a = _mm512_loadu_si512(vb + 2 * u * row_stride + 32 * j);
+                const __m512i b = 2 * u + 1 < n ? _mm512_loadu_si512(vb + (2 * u + 1) * row_stride + 32 * j) : _mm512_setzero_si512();
+                _mm512_store_si512(vi + (u * NB + j) * 64, _mm512_unpacklo_epi16(a, b));
+                _mm512_store_si512(vi + (u * NB + j) * 64 + 32, _mm512_unpackhi_epi16(a, b));
+            }
+        }
+        for (int g0 = 0; g0 < R_pad; g0 += kRowGroup) {  // scores: kRowGroup row-heads share each K load
+            __m512 s[kRowGroup];
+            for (int r = 0; r < kRowGroup; ++r) s[r] = _mm512_setzero_ps();
+            for (int p = 0; p < NP; ++p) {
+                const __m512bh kd = (__m512bh)_mm512_load_si512(kt2 + p * 16);
+                for (int r = 0; r < kRowGroup; ++r) {
+                    s[r] = _mm512_dpbf16_ps(s[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[(g0 + r) * NP + p])), kd);
+                }
+            }
+            for (int r = 0; r < kRowGroup; ++r) _mm512_store_ps(sbuf + (g0 + r) * 16, _mm512_mul_ps(s[r], vscale));
+        }
+        for (int g0 = 0; g0 < R_pad; g0 += 16) {  // online softmax, 16 row-heads a vector
+            __m512 st[16];
+            for (int r = 0; r < 16; ++r) st[r] = _mm512_load_ps(sbuf + (g0 + r) * 16);
+            modserve::transpose16x16(st);  // st[t]: key start + t's scores for the 16 row-heads
+            const __m512i pos = _mm512_loadu_si512(rpos + g0);
+            __mmask16 valid[16];
+            __m512 rowmax = _mm512_set1_ps(-INFINITY);
+            for (int t = 0; t < 16; ++t) {
+                valid[t] = t < n ? _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(start + t)) : 0;
+                st[t] = _mm512_mask_blend_ps(valid[t], _mm512_set1_ps(-INFINITY), st[t]);
+                rowmax = _mm512_max_ps(rowmax, st[t]);
+            }
+            const __m512 m_old = _mm512_load_ps(m + g0);
+            const __m512 m_new = _mm512_max_ps(m_old, rowmax);
+            const __m512 corr = exp512_nonpositive(_mm512_sub_ps(m_old, m_new));
+            __m512 sum = _mm512_setzero_ps();
+            __m512i half[16];  // each key's weights for the 16 row-heads as bf16, widened to 32 bits
+            for (int t = 0; t < 16; ++t) {
+                const __m512 p = _mm512_maskz_mov_ps(valid[t], exp512_nonpositive(_mm512_sub_ps(st[t], m_new)));
+                const __m256bh pb = _mm512_cvtneps_pbh(p);
+                sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(pb));  // l sums the weights P.V uses
+                half[t] = _mm512_cvtepu16_epi32((__m256i)pb);
+            }
+            for (int u = 0; u < 8; ++u) {
+                _mm512_store_si512(pp + (g0 / 16 * 8 + u) * 16, _mm512_or_si512(half[2 * u], _mm512_slli_epi32(half[2 * u + 1], 16)));
+            }
+            _mm512_store_ps(m + g0, m_new);
+            _mm512_store_ps(l + g0, _mm512_fmadd_ps(_mm512_load_ps(l + g0), corr, sum));
+            _mm512_store_ps(corrs + g0, corr);
+        }
+        for (int rh = 0; rh < R; ++rh) {  // P.V over key pairs
+            const int visible = first_pos + rh / G - start + 1;
+            const int count = visible < n ? visible : n;
+            if (count <= 0) continue;
+            const uint32_t* pw = pp + (rh / 16) * 128 + rh % 16;  // key pair u's weights: pw[16 * u]
+            __m512 a[2 * NB];
+            const __m512 corr = _mm512_set1_ps(corrs[rh]);
+            for (int j = 0; j < 2 * NB; ++j) a[j] = _mm512_mul_ps(_mm512_load_ps(acc + rh * D + 16 * j), corr);
+            for (int u = 0; u < (count + 1) / 2; ++u) {
+                const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pw[16 * u]));
+                for (int j = 0; j < 2 * NB; ++j) a[j] = _mm512_dpbf16_ps(a[j], w, (__m512bh)_mm512_load_si512(vi + u * NB * 64 + 32 * j));
+            }
+            for (int j = 0; j < 2 * NB; ++j) _mm512_store_ps(acc + rh * D + 16 * j, a[j]);
+        }
+    }
+    for (int rh = 0; rh < R; ++rh) {  // undo the interleave: lane 4L + e of lo is 8L + e, of hi 8L + 4 + e
+        const int64_t oi = static_cast<int64_t>(h * G + rh % G) * D;
+        const float inv = 1.f / l[rh];
+        for (int j = 0; j < NB; ++j) {
+            const float* lo = acc + rh * D + 32 * j;
+            const float* hi = lo + 16;
+            for (int L = 0; L < 4; ++L) {
+                for (int e = 0; e < 4; ++e) {
+                    io.put(rows[rh / G], oi + 32 * j + 8 * L + e, lo[4 * L + e] * inv);
+                    io.put(rows[rh / G], oi + 32 * j + 8 * L + 4 + e, hi[4 * L + e] * inv);
+                }
+            }
+        }
+    }
+}
+#endif  // __AVX512BF16__
 #endif  // __AVX512F__
 
 // Work items. A lone query row (decode): whole tokens (all KV heads, best cache reuse) when
@@ -582,6 +722,15 @@ void run(const QIO& io, const void* k_cache, const void* v_cache, const float* k
 #if defined(__AVX512F__)
         if constexpr (FixedD > 0) {
             if (it.count > 1) {
+#if defined(__AVX512BF16__)
+                if constexpr (std::is_same_v<T, uint16_t>) {
+                    if (io.bf16) {
+                        attend_tile_bf16dot<FixedD>(io, rows + i, it.count, row_pos[i], kc, vc, table, KVH, H / KVH, bs,
+                                                    scale, it.h0);
+                        continue;
+                    }
+                }
+#endif
                 attend_tile_avx512<T, FixedD>(io, rows + i, it.count, row_pos[i], kc, vc, k_scale, v_scale, table, KVH,
                                               H / KVH, bs, scale, it.h0);
             } else {
