@@ -42,12 +42,13 @@ def test_row_chunks_cover_every_row_with_few_shapes():
         shapes.update(size for _, size in chunks)
         assert chunks[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(chunks, chunks[1:]))
         end = chunks[-1][0] + chunks[-1][1]
-        padding = end - m
-        assert 0 <= padding < (ROW_STEP if chunks[-1][1] > PAD_BELOW else max(MIN_CHUNK, chunks[-1][1] // 2 + 1))
+        padding, last = end - m, chunks[-1][1]
+        assert 0 <= padding < (ROW_STEP if last > PAD_BELOW else 8 if last > 32 else max(MIN_CHUNK, last // 2 + 1))
         assert all(size == MAX_CHUNK for _, size in chunks[:-1])  # whole chunks, then one padded call
-    small = {2**k for k in range(MIN_CHUNK.bit_length() - 1, PAD_BELOW.bit_length())}
-    assert shapes == small | set(range(ROW_STEP, MAX_CHUNK + 1, ROW_STEP)) and len(shapes) == 36
+    small = {4, 8, 16, 32, 40, 48, 56}
+    assert shapes == small | set(range(ROW_STEP, MAX_CHUNK + 1, ROW_STEP)) == _CHUNK_SIZES and len(shapes) == 39
     assert row_chunks(13) == [(0, 16)] and row_chunks(315) == [(0, 320)] and row_chunks(65) == [(0, 128)]
+    assert row_chunks(38) == [(0, 40)] and row_chunks(43) == [(0, 48)]
     assert row_chunks(2048 + 70) == [(0, 2048), (2048, 128)]
 
 

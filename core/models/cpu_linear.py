@@ -51,32 +51,43 @@ class PackedLinear(nn.Module):
 
 
 MAX_CHUNK, MIN_CHUNK = 2048, 4  # a 2048-token prefill step runs whole (no concatenation of parts)
-PAD_BELOW, ROW_STEP = 64, 64  # rows up to 64 pad to a power of two, more to a multiple of 64
+PAD_BELOW, ROW_STEP = 64, 64  # rows up to 64 pad to a power of two (to 8s above 32), more to a multiple of 64
 _CHUNK_SIZES = frozenset(
-    [1 << k for k in range(MIN_CHUNK.bit_length() - 1, PAD_BELOW.bit_length())] + list(range(ROW_STEP, MAX_CHUNK + 1, ROW_STEP))
+    [1 << k for k in range(MIN_CHUNK.bit_length() - 1, 6)]  # 4 .. 32
+    + [40, 48, 56]
+    + list(range(ROW_STEP, MAX_CHUNK + 1, ROW_STEP))
 )
+
+
+def _padded(rows: int) -> int:
+    """The chunk size that holds ``rows`` (at most MAX_CHUNK)."""
+    if rows <= 32:
+        return max(MIN_CHUNK, 1 << (rows - 1).bit_length())
+    if rows <= PAD_BELOW:
+        return -(-rows // 8) * 8
+    return -(-rows // ROW_STEP) * ROW_STEP
 
 
 def row_chunks(m: int) -> list[tuple[int, int]]:
     """``(start, size)`` pieces covering ``m`` rows: whole MAX_CHUNKs, then the rest as one
-    call padded up to a power of two (up to PAD_BELOW rows) or to a multiple of ROW_STEP
-    (the last chunk may extend past ``m`` by fewer rows than ROW_STEP).
+    call padded up to a power of two (up to 32 rows), a multiple of 8 (up to PAD_BELOW) or
+    a multiple of ROW_STEP (the last chunk may extend past ``m``).
 
     oneDNN builds (and keeps) a primitive for every input shape it sees; with the batch size
     changing every step that grew a server by hundreds of MB, so sizes come from a fixed set
-    of 36. One padded call beats several exact ones, since every call streams the whole
+    of 39. One padded call beats several exact ones, since every call streams the whole
     weight matrix again: 13 rows as one call of 16 took 39 us where 8 + 4 + 4 took 86
     (SmolLM2's qkv, bfloat16), and a step of 15 decode rows plus a 200-320-token prompt ran
-    8% faster per row as one call (a multiple of 64) than as power-of-two pieces.
+    8% faster per row as one call (a multiple of 64) than as power-of-two pieces. Between 32
+    and 64 rows the bf16 GEMM's cost steps (SmolLM2's 30 layers: 40 rows 15.4 ms, 48 rows
+    20.3, 64 rows 22.3), so there the padding stops at the next multiple of 8.
     """
     chunks, start = [], 0
     while m - start > MAX_CHUNK:
         chunks.append((start, MAX_CHUNK))
         start += MAX_CHUNK
-    rest = m - start
-    if rest > 0:
-        size = max(MIN_CHUNK, 1 << (rest - 1).bit_length()) if rest <= PAD_BELOW else -(-rest // ROW_STEP) * ROW_STEP
-        chunks.append((start, size))
+    if m > start:
+        chunks.append((start, _padded(m - start)))
     return chunks
 
 
