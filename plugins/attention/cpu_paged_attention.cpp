@@ -66,6 +66,28 @@ struct QIO {
     }
 };
 
+// A decode row's query heads [first, first + nh): q scaled into qs, accumulators zeroed,
+// running max -inf and running sum 0 (the online softmax's starting point).
+inline void start_heads(const QIO& io, int64_t token, int first, int nh, int D, float scale, float* qs, float* acc,
+                        float* m, float* l) {
+    for (int i = 0; i < nh; ++i) {
+        const int64_t qi = static_cast<int64_t>(first + i) * D;
+        for (int d = 0; d < D; ++d) qs[i * D + d] = io.q_at(token, qi + d) * scale;
+        for (int d = 0; d < D; ++d) acc[i * D + d] = 0.f;
+        m[i] = -INFINITY;
+        l[i] = 0.f;
+    }
+}
+
+// ... and their outputs: each accumulator over its sum of weights.
+inline void finish_heads(const QIO& io, int64_t token, int first, int nh, int D, const float* acc, const float* l) {
+    for (int i = 0; i < nh; ++i) {
+        const int64_t oi = static_cast<int64_t>(first + i) * D;
+        const float inv = 1.f / l[i];
+        for (int d = 0; d < D; ++d) io.put(token, oi + d, acc[i * D + d] * inv);
+    }
+}
+
 // acc += sum over t < n of p[t] * v[t]: with D known the accumulator lives in registers
 // for the whole block (not loaded and stored for every row), and the V rows of one head,
 // read again for each query head of its group, come from L1.
@@ -107,13 +129,7 @@ void attend(const QIO& io, int64_t token, const T* kc, const T* vc, const float*
     float* s = acc + nh * D;  // [nh][bs] this block's scores, then weights
     float* m = s + nh * bs;  // [nh] running max
     float* l = m + nh;  // [nh] running sum of weights
-    for (int i = 0; i < nh; ++i) {
-        const int64_t qi = static_cast<int64_t>(h0 * G + i) * D;
-        for (int d = 0; d < D; ++d) qs[i * D + d] = io.q_at(token, qi + d) * scale;
-        for (int d = 0; d < D; ++d) acc[i * D + d] = 0.f;
-        m[i] = -INFINITY;
-        l[i] = 0.f;
-    }
+    start_heads(io, token, h0 * G, nh, D, scale, qs, acc, m, l);
     const int n_tokens = pos + 1;
     for (int start = 0; start < n_tokens; start += bs) {
         const int n = n_tokens - start < bs ? n_tokens - start : bs;
@@ -167,11 +183,7 @@ void attend(const QIO& io, int64_t token, const T* kc, const T* vc, const float*
             }
         }
     }
-    for (int i = 0; i < nh; ++i) {
-        const int64_t oi = static_cast<int64_t>(h0 * G + i) * D;
-        const float inv = 1.f / l[i];
-        for (int d = 0; d < D; ++d) io.put(token, oi + d, acc[i * D + d] * inv);
-    }
+    finish_heads(io, token, h0 * G, nh, D, acc, l);
 }
 
 #if defined(__AVX512F__)
@@ -201,13 +213,7 @@ void attend_avx512(const QIO& io, int64_t token, const T* kc, const T* vc, const
     float* l = m + nh;  // [nh] running sum of weights
     float* kbuf = l + nh;  // [16][heads][D]: the item's K rows of a 16-token chunk, as float32
     float* vbuf = kbuf + 16 * heads * D;  // [16][heads][D]
-    for (int i = 0; i < nh; ++i) {
-        const int64_t qi = static_cast<int64_t>(h0 * G + i) * D;
-        for (int d = 0; d < D; ++d) qs[i * D + d] = io.q_at(token, qi + d) * scale;
-        for (int d = 0; d < D; ++d) acc[i * D + d] = 0.f;
-        m[i] = -INFINITY;
-        l[i] = 0.f;
-    }
+    start_heads(io, token, h0 * G, nh, D, scale, qs, acc, m, l);
     const int n_tokens = pos + 1;
     const int chunk = bs < 16 ? bs : 16;  // block sizes are powers of two: a chunk never crosses a block
     for (int start = 0; start < n_tokens; start += chunk) {
@@ -288,14 +294,27 @@ void attend_avx512(const QIO& io, int64_t token, const T* kc, const T* vc, const
             }
         }
     }
-    for (int i = 0; i < nh; ++i) {
-        const int64_t oi = static_cast<int64_t>(h0 * G + i) * D;
-        const float inv = 1.f / l[i];
-        for (int d = 0; d < D; ++d) io.put(token, oi + d, acc[i * D + d] * inv);
-    }
+    finish_heads(io, token, h0 * G, nh, D, acc, l);
 }
 
 #if defined(__AVX512BF16__)
+// One head's output from the bf16-dot paths' accumulators, over its sum of weights `l`:
+// each 32-element half of the row is two vectors in unpacklo/unpackhi order (lane 4L + e
+// of the first is element 8L + e, of the second 8L + 4 + e), put back in order here.
+inline void put_interleaved(const QIO& io, int64_t token, int64_t first, const float* acc, int D, float l) {
+    const float inv = 1.f / l;
+    for (int j = 0; j < D / 32; ++j) {
+        const float* lo = acc + 32 * j;
+        const float* hi = lo + 16;
+        for (int L = 0; L < 4; ++L) {
+            for (int e = 0; e < 4; ++e) {
+                io.put(token, first + 32 * j + 8 * L + e, lo[4 * L + e] * inv);
+                io.put(token, first + 32 * j + 8 * L + 4 + e, hi[4 * L + e] * inv);
+            }
+        }
+    }
+}
+
 // attend_avx512 for a bfloat16 model (q, out and cache in bfloat16):
 // q.k straight from the cache rows with vdpbf16ps (bf16 products summed in float32: exact
 // for such q; the scale goes on the scores), and P.V over pairs of rows: the chunk's V rows
@@ -387,22 +406,31 @@ void attend_bf16dot(const QIO& io, int64_t token, const uint16_t* kc, const uint
             }
         }
     }
-    for (int i = 0; i < nh; ++i) {  // undo the interleave: lane 4L + e of lo is 8L + e, of hi 8L + 4 + e
-        const int64_t oi = static_cast<int64_t>(h0 * G + i) * D;
-        const float inv = 1.f / l[i];
-        for (int j = 0; j < NB; ++j) {
-            const float* lo = acc + i * D + 32 * j;
-            const float* hi = lo + 16;
-            for (int L = 0; L < 4; ++L) {
-                for (int e = 0; e < 4; ++e) {
-                    io.put(token, oi + 32 * j + 8 * L + e, lo[4 * L + e] * inv);
-                    io.put(token, oi + 32 * j + 8 * L + 4 + e, hi[4 * L + e] * inv);
-                }
-            }
-        }
-    }
+    for (int i = 0; i < nh; ++i) put_interleaved(io, token, static_cast<int64_t>(h0 * G + i) * D, acc + i * D, D, l[i]);
 }
 #endif  // __AVX512BF16__
+
+// The tiles' online softmax, first half, for 16 row-heads: their scores (one vector of the
+// chunk's 16 keys per row-head, at `scores`) come back transposed in `st` (one vector per
+// key, a lane per row-head) and masked to the keys each row may see (key t exists, t < n,
+// and its position start + t is at most the row's, `rpos`); `m_new` is the running max
+// advanced over them (rows that see no key here keep theirs), `corr` the rescale of what
+// was accumulated under the old max (~0 on the first chunk).
+inline void tile_scores_by_key(const float* scores, const int32_t* rpos, const float* m, int start, int n, __m512* st,
+                               __mmask16* valid, __m512& m_new, __m512& corr) {
+    for (int r = 0; r < 16; ++r) st[r] = _mm512_load_ps(scores + r * 16);
+    modserve::transpose16x16(st);
+    const __m512i pos = _mm512_loadu_si512(rpos);
+    __m512 rowmax = _mm512_set1_ps(-INFINITY);
+    for (int t = 0; t < 16; ++t) {
+        valid[t] = t < n ? _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(start + t)) : 0;
+        st[t] = _mm512_mask_blend_ps(valid[t], _mm512_set1_ps(-INFINITY), st[t]);
+        rowmax = _mm512_max_ps(rowmax, st[t]);
+    }
+    const __m512 m_old = _mm512_load_ps(m);
+    m_new = _mm512_max_ps(m_old, rowmax);
+    corr = modserve::exp512_nonpositive(_mm512_sub_ps(m_old, m_new));
+}
 
 // Causal attention for a tile: up to kTileRows consecutive query rows of one sequence
 // (a prefill chunk, speculative verify rows) against KV head h. Each 16-key chunk of the
@@ -477,20 +505,9 @@ void attend_tile_avx512(const QIO& io, const int64_t* rows, int n_rows, int32_t 
         alignas(64) float vs16[16];
         _mm512_store_ps(vs16, vscale);
         for (int g0 = 0; g0 < R_pad; g0 += 16) {  // online softmax, 16 row-heads a vector
-            __m512 st[16];
-            for (int r = 0; r < 16; ++r) st[r] = _mm512_load_ps(sbuf + (g0 + r) * 16);
-            modserve::transpose16x16(st);  // st[t]: key start + t's scores for the 16 row-heads
-            const __m512i pos = _mm512_loadu_si512(rpos + g0);
+            __m512 st[16], m_new, corr;
             __mmask16 valid[16];
-            __m512 rowmax = _mm512_set1_ps(-INFINITY);
-            for (int t = 0; t < 16; ++t) {
-                valid[t] = t < n ? _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(start + t)) : 0;
-                st[t] = _mm512_mask_blend_ps(valid[t], _mm512_set1_ps(-INFINITY), st[t]);
-                rowmax = _mm512_max_ps(rowmax, st[t]);
-            }
-            const __m512 m_old = _mm512_load_ps(m + g0);
-            const __m512 m_new = _mm512_max_ps(m_old, rowmax);  // rows that see no key here keep their max
-            const __m512 corr = exp512_nonpositive(_mm512_sub_ps(m_old, m_new));  // ~0 on the first chunk
+            tile_scores_by_key(sbuf + g0 * 16, rpos + g0, m + g0, start, n, st, valid, m_new, corr);
             __m512 sum = _mm512_setzero_ps();
             float* pt = ptile + g0 * 16;
             for (int t = 0; t < 16; ++t) {
@@ -614,20 +631,9 @@ void attend_tile_bf16dot(const QIO& io, const int64_t* rows, int n_rows, int32_t
             for (int r = 0; r < kRowGroup; ++r) _mm512_store_ps(sbuf + (g0 + r) * 16, _mm512_mul_ps(s[r], vscale));
         }
         for (int g0 = 0; g0 < R_pad; g0 += 16) {  // online softmax, 16 row-heads a vector
-            __m512 st[16];
-            for (int r = 0; r < 16; ++r) st[r] = _mm512_load_ps(sbuf + (g0 + r) * 16);
-            modserve::transpose16x16(st);  // st[t]: key start + t's scores for the 16 row-heads
-            const __m512i pos = _mm512_loadu_si512(rpos + g0);
+            __m512 st[16], m_new, corr;
             __mmask16 valid[16];
-            __m512 rowmax = _mm512_set1_ps(-INFINITY);
-            for (int t = 0; t < 16; ++t) {
-                valid[t] = t < n ? _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(start + t)) : 0;
-                st[t] = _mm512_mask_blend_ps(valid[t], _mm512_set1_ps(-INFINITY), st[t]);
-                rowmax = _mm512_max_ps(rowmax, st[t]);
-            }
-            const __m512 m_old = _mm512_load_ps(m + g0);
-            const __m512 m_new = _mm512_max_ps(m_old, rowmax);
-            const __m512 corr = exp512_nonpositive(_mm512_sub_ps(m_old, m_new));
+            tile_scores_by_key(sbuf + g0 * 16, rpos + g0, m + g0, start, n, st, valid, m_new, corr);
             __m512 sum = _mm512_setzero_ps();
             __m512i half[16];  // each key's weights for the 16 row-heads as bf16, widened to 32 bits
             for (int t = 0; t < 16; ++t) {
@@ -658,19 +664,8 @@ void attend_tile_bf16dot(const QIO& io, const int64_t* rows, int n_rows, int32_t
             for (int j = 0; j < 2 * NB; ++j) _mm512_store_ps(acc + rh * D + 16 * j, a[j]);
         }
     }
-    for (int rh = 0; rh < R; ++rh) {  // undo the interleave: lane 4L + e of lo is 8L + e, of hi 8L + 4 + e
-        const int64_t oi = static_cast<int64_t>(h * G + rh % G) * D;
-        const float inv = 1.f / l[rh];
-        for (int j = 0; j < NB; ++j) {
-            const float* lo = acc + rh * D + 32 * j;
-            const float* hi = lo + 16;
-            for (int L = 0; L < 4; ++L) {
-                for (int e = 0; e < 4; ++e) {
-                    io.put(rows[rh / G], oi + 32 * j + 8 * L + e, lo[4 * L + e] * inv);
-                    io.put(rows[rh / G], oi + 32 * j + 8 * L + 4 + e, hi[4 * L + e] * inv);
-                }
-            }
-        }
+    for (int rh = 0; rh < R; ++rh) {
+        put_interleaved(io, rows[rh / G], static_cast<int64_t>(h * G + rh % G) * D, acc + rh * D, D, l[rh]);
     }
 }
 #endif  // __AVX512BF16__
