@@ -13,8 +13,8 @@
 // bf16(that * u); rope: bf16(bf16(a * cos) + bf16(rot * sin)); residual: bf16(r + x).
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 
+#include "bf16.h"
 #include "fast_exp.h"
 
 namespace {
@@ -23,12 +23,7 @@ using modserve::exp_nonpositive;
 using bf16 = uint16_t;
 
 inline float widen(float x) { return x; }
-inline float widen(bf16 x) {
-    const uint32_t bits = static_cast<uint32_t>(x) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof f);
-    return f;
-}
+inline float widen(bf16 x) { return modserve::bf16_to_float(x); }
 
 // Round to the element type: nearest-even for bfloat16 (as torch's float -> bfloat16 cast).
 template <typename T>
@@ -36,12 +31,7 @@ inline T narrow(float x);
 template <>
 inline float narrow<float>(float x) { return x; }
 template <>
-inline bf16 narrow<bf16>(float x) {
-    uint32_t bits;
-    std::memcpy(&bits, &x, sizeof bits);
-    bits += 0x7FFFu + ((bits >> 16) & 1u);
-    return static_cast<bf16>(bits >> 16);
-}
+inline bf16 narrow<bf16>(float x) { return modserve::float_to_bf16(x); }
 
 // The value as its element type would hold it: identity for float32.
 template <typename T>

@@ -10,6 +10,8 @@
 // cache block at a time: scores for the block, a new running max, rescale, accumulate.
 // The token at position p attends to cache positions 0..p of its own sequence, so decode
 // rows, speculative verify rows and chunks with cached context all use the same loop.
+// Those are the portable loops; with AVX-512 (head_dim 64 or 128) decode rows and tiles of
+// consecutive rows take the paths further down (docs/cpu_attention.md).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -18,6 +20,7 @@
 #include <vector>
 
 #include "avx512.h"
+#include "bf16.h"
 #include "fast_exp.h"
 
 namespace {
@@ -31,19 +34,8 @@ constexpr int kTileRows = 16;  // consecutive query rows of a sequence handled t
 constexpr int kRowGroup = 8;  // row-heads whose scores are computed together, sharing each K load
 
 inline float load(const float* p, int i) { return p[i]; }
-inline float load(const uint16_t* p, int i) {  // bfloat16: the high half of a float32
-    uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof f);
-    return f;
-}
+inline float load(const uint16_t* p, int i) { return modserve::bf16_to_float(p[i]); }
 inline float load(const int8_t* p, int i) { return static_cast<float>(p[i]); }
-
-inline uint16_t to_bf16(float x) {  // round to nearest even, as torch's float -> bfloat16 cast
-    uint32_t bits;
-    std::memcpy(&bits, &x, sizeof bits);
-    return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
 
 // Where a step's query rows come from and its outputs go: [tokens, H, D] in the model's
 // dtype (float32 or bfloat16), any stride between tokens (q is a view into the qkv rows).
@@ -59,7 +51,7 @@ struct QIO {
     }
     void put(int64_t token, int64_t i, float v) const {
         if (bf16) {
-            static_cast<uint16_t*>(out)[token * out_stride + i] = to_bf16(v);
+            static_cast<uint16_t*>(out)[token * out_stride + i] = modserve::float_to_bf16(v);
         } else {
             static_cast<float*>(out)[token * out_stride + i] = v;
         }
