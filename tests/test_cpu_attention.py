@@ -137,6 +137,40 @@ def test_greedy_output_matches_hf(tiny_models, arch, max_query_len):
         assert o.outputs[0].token_ids == hf_greedy(hf, p, 24), f"prompt of {len(p)} tokens diverged"
 
 
+def test_kernel_refuses_what_it_cannot_read():
+    """Each wrong input is a ValueError naming it, before any memory is touched."""
+    H, KVH, D = 4, 2, 64
+    cache = torch.zeros(4, 16, KVH, D)
+    tables = torch.tensor([[0, 1]], dtype=torch.int32)
+    rows, seq, pos = torch.tensor([0]), torch.tensor([0], dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+    q = torch.randn(1, H, D)
+    k, v, slots = torch.randn(1, KVH, D), torch.randn(1, KVH, D), torch.tensor([3])
+
+    v_cache = torch.zeros_like(cache)
+
+    def call(q=q, out=None, cache=cache, new_kv=None):
+        out = torch.empty_like(q) if out is None else out
+        vc = v_cache if cache.dtype == v_cache.dtype else cache
+        cpu_kernel_build.paged_attention(q, out, cache, vc, None, None, tables, rows, seq, pos, 0.125, new_kv=new_kv)
+
+    with pytest.raises(ValueError, match="q and out must both be float32 or bfloat16, got torch.float32, torch.bfloat16"):
+        call(out=torch.empty(1, H, D, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="q and out must both be float32 or bfloat16, got torch.float16"):
+        call(q=q.half(), out=torch.empty(1, H, D, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"q needs contiguous heads, got strides \(256, 1, 4\)"):
+        call(q=torch.randn(1, D, H).transpose(1, 2))  # heads interleaved within a token
+    with pytest.raises(ValueError, match="new k rows must be torch.float32 with contiguous heads"):
+        call(new_kv=(k.bfloat16(), v, slots))
+    with pytest.raises(ValueError, match="new_kv slots must be contiguous int64, one per new row"):
+        call(new_kv=(k, v, slots.int()))
+    with pytest.raises(ValueError, match="new_kv slots must be contiguous int64, one per new row"):
+        call(new_kv=(k, v, torch.tensor([3, 4])))
+    with pytest.raises(ValueError, match="new_kv needs a float32 or bfloat16 cache; quantize int8 rows first"):
+        call(cache=torch.zeros(4, 16, KVH, D, dtype=torch.int8), new_kv=(k, v, slots))
+    call(new_kv=(k, v, slots))  # and the same call, well formed, goes through
+    assert torch.equal(cache.view(-1, KVH, D)[3], k[0]) and torch.equal(v_cache.view(-1, KVH, D)[3], v[0])
+
+
 @pytest.fixture(scope="module")
 def llama_head_dim_64(tmp_path_factory):
     """A tiny Llama with head_dim 64 (hidden 128, 2 heads, 1 KV head): the AVX-512 paths' size."""

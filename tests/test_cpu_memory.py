@@ -12,6 +12,8 @@ import pytest
 
 from modserve import LLM
 from modserve.core import engine_factory
+from modserve.core.config import ConfigError
+from modserve.core.engine_factory import resolve
 
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the thresholds are glibc's")
 
@@ -52,3 +54,8 @@ def test_the_setting_decides_whether_the_thresholds_are_applied(tiny_llama, monk
     monkeypatch.setattr(engine_factory, "keep_freed_memory", lambda: calls.append(1))
     LLM(model={"path": tiny_llama[0], "reuse_cpu_memory": setting}, kv_cache={"plugin": "paged", "num_blocks": 64})
     assert len(calls) == applied
+
+
+def test_a_non_boolean_setting_names_its_field(tiny_llama):
+    with pytest.raises(ConfigError, match=r"model\.reuse_cpu_memory: expected bool, got 'yes'"):
+        resolve({"model": {"path": tiny_llama[0], "reuse_cpu_memory": "yes"}})

@@ -83,10 +83,14 @@ def paged_attention(
     k_new = v_new = slots = None
     k_stride = v_stride = n_new = 0
     if new_kv is not None:
+        if k_cache.dtype == torch.int8:
+            raise ValueError("cpu paged attention: new_kv needs a float32 or bfloat16 cache; quantize int8 rows first")
         k_new, v_new, slots = new_kv
         for name, t in (("k", k_new), ("v", v_new)):
             if t.dtype != k_cache.dtype or t.stride(2) != 1 or t.stride(1) != D:
                 raise ValueError(f"cpu paged attention: new {name} rows must be {k_cache.dtype} with contiguous heads")
+        if slots.dtype != torch.int64 or not slots.is_contiguous() or slots.numel() != k_new.shape[0]:
+            raise ValueError("cpu paged attention: new_kv slots must be contiguous int64, one per new row")
         k_stride, v_stride, n_new = k_new.stride(0), v_new.stride(0), slots.numel()
     code = (lib or load()).modserve_paged_attention(
         DTYPE_CODES[k_cache.dtype], int(q.dtype == torch.bfloat16),
