@@ -34,10 +34,18 @@ def reference(q, k_rows, v_rows, pos, scale):
 BUILDS = {"native": (), "portable": ("-mno-avx512f",)}
 
 
-# Query rows per sequence (lengths 1, 17, 40, 100): "verify" takes each one's last 3 positions
-# (tiles of 3 rows); "prefill" takes all of the first three and positions 37..99 of the last,
-# a chunk after cached context (tiles of 16 rows crossing 16-key chunks and blocks).
-QUERIES = {"verify": lambda n, i: range(max(0, n - 3), n), "prefill": lambda n, i: range(37 if i == 3 else 0, n)}
+# Query rows per sequence (lengths 1, 17, 40, 100, 600): "verify" takes each one's last 3
+# positions (tiles of 3 rows); "prefill" takes all of the first three and positions 37..99
+# of the fourth, a chunk after cached context (tiles of 16 rows crossing 16-key chunks and
+# blocks); "decode" the last position of each (single rows, each item all KV heads; the
+# 600-token one crosses the bf16 path's 256-key segments); "decode_one" only the 600-token
+# one's (a lone row: one item per KV head).
+QUERIES = {
+    "verify": lambda n, i: range(max(0, n - 3), n) if n < 600 else [],
+    "prefill": lambda n, i: range(37 if i == 3 else 0, n) if n < 600 else [],
+    "decode": lambda n, i: [n - 1],
+    "decode_one": lambda n, i: [n - 1] if n == 600 else [],
+}
 
 
 @pytest.mark.parametrize("queries", list(QUERIES))
@@ -62,8 +70,9 @@ def test_kernel_matches_sdpa_over_scattered_blocks(heads, kv_heads, head_dim, bl
     rows start zeroed in the cache and arrive through ``new_kv``, as the backend passes them:
     the kernel must write them (and the tests' reference reads them) before attending."""
     g = torch.Generator().manual_seed(0)
-    num_blocks, seqs = 64, [1, 17, 40, 100]  # lengths inside one block, across blocks, exactly ragged
+    seqs = [1, 17, 40, 100, 600]  # lengths inside one block, across blocks, exactly ragged, across segments
     width = -(-max(seqs) // block_size)
+    num_blocks = len(seqs) * width + 16
     k_all = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
     v_all = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
     if dtype == torch.int8:

@@ -20,6 +20,11 @@ inline __m512 load16(const int8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
+// Asks for the cache line at p ahead of its use. Inline asm, not _mm_prefetch: GCC 12
+// dropped every _mm_prefetch from the attention kernel's loops without a word (so an
+// earlier trial of software prefetch there measured nothing).
+inline void prefetch_line(const void* p) { asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p))); }
+
 // exp(x) for x <= 0, lane-wise: the same reduction and polynomial as exp_nonpositive in
 // fast_exp.h (relative error ~2e-7), with 2^n applied by scalef.
 inline __m512 exp512_nonpositive(__m512 x) {

@@ -185,8 +185,8 @@ void attend(const QIO& io, int64_t token, const T* kc, const T* vc, const float*
 // vectors and one transpose-sum (no horizontal sum per score), a vector exp, and P.V with
 // its accumulators in registers. At SmolLM2's decode shape (64 rows x ~300 tokens, bf16,
 // 30 layers' caches) it takes 25-27 ms a step where the portable loops take 39-42.
-// (Tried and dropped: software prefetch of the next chunks, within the noise at best.
-// attend_bf16dot below serves a bfloat16 model's rows over a bfloat16 cache.)
+// (Tried and dropped: prefetching the next chunk, 0.1% here. attend_bf16dot below
+// serves a bfloat16 model's rows over a bfloat16 cache.)
 template <typename T, int D>
 void attend_avx512(const QIO& io, int64_t token, const T* kc, const T* vc, const float* ks, const float* vs,
                    const int32_t* table, int32_t pos, int KVH, int G, int bs, float scale, int h0, int h1) {
@@ -307,31 +307,40 @@ inline void put_interleaved(const QIO& io, int64_t token, int64_t first, const f
     }
 }
 
-// attend_avx512 for a bfloat16 model (q, out and cache in bfloat16):
-// q.k straight from the cache rows with vdpbf16ps (bf16 products summed in float32: exact
-// for such q; the scale goes on the scores), and P.V over pairs of rows: the chunk's V rows
-// are interleaved pairwise once and each query head's weights rounded to bfloat16, as
-// torch's flash SDPA feeds its second GEMM. No widening of K or V, about half the
-// instructions of attend_avx512. The accumulators hold each 32-element half of a row as
-// two vectors of interleaved 4-element groups (unpacklo/unpackhi order), put back in
-// order at the end.
+// attend_avx512 for a bfloat16 model (q, out and cache in bfloat16), in segments of up to
+// kSegment positions, each in three sweeps: (1) the segment's scores, q.k straight from the
+// cache rows with vdpbf16ps (bf16 products summed in float32: exact for such q; the scale
+// goes on the scores); (2) the segment's max, weights and sum, vectorized over the
+// segment, weights rounded to bfloat16 as torch's flash SDPA feeds its second GEMM (the
+// sum adds the rounded ones); (3) P.V over pairs of rows, each chunk's V rows interleaved
+// pairwise once for the head's G query heads. The online softmax rescales once a segment,
+// not once per 16 keys: with no serial chain through the running max in the per-key work,
+// the loop runs near the memory's rate (a 16-key online softmax ran at half of it). The
+// accumulators hold each 32-element half of a row as two vectors of interleaved
+// 4-element groups (unpacklo/unpackhi order), put back in order at the end. Block sizes
+// of 2 and up (a pair of keys never crosses a block).
+constexpr int kSegment = 256;
+
 template <int D>
 void attend_bf16dot(const QIO& io, int64_t token, const uint16_t* kc, const uint16_t* vc, const int32_t* table,
                     int32_t pos, int KVH, int G, int bs, float scale, int h0, int h1) {
     constexpr int NB = D / 32;  // 32-element bfloat16 vectors per row
+    constexpr int kRow = kSegment + 16;  // a head's scores / weights, padded for a chunk's full-vector store
     const int heads = h1 - h0;
     const int nh = heads * G;
     const int64_t row_stride = static_cast<int64_t>(KVH) * D;
     const int64_t block_stride = static_cast<int64_t>(bs) * row_stride;
     static thread_local std::vector<float> work;
     static thread_local std::vector<uint16_t> bwork;
-    work.resize(static_cast<size_t>(nh) * (D + 2));
-    bwork.resize(static_cast<size_t>(nh) * D + static_cast<size_t>(heads) * 8 * NB * 64);
+    work.resize(static_cast<size_t>(nh) * (D + 2 + kRow));
+    bwork.resize(static_cast<size_t>(nh) * (D + kRow) + 8 * NB * 64);
     float* acc = work.data();  // [nh][D], permuted within each 32-element half
     float* m = acc + nh * D;
     float* l = m + nh;
+    float* s = l + nh;  // [nh][kRow] the segment's scores
     uint16_t* qb = bwork.data();  // [nh][D] this token's q
-    uint16_t* vi = qb + nh * D;  // [heads][8 pairs][NB][lo 32 | hi 32]: V rows interleaved pairwise
+    uint16_t* p = qb + nh * D;  // [nh][kRow] the segment's weights
+    uint16_t* vi = p + nh * kRow;  // [8 pairs][NB][lo 32 | hi 32]: a chunk's V rows of one head, interleaved pairwise
     const uint16_t* qrow = static_cast<const uint16_t*>(io.q) + token * io.q_stride;
     for (int i = 0; i < nh; ++i) {
         for (int d = 0; d < D; ++d) qb[i * D + d] = qrow[static_cast<int64_t>(h0 * G + i) * D + d];
@@ -342,59 +351,100 @@ void attend_bf16dot(const QIO& io, int64_t token, const uint16_t* kc, const uint
     const __m512 vscale = _mm512_set1_ps(scale);
     const int n_tokens = pos + 1;
     const int chunk = bs < 16 ? bs : 16;
-    for (int start = 0; start < n_tokens; start += chunk) {
-        const int n = n_tokens - start < chunk ? n_tokens - start : chunk;
-        const int pairs = (n + 1) / 2;
-        const int64_t base = table[start / bs] * block_stride + static_cast<int64_t>(start % bs) * row_stride;
-        const uint16_t* kb = kc + base;
-        const uint16_t* vb = vc + base;
-        const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
-        for (int hh = 0; hh < heads; ++hh) {
-            for (int u = 0; u < pairs; ++u) {
-                for (int j = 0; j < NB; ++j) {
-                    const int64_t col = static_cast<int64_t>(h0 + hh) * D + 32 * j;
-                    const __m512i a = _mm512_loadu_si512(vb + 2 * u * row_stride + col);
-                    const __m512i b = 2 * u + 1 < n ? _mm512_loadu_si512(vb + (2 * u + 1) * row_stride + col)
-                                                    : _mm512_setzero_si512();
-                    uint16_t* dst = vi + ((static_cast<int64_t>(hh) * 8 + u) * NB + j) * 64;
-                    _mm512_storeu_si512(dst, _mm512_unpacklo_epi16(a, b));
-                    _mm512_storeu_si512(dst + 32, _mm512_unpackhi_epi16(a, b));
-                }
-            }
+    const auto rows_at = [&](const uint16_t* cache, int start) {
+        return cache + table[start / bs] * block_stride + static_cast<int64_t>(start % bs) * row_stride;
+    };
+    // The cache lines of the chunk at `start` (its rows' item heads), part `part` of `parts`:
+    // each step of a sweep fetches a share of the chunk read next, so the lines arrive
+    // while this chunk computes (the hardware prefetchers stop at each scattered block).
+    const int lines_per_row = heads * D * 2 / 64;
+    const auto prefetch_part = [&](const uint16_t* cache, int start, int part, int parts) {
+        if (start >= n_tokens) return;
+        const int lines = std::min(chunk, n_tokens - start) * lines_per_row;
+        const char* r = reinterpret_cast<const char*>(rows_at(cache, start) + static_cast<int64_t>(h0) * D);
+        for (int x = part * lines / parts; x < (part + 1) * lines / parts; ++x) {
+            modserve::prefetch_line(r + (x / lines_per_row) * row_stride * 2 + (x % lines_per_row) * 64);
         }
-        for (int h = h0; h < h1; ++h) {
-            const uint16_t* vh = vi + static_cast<int64_t>(h - h0) * 8 * NB * 64;
-            for (int g = 0; g < G; ++g) {
-                const int i = (h - h0) * G + g;
+    };
+    for (int seg = 0; seg < n_tokens; seg += kSegment) {
+        const int seg_n = std::min(kSegment, n_tokens - seg);
+        for (int c = 0; c < seg_n; c += chunk) {  // (1) scores
+            const int n = std::min(chunk, seg_n - c);
+            const uint16_t* kb = rows_at(kc, seg + c);
+            // read next: this segment's next K chunk, after the last its first V chunk
+            const bool more = c + chunk < seg_n;
+            for (int i = 0; i < nh; ++i) {
+                prefetch_part(more ? kc : vc, more ? seg + c + chunk : seg, i, nh);
+                const uint16_t* kh = kb + static_cast<int64_t>(h0 + i / G) * D;
                 __m512bh qv[NB];
                 for (int j = 0; j < NB; ++j) qv[j] = (__m512bh)_mm512_loadu_si512(qb + i * D + 32 * j);
                 __m512 part[16];
                 for (int t = n; t < 16; ++t) part[t] = _mm512_setzero_ps();
                 for (int t = 0; t < n; ++t) {
-                    __m512 s = _mm512_setzero_ps();
+                    __m512 dot = _mm512_setzero_ps();
                     for (int j = 0; j < NB; ++j) {
-                        s = _mm512_dpbf16_ps(s, qv[j], (__m512bh)_mm512_loadu_si512(kb + t * row_stride + h * D + 32 * j));
+                        dot = _mm512_dpbf16_ps(dot, qv[j], (__m512bh)_mm512_loadu_si512(kh + t * row_stride + 32 * j));
                     }
-                    part[t] = s;
+                    part[t] = dot;
                 }
-                __m512 scores = _mm512_mul_ps(modserve::transpose_sum16(part), vscale);
-                scores = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), scores);
-                const float bmax = std::fmax(m[i], _mm512_reduce_max_ps(scores));
-                const float correction = exp_nonpositive(m[i] - bmax);
-                const __m512 p = _mm512_maskz_mov_ps(valid, modserve::exp512_nonpositive(_mm512_sub_ps(scores, _mm512_set1_ps(bmax))));
-                const __m256bh pb = _mm512_cvtneps_pbh(p);  // the weights P.V uses; l sums the same
-                l[i] = l[i] * correction + _mm512_reduce_add_ps(_mm512_cvtpbh_ps(pb));
-                m[i] = bmax;
-                const __m512i pairs_p = _mm512_castsi256_si512((__m256i)pb);
-                __m512 a[2 * NB];
-                const __m512 corr = _mm512_set1_ps(correction);
-                for (int j = 0; j < 2 * NB; ++j) a[j] = _mm512_mul_ps(_mm512_loadu_ps(acc + i * D + 16 * j), corr);
+                _mm512_storeu_ps(s + i * kRow + c, _mm512_mul_ps(modserve::transpose_sum16(part), vscale));
+            }
+        }
+        for (int i = 0; i < nh; ++i) {  // (2) max, weights, sum
+            float* si = s + i * kRow;
+            __m512 vmax = _mm512_set1_ps(-INFINITY);
+            for (int k = 0; k < seg_n; k += 16) {
+                const __mmask16 valid = static_cast<__mmask16>(seg_n - k >= 16 ? 0xFFFFu : (1u << (seg_n - k)) - 1u);
+                vmax = _mm512_mask_max_ps(vmax, valid, vmax, _mm512_loadu_ps(si + k));
+            }
+            const float mx = std::fmax(m[i], _mm512_reduce_max_ps(vmax));
+            const float correction = exp_nonpositive(m[i] - mx);  // ~0 on the first segment (m = -inf)
+            const __m512 vmx = _mm512_set1_ps(mx);
+            __m512 sum = _mm512_setzero_ps();
+            for (int k = 0; k < seg_n; k += 16) {
+                const __mmask16 valid = static_cast<__mmask16>(seg_n - k >= 16 ? 0xFFFFu : (1u << (seg_n - k)) - 1u);
+                const __m512 w = _mm512_maskz_mov_ps(valid, modserve::exp512_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(si + k), vmx)));
+                const __m256bh wb = _mm512_cvtneps_pbh(w);  // the weights P.V uses; l sums the same
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + i * kRow + k), (__m256i)wb);
+                sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(wb));
+            }
+            l[i] = l[i] * correction + _mm512_reduce_add_ps(sum);
+            m[i] = mx;
+            const __m512 corr = _mm512_set1_ps(correction);
+            for (int j = 0; j < 2 * NB; ++j) _mm512_storeu_ps(acc + i * D + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(acc + i * D + 16 * j), corr));
+        }
+        for (int c = 0; c < seg_n; c += chunk) {  // (3) P.V
+            const int n = std::min(chunk, seg_n - c);
+            const int pairs = (n + 1) / 2;
+            const uint16_t* vb = rows_at(vc, seg + c);
+            // read next: this segment's next V chunk, after the last the next segment's first K chunk
+            const bool more = c + chunk < seg_n;
+            for (int hh = 0; hh < heads; ++hh) {
+                const int64_t col = static_cast<int64_t>(h0 + hh) * D;
                 for (int u = 0; u < pairs; ++u) {
-                    const __m512bh w = (__m512bh)_mm512_permutexvar_epi32(_mm512_set1_epi32(u), pairs_p);
-                    const uint16_t* vu = vh + static_cast<int64_t>(u) * NB * 64;
-                    for (int j = 0; j < 2 * NB; ++j) a[j] = _mm512_dpbf16_ps(a[j], w, (__m512bh)_mm512_loadu_si512(vu + 32 * j));
+                    for (int j = 0; j < NB; ++j) {
+                        const __m512i a = _mm512_loadu_si512(vb + 2 * u * row_stride + col + 32 * j);
+                        const __m512i b = 2 * u + 1 < n ? _mm512_loadu_si512(vb + (2 * u + 1) * row_stride + col + 32 * j)
+                                                        : _mm512_setzero_si512();
+                        uint16_t* dst = vi + (u * NB + j) * 64;
+                        _mm512_storeu_si512(dst, _mm512_unpacklo_epi16(a, b));
+                        _mm512_storeu_si512(dst + 32, _mm512_unpackhi_epi16(a, b));
+                    }
                 }
-                for (int j = 0; j < 2 * NB; ++j) _mm512_storeu_ps(acc + i * D + 16 * j, a[j]);
+                for (int g = 0; g < G; ++g) {
+                    const int i = hh * G + g;
+                    prefetch_part(more ? vc : kc, more ? seg + c + chunk : seg + kSegment, i, nh);
+                    int32_t w2[8];  // the chunk's weights, a pair of keys per element
+                    std::memcpy(w2, p + i * kRow + c, sizeof w2);
+                    __m512 a[2 * NB];
+                    for (int j = 0; j < 2 * NB; ++j) a[j] = _mm512_loadu_ps(acc + i * D + 16 * j);
+                    for (int u = 0; u < pairs; ++u) {
+                        const __m512bh w = (__m512bh)_mm512_set1_epi32(w2[u]);
+                        const uint16_t* vu = vi + u * NB * 64;
+                        for (int j = 0; j < 2 * NB; ++j) a[j] = _mm512_dpbf16_ps(a[j], w, (__m512bh)_mm512_loadu_si512(vu + 32 * j));
+                    }
+                    for (int j = 0; j < 2 * NB; ++j) _mm512_storeu_ps(acc + i * D + 16 * j, a[j]);
+                }
             }
         }
     }
@@ -723,7 +773,7 @@ void run(const QIO& io, const void* k_cache, const void* v_cache, const float* k
             } else {
 #if defined(__AVX512BF16__)
                 if constexpr (std::is_same_v<T, uint16_t>) {
-                    if (io.bf16) {
+                    if (io.bf16 && bs >= 2) {
                         attend_bf16dot<FixedD>(io, rows[i], kc, vc, table, row_pos[i], KVH, H / KVH, bs, scale, it.h0,
                                                it.h1);
                         continue;
