@@ -354,16 +354,30 @@ void attend_bf16dot(const QIO& io, int64_t token, const uint16_t* kc, const uint
     const auto rows_at = [&](const uint16_t* cache, int start) {
         return cache + table[start / bs] * block_stride + static_cast<int64_t>(start % bs) * row_stride;
     };
-    // The cache lines of the chunk at `start` (its rows' item heads), part `part` of `parts`:
-    // each step of a sweep fetches a share of the chunk read next, so the lines arrive
-    // while this chunk computes (the hardware prefetchers stop at each scattered block).
+    // The chunk read next (its rows' lines for the item's heads) is fetched in nh shares of
+    // whole rows, one share per step of the current sweep, so the lines arrive while this
+    // chunk computes (the hardware prefetchers stop at each scattered block). Shares of a
+    // full chunk are worked out once: integer divisions per line cost more than the lines.
+    struct Ahead {
+        const char* base;
+        int rows;
+    };
     const int lines_per_row = heads * D * 2 / 64;
-    const auto prefetch_part = [&](const uint16_t* cache, int start, int part, int parts) {
-        if (start >= n_tokens) return;
-        const int lines = std::min(chunk, n_tokens - start) * lines_per_row;
-        const char* r = reinterpret_cast<const char*>(rows_at(cache, start) + static_cast<int64_t>(h0) * D);
-        for (int x = part * lines / parts; x < (part + 1) * lines / parts; ++x) {
-            modserve::prefetch_line(r + (x / lines_per_row) * row_stride * 2 + (x % lines_per_row) * 64);
+    static thread_local std::vector<int> full_share;
+    full_share.resize(nh + 1);
+    for (int i = 0; i <= nh; ++i) full_share[i] = i * chunk / nh;
+    const auto ahead = [&](const uint16_t* cache, int start) -> Ahead {
+        if (start >= n_tokens) return {nullptr, 0};
+        return {reinterpret_cast<const char*>(rows_at(cache, start) + static_cast<int64_t>(h0) * D),
+                std::min(chunk, n_tokens - start)};
+    };
+    const auto fetch_share = [&](const Ahead& a, int part) {
+        const bool full = a.rows == chunk;
+        const int lo = full ? full_share[part] : part * a.rows / nh;
+        const int hi = full ? full_share[part + 1] : (part + 1) * a.rows / nh;
+        for (int t = lo; t < hi; ++t) {
+            const char* row = a.base + t * row_stride * 2;
+            for (int x = 0; x < lines_per_row; ++x) modserve::prefetch_line(row + 64 * x);
         }
     };
     for (int seg = 0; seg < n_tokens; seg += kSegment) {
@@ -372,9 +386,9 @@ void attend_bf16dot(const QIO& io, int64_t token, const uint16_t* kc, const uint
             const int n = std::min(chunk, seg_n - c);
             const uint16_t* kb = rows_at(kc, seg + c);
             // read next: this segment's next K chunk, after the last its first V chunk
-            const bool more = c + chunk < seg_n;
+            const Ahead next = c + chunk < seg_n ? ahead(kc, seg + c + chunk) : ahead(vc, seg);
             for (int i = 0; i < nh; ++i) {
-                prefetch_part(more ? kc : vc, more ? seg + c + chunk : seg, i, nh);
+                fetch_share(next, i);
                 const uint16_t* kh = kb + static_cast<int64_t>(h0 + i / G) * D;
                 __m512bh qv[NB];
                 for (int j = 0; j < NB; ++j) qv[j] = (__m512bh)_mm512_loadu_si512(qb + i * D + 32 * j);
@@ -418,7 +432,7 @@ void attend_bf16dot(const QIO& io, int64_t token, const uint16_t* kc, const uint
             const int pairs = (n + 1) / 2;
             const uint16_t* vb = rows_at(vc, seg + c);
             // read next: this segment's next V chunk, after the last the next segment's first K chunk
-            const bool more = c + chunk < seg_n;
+            const Ahead next = c + chunk < seg_n ? ahead(vc, seg + c + chunk) : ahead(kc, seg + kSegment);
             for (int hh = 0; hh < heads; ++hh) {
                 const int64_t col = static_cast<int64_t>(h0 + hh) * D;
                 for (int u = 0; u < pairs; ++u) {
@@ -433,7 +447,7 @@ void attend_bf16dot(const QIO& io, int64_t token, const uint16_t* kc, const uint
                 }
                 for (int g = 0; g < G; ++g) {
                     const int i = hh * G + g;
-                    prefetch_part(more ? vc : kc, more ? seg + c + chunk : seg + kSegment, i, nh);
+                    fetch_share(next, i);
                     int32_t w2[8];  // the chunk's weights, a pair of keys per element
                     std::memcpy(w2, p + i * kRow + c, sizeof w2);
                     __m512 a[2 * NB];
