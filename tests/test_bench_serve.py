@@ -23,7 +23,7 @@ from modserve.core.bench.metrics import (
     percentile_key,
     tpot_of,
 )
-from modserve.core.bench.serve import Client, arrival_offsets, join_url, main, plan_runs
+from modserve.core.bench.serve import Client, arrival_offsets, join_url, main, plan_runs, request_plan
 
 # --------------------------------------------------------------------- metrics
 
@@ -138,6 +138,13 @@ def test_sweep_plan():
 
 
 # --------------------------------------------------------------------- datasets
+
+
+def test_request_plan_gives_each_run_its_own_random_requests():
+    assert request_plan([16, 64], 2, True) == (82, slice(80, None), [slice(0, 16), slice(16, 80)])
+    assert request_plan([16, 64], 0, True) == (80, slice(80, None), [slice(0, 16), slice(16, 80)])
+    # datasets whose prompts repeat by design (shared prefixes, a file): every run from the start
+    assert request_plan([16, 64], 2, False) == (64, slice(0, None), [slice(0, 16), slice(0, 64)])
 
 
 def test_random_dataset():
@@ -312,12 +319,15 @@ def test_end_to_end_chat_sweep_and_plots(live, tmp_path):
     pytest.importorskip("matplotlib")
     out, plots = tmp_path / "sweep.json", tmp_path / "plots"
     rc = main(["--base-url", live.url + "/v1", "--endpoint", "/v1/chat/completions", "--num-prompts", "4",
-               "--random-input-len", "16", "--random-output-len", "8", "--random-token-range", "3:300",
-               "--max-concurrency", "1,4", "--output", str(out), "--plot", str(plots), "--no-progress"])
+               "--random-input-len", "16", "--random-output-len", "8", "--random-range-ratio", "0.5",
+               "--random-token-range", "3:300", "--max-concurrency", "1,4", "--output", str(out), "--plot",
+               str(plots), "--no-progress"])
     assert rc == 0
     runs = json.loads(out.read_text())
     assert [r["max_concurrency"] for r in runs] == [1, 4]
-    assert all(r["completed"] == 4 and r["output_lens"] == [8] * 4 for r in runs)
+    assert all(r["completed"] == 4 and r["output_lens"] == r["requested_output_lens"] for r in runs)
+    # each run sends prompts of its own (a prefix cache must not serve the second run the first's)
+    assert runs[0]["requested_output_lens"] != runs[1]["requested_output_lens"]
     assert sorted(p.name for p in plots.iterdir()) == [
         "itl_distribution.png", "latency_tail.png", "throughput.png", "ttft_distribution.png"]
 

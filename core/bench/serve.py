@@ -487,7 +487,7 @@ async def _run(args) -> int:
             model, max_model_len = args.model, None
         else:
             model, max_model_len = await client.first_model()
-        num = max(p["num_prompts"] for p in points)
+        num, warm, slices = request_plan([p["num_prompts"] for p in points], args.num_warmups, name == "random")
         reqs = await build_requests(args, client, num, tokenizer, name)
         if max_model_len:
             too_long = sum(1 for r in reqs if r.prompt_len and r.prompt_len + r.output_len > max_model_len)
@@ -498,13 +498,14 @@ async def _run(args) -> int:
         label = args.label or model
         print(f"modserve bench serve: {label} at {client.url}, dataset {name}, "
               f"{len(points)} run(s)", file=sys.stderr)
-        await _warm_up(client, bodies, reqs, args.num_warmups)
+        await _warm_up(client, bodies[warm], reqs[warm], args.num_warmups)
         runs = []
-        for point in points:
-            n = point["num_prompts"] = min(point["num_prompts"], len(reqs))  # prefix_repetition rounds down
+        for point, run in zip(points, slices):
+            run = slice(run.start, min(run.stop, len(reqs)))  # prefix_repetition rounds down
+            n = point["num_prompts"] = run.stop - run.start
             tag = f"c={point['max_concurrency'] or '-'} rate={point['request_rate']:g}"
             progress = Progress(n, tag, not args.no_progress)
-            results, duration = await benchmark(client, bodies[:n], reqs[:n], point, args.burstiness, args.seed,
+            results, duration = await benchmark(client, bodies[run], reqs[run], point, args.burstiness, args.seed,
                                                 progress)
             m = compute_metrics(results, duration, percentiles, goodput)
             m = {**_run_info(args, point, model, label, name, ignore_eos, client, percentiles), **m}
@@ -529,6 +530,21 @@ async def _run(args) -> int:
         print("modserve bench serve: a run had no successful request", file=sys.stderr)
         return 1
     return 0
+
+
+def request_plan(nums: list[int], warmups: int, distinct: bool) -> tuple[int, slice, list[slice]]:
+    """How many requests to draw, which serve the warm-up, and which each run of a sweep sends.
+
+    ``distinct`` (the random dataset): every run and the warm-up get requests of their own,
+    so a server's prefix cache cannot answer one run's prompts from an earlier run's (with
+    shared prompts, the second level of a 16,64 sweep found its first 64 prompts cached and
+    its throughput and TTFT flattered). Otherwise (prefix_repetition shares its prefixes by
+    design; file datasets repeat their prompts anyway) each run takes the first n."""
+    if not distinct:
+        return max(nums), slice(0, None), [slice(0, n) for n in nums]
+    starts = [sum(nums[:i]) for i in range(len(nums))]
+    total = sum(nums)
+    return total + warmups, slice(total, None), [slice(a, a + n) for a, n in zip(starts, nums)]
 
 
 async def _warm_up(client: Client, bodies: list[dict], reqs: list[ds.SampleRequest], n: int) -> None:
