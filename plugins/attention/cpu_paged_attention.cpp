@@ -404,20 +404,21 @@ void attend_bf16dot(const QIO& io, int64_t token, const uint16_t* kc, const uint
                 _mm512_storeu_ps(s + i * kRow + c, _mm512_mul_ps(modserve::transpose_sum16(part), vscale));
             }
         }
+        const auto lanes_from = [&](int k) {  // the segment's positions among lanes k .. k + 15
+            return static_cast<__mmask16>(seg_n - k >= 16 ? 0xFFFFu : (1u << (seg_n - k)) - 1u);
+        };
         for (int i = 0; i < nh; ++i) {  // (2) max, weights, sum
             float* si = s + i * kRow;
             __m512 vmax = _mm512_set1_ps(-INFINITY);
             for (int k = 0; k < seg_n; k += 16) {
-                const __mmask16 valid = static_cast<__mmask16>(seg_n - k >= 16 ? 0xFFFFu : (1u << (seg_n - k)) - 1u);
-                vmax = _mm512_mask_max_ps(vmax, valid, vmax, _mm512_loadu_ps(si + k));
+                vmax = _mm512_mask_max_ps(vmax, lanes_from(k), vmax, _mm512_loadu_ps(si + k));
             }
             const float mx = std::fmax(m[i], _mm512_reduce_max_ps(vmax));
             const float correction = exp_nonpositive(m[i] - mx);  // ~0 on the first segment (m = -inf)
             const __m512 vmx = _mm512_set1_ps(mx);
             __m512 sum = _mm512_setzero_ps();
             for (int k = 0; k < seg_n; k += 16) {
-                const __mmask16 valid = static_cast<__mmask16>(seg_n - k >= 16 ? 0xFFFFu : (1u << (seg_n - k)) - 1u);
-                const __m512 w = _mm512_maskz_mov_ps(valid, modserve::exp512_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(si + k), vmx)));
+                const __m512 w = _mm512_maskz_mov_ps(lanes_from(k), modserve::exp512_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(si + k), vmx)));
                 const __m256bh wb = _mm512_cvtneps_pbh(w);  // the weights P.V uses; l sums the same
                 _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + i * kRow + k), (__m256i)wb);
                 sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(wb));
