@@ -11,6 +11,7 @@ import torch
 
 from modserve.core.hookspecs import hookimpl
 from modserve.core.interfaces import NoOptions, Sampler, SamplerOutput
+from modserve.core.row_argmax import row_argmax
 from modserve.core.sampling_batch import SamplingBatch, row_uniforms
 
 MODSERVE_CONTRACT = "1.0"
@@ -26,7 +27,7 @@ class DefaultSampler(Sampler):
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs >= 0 else None
         logits = self.process(logits, batch)
-        greedy_ids = logits.argmax(dim=-1)
+        greedy_ids = row_argmax(logits)  # torch.argmax's indices, threaded on the CPU
         if batch.all_greedy:
             token_ids = greedy_ids
         else:
@@ -43,7 +44,7 @@ class DefaultSampler(Sampler):
         logits = self.process(logits, batch)
         probs = self._filtered_probs(logits, batch)
         if batch.greedy.any():
-            one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+            one_hot = torch.zeros_like(probs).scatter_(1, row_argmax(logits)[:, None], 1.0)
             probs = torch.where(batch.greedy[:, None], one_hot, probs)
         return probs
 
