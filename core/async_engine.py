@@ -15,6 +15,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -77,6 +78,7 @@ class AsyncEngine:
         self.vocab_size = engine.c.spec.vocab_size
         self.tokenizer = engine.tokenizer
         self.max_waiting_requests = max_waiting_requests or self.pipeline.server.max_waiting_requests
+        self._burst_gap_s = self.pipeline.server.burst_window_ms / 1000
         self.draining = False
         self.dead_reason: str | None = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -229,7 +231,10 @@ class AsyncEngine:
         routes: dict[str, RequestStream] = {}
         try:
             while True:
-                cmds = self._take(block=not self.engine.has_unfinished())
+                idle = not self.engine.has_unfinished()
+                cmds = self._take(block=idle)
+                if idle:
+                    cmds += self._rest_of_burst()
                 outputs: list[RequestOutput] = []
                 for cmd in cmds:
                     if cmd is _STOP:
@@ -266,6 +271,22 @@ class AsyncEngine:
                 cmds.append(self._inbox.get_nowait())
             except queue.Empty:
                 return cmds
+
+    def _rest_of_burst(self) -> list:
+        """Commands still arriving at most ``server.burst_window_ms`` apart (for at most 10x
+        that). A burst of requests reaches an idle engine over a few ms (64 took 15 ms over
+        HTTP here): stepping on the first one made the first step a small prefill, and the
+        rest waited for a whole step behind it (+115-266 ms on every TTFT of the burst)."""
+        more: list = []
+        if self._burst_gap_s <= 0:
+            return more
+        deadline = time.monotonic() + 10 * self._burst_gap_s
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                more.append(self._inbox.get(timeout=min(self._burst_gap_s, left)))
+            except queue.Empty:
+                break
+        return more + self._take(block=False)
 
     def _apply(self, cmd, routes: dict[str, RequestStream]) -> list[RequestOutput]:
         if isinstance(cmd, _Abort):

@@ -54,6 +54,7 @@ class ServerSection(_Section):
     max_messages: PositiveInt = 512  # most messages per chat request
     max_prompt_tokens: PositiveInt | None = None  # longest prompt in tokens; above it 400 prompt_too_long (none: only max_model_len)
     max_output_tokens: PositiveInt | None = None  # largest max_tokens / max_completion_tokens; also caps chat's default
+    burst_window_ms: Annotated[float, msgspec.Meta(ge=0, le=100)] = 2.0  # an idle engine's first step waits while requests keep arriving this close together (10x this at most); 0: step at once
     request_timeout_s: Annotated[float, msgspec.Meta(gt=0)] | None = None  # wall-time limit per request
     shutdown_grace_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0  # SIGTERM: time in-flight requests get to finish
     log_requests: bool = True  # one access-log line per request

@@ -77,3 +77,24 @@ def test_engine_thread_uses_the_process_torch_thread_count(monkeypatch):
 
     asyncio.run(_run(AsyncEngine(engine), body))
     assert ("modserve-engine", torch.get_num_threads()) in calls
+
+
+@pytest.mark.parametrize("window_ms,first_step", [(100, 4), (0, 1)])
+def test_an_idle_engine_takes_a_burst_in_one_first_step(window_ms, first_step):
+    """Requests arriving 20 ms apart: inside a 100 ms burst window the first step has all four;
+    with the window off it starts on the first alone."""
+    engine = Engine.from_config(pipeline(server={"burst_window_ms": window_ms}))
+    in_step, step = [], engine.step
+    engine.step = lambda: (in_step.append(len(engine.requests)), step())[1]  # type: ignore[method-assign]
+
+    async def body(ae: AsyncEngine):
+        streams = []
+        for i in range(4):
+            streams.append(ae.generate([5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True), f"r{i}"))
+            await asyncio.sleep(0.02)
+        for s in streams:
+            async for _ in s:
+                pass
+
+    asyncio.run(_run(AsyncEngine(engine), body))
+    assert in_step[0] == first_step
