@@ -11,6 +11,7 @@ import torch
 
 from modserve.core.hookspecs import hookimpl
 from modserve.core.interfaces import NoOptions, Sampler, SamplerOutput
+from modserve.core.row_argmax import load as load_row_argmax
 from modserve.core.row_argmax import row_argmax
 from modserve.core.sampling_batch import SamplingBatch, row_uniforms
 
@@ -23,6 +24,7 @@ class DefaultSampler(Sampler):
     def __init__(self, config: NoOptions, vocab_size: int) -> None:
         self.config = config
         self.vocab_size = vocab_size
+        load_row_argmax()  # compiled at start-up (~1 s on a new machine), not on the first request
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs >= 0 else None
