@@ -356,26 +356,20 @@ void attend_bf16dot(const QIO& io, int64_t token, const uint16_t* kc, const uint
     };
     // The chunk read next (its rows' lines for the item's heads) is fetched in nh shares of
     // whole rows, one share per step of the current sweep, so the lines arrive while this
-    // chunk computes (the hardware prefetchers stop at each scattered block). Shares of a
-    // full chunk are worked out once: integer divisions per line cost more than the lines.
+    // chunk computes (the hardware prefetchers stop at each scattered block). Shares of whole
+    // rows: integer divisions per line cost more than the lines.
     struct Ahead {
         const char* base;
         int rows;
     };
     const int lines_per_row = heads * D * 2 / 64;
-    static thread_local std::vector<int> full_share;
-    full_share.resize(nh + 1);
-    for (int i = 0; i <= nh; ++i) full_share[i] = i * chunk / nh;
     const auto ahead = [&](const uint16_t* cache, int start) -> Ahead {
         if (start >= n_tokens) return {nullptr, 0};
         return {reinterpret_cast<const char*>(rows_at(cache, start) + static_cast<int64_t>(h0) * D),
                 std::min(chunk, n_tokens - start)};
     };
     const auto fetch_share = [&](const Ahead& a, int part) {
-        const bool full = a.rows == chunk;
-        const int lo = full ? full_share[part] : part * a.rows / nh;
-        const int hi = full ? full_share[part + 1] : (part + 1) * a.rows / nh;
-        for (int t = lo; t < hi; ++t) {
+        for (int t = part * a.rows / nh; t < (part + 1) * a.rows / nh; ++t) {
             const char* row = a.base + t * row_stride * 2;
             for (int x = 0; x < lines_per_row; ++x) modserve::prefetch_line(row + 64 * x);
         }
