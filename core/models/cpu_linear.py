@@ -52,11 +52,6 @@ class PackedLinear(nn.Module):
 
 MAX_CHUNK, MIN_CHUNK = 2048, 4  # a 2048-token prefill step runs whole (no concatenation of parts)
 PAD_BELOW, ROW_STEP = 64, 64  # rows up to 64 pad to a power of two (to 8s above 32), more to a multiple of 64
-_CHUNK_SIZES = frozenset(
-    [1 << k for k in range(MIN_CHUNK.bit_length() - 1, 6)]  # 4 .. 32
-    + [40, 48, 56]
-    + list(range(ROW_STEP, MAX_CHUNK + 1, ROW_STEP))
-)
 
 
 def _padded(rows: int) -> int:
@@ -66,6 +61,9 @@ def _padded(rows: int) -> int:
     if rows <= PAD_BELOW:
         return -(-rows // 8) * 8
     return -(-rows // ROW_STEP) * ROW_STEP
+
+
+_CHUNK_SIZES = frozenset(_padded(m) for m in range(1, MAX_CHUNK + 1))  # the 39 shapes oneDNN sees
 
 
 def row_chunks(m: int) -> list[tuple[int, int]]:
