@@ -39,15 +39,15 @@ def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
 
 def row_argmax(logits: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """``logits.argmax(dim=-1)`` for ``[rows, vocab]`` logits, int64 ``[rows]``."""
-    rows, n = logits.shape if logits.dim() == 2 else (0, 0)
     if (
         logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2
-        or not logits.is_contiguous() or not 0 < n < 2**31 or rows == 0
+        or not logits.is_contiguous() or logits.shape[0] == 0 or not 0 < logits.shape[1] < 2**31
     ):  # fmt: skip
         return logits.argmax(dim=-1)
     lib = lib or load()
     if lib is None:
         return logits.argmax(dim=-1)
+    rows, n = logits.shape
     out = torch.empty(rows, dtype=torch.int64)
     lib.modserve_row_argmax(logits.data_ptr(), rows, n, out.data_ptr(), torch.get_num_threads())
     return out
