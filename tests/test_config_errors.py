@@ -32,6 +32,8 @@ CONFIG_ERRORS = [
     ({"device": "tpu"}, "device: expected one of cpu, cuda, auto, got 'tpu'"),
     ({"server": {"port": 70000}}, "server.port: expected int <= 65535, got 70000"),
     ({"server": {"api_keys": ["a", 3]}}, "server.api_keys.1: expected str, got 3"),
+    ({"server": {"burst_window_ms": 300}}, "server.burst_window_ms: expected float <= 100.0, got 300"),
+    ({"server": {"burst_window_ms": -1}}, "server.burst_window_ms: expected float >= 0.0, got -1"),
     ({"observability": {"tracing": {"exporter": "jaeger"}}}, "observability.tracing.exporter: expected one of none, console, otlp"),
 ]
 
