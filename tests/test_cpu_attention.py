@@ -115,6 +115,34 @@ def test_kernel_matches_sdpa_over_scattered_blocks(heads, kv_heads, head_dim, bl
         torch.testing.assert_close(out[r], reference(q[r], k_rows, v_rows, p, scale), **tol)
 
 
+@pytest.mark.parametrize("build", list(BUILDS))
+def test_bfloat16_outputs_round_ties_to_even_as_torch_does(build):
+    """With q = 0 every key weighs the same, so a row at position 1 outputs the exact mean of
+    two V rows; V pairs one bf16 step apart make that mean a tie halfway between two bf16
+    values, which torch rounds to the even one. Rows 0-1 of a sequence form a tile (the
+    prefill path), a lone row at position 1 is a decode row; both paths and builds must
+    round every element as torch's float32 -> bfloat16 cast does."""
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    g = torch.Generator().manual_seed(0)
+    lo = (torch.randn(kv_heads, head_dim, generator=g) * 4).bfloat16()
+    hi = (lo.view(torch.int16) + 1).view(torch.bfloat16)  # the next bf16 value away from zero
+    cache_k = torch.zeros(2, block_size, kv_heads, head_dim, dtype=torch.bfloat16)
+    cache_v = torch.zeros_like(cache_k)
+    cache_v[:, 0], cache_v[:, 1] = lo, hi
+    tables = torch.tensor([[0], [1]], dtype=torch.int32)
+    mean = (lo.float() + hi.float()) / 2  # exact in float32; every element a tie in bfloat16
+    assert ((mean.bfloat16().float() - mean).abs() * 2 == (hi.float() - lo.float()).abs()).all()
+    expected = mean.bfloat16().repeat_interleave(heads // kv_heads, 0)
+    q = torch.zeros(3, heads, head_dim, dtype=torch.bfloat16)
+    out = torch.zeros_like(q)
+    cpu_kernel_build.paged_attention(
+        q, out, cache_k, cache_v, None, None, tables, torch.arange(3), torch.tensor([0, 0, 1], dtype=torch.int32),
+        torch.tensor([0, 1, 1], dtype=torch.int32), head_dim**-0.5, cpu_kernel_build.load(BUILDS[build]),
+    )  # fmt: skip
+    assert torch.equal(out[1], expected), "tile row"
+    assert torch.equal(out[2], expected), "decode row"
+
+
 def test_kernel_leaves_rows_it_was_not_given():
     q = torch.randn(3, 2, 64)
     out = torch.zeros_like(q)

@@ -56,6 +56,15 @@ struct QIO {
             static_cast<float*>(out)[token * out_stride + i] = v;
         }
     }
+#if defined(__AVX512F__)
+    void put16(int64_t token, int64_t i, __m512 v) const {  // put() for elements i .. i + 15
+        if (bf16) {
+            modserve::store16(static_cast<uint16_t*>(out) + token * out_stride + i, v);
+        } else {
+            modserve::store16(static_cast<float*>(out) + token * out_stride + i, v);
+        }
+    }
+#endif
 };
 
 // A decode row's query heads [first, first + nh): q scaled into qs, accumulators zeroed,
@@ -294,16 +303,13 @@ void attend_avx512(const QIO& io, int64_t token, const T* kc, const T* vc, const
 // each 32-element half of the row is two vectors in unpacklo/unpackhi order (lane 4L + e
 // of the first is element 8L + e, of the second 8L + 4 + e), put back in order here.
 inline void put_interleaved(const QIO& io, int64_t token, int64_t first, const float* acc, int D, float l) {
-    const float inv = 1.f / l;
+    const __m512 inv = _mm512_set1_ps(1.f / l);
+    const __m512i elements_0_15 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i elements_16_31 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
     for (int j = 0; j < D / 32; ++j) {
-        const float* lo = acc + 32 * j;
-        const float* hi = lo + 16;
-        for (int L = 0; L < 4; ++L) {
-            for (int e = 0; e < 4; ++e) {
-                io.put(token, first + 32 * j + 8 * L + e, lo[4 * L + e] * inv);
-                io.put(token, first + 32 * j + 8 * L + 4 + e, hi[4 * L + e] * inv);
-            }
-        }
+        const __m512 lo = _mm512_loadu_ps(acc + 32 * j), hi = _mm512_loadu_ps(acc + 32 * j + 16);
+        io.put16(token, first + 32 * j, _mm512_mul_ps(_mm512_permutex2var_ps(lo, elements_0_15, hi), inv));
+        io.put16(token, first + 32 * j + 16, _mm512_mul_ps(_mm512_permutex2var_ps(lo, elements_16_31, hi), inv));
     }
 }
 
@@ -598,8 +604,8 @@ void attend_tile_avx512(const QIO& io, const int64_t* rows, int n_rows, int32_t 
     }
     for (int rh = 0; rh < R; ++rh) {
         const int64_t oi = static_cast<int64_t>(h * G + rh % G) * D;
-        const float inv = 1.f / l[rh];
-        for (int d = 0; d < D; ++d) io.put(rows[rh / G], oi + d, acc[rh * D + d] * inv);
+        const __m512 inv = _mm512_set1_ps(1.f / l[rh]);
+        for (int j = 0; j < NV; ++j) io.put16(rows[rh / G], oi + 16 * j, _mm512_mul_ps(_mm512_load_ps(acc + rh * D + 16 * j), inv));
     }
 }
 
