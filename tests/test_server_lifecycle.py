@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 from server_helpers import MODEL_NAME, LiveServer, pipeline, server_process
 
 from modserve.core.server.app import serve
-from modserve.core.server.lifecycle import bind
+from modserve.core.server.lifecycle import Runner, bind
 
 
 def test_sigterm_drains_then_exits_zero(tmp_path):
@@ -133,3 +134,18 @@ def test_process_exit_status_on_startup_failure(tmp_path):
     done = subprocess.run([sys.executable, "-m", "modserve.core.server", "-c", str(bad)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert done.stderr.strip().startswith("modserve serve: error: scheduler.plugin: unknown") and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_serving_runs_with_the_startup_heap_frozen(monkeypatch, capsys):
+    """The objects alive after start-up are frozen while the server runs (a full collection
+    over them stalls every stream) and unfrozen when it stops."""
+    seen = {}
+
+    def run(self):
+        seen["frozen"] = gc.get_freeze_count()
+        return 0
+
+    monkeypatch.setattr(Runner, "run", run)
+    assert serve({**pipeline(), "server": {"port": 0}}) == 0
+    assert seen["frozen"] > 10_000  # the model, tokenizer and imports at least
+    assert gc.get_freeze_count() == 0
