@@ -329,7 +329,10 @@ class Sampler(ABC):
 
     @abstractmethod
     def sample(self, logits: torch.Tensor, batch: object) -> SamplerOutput:
-        """``logits [R, V]`` float32; ``batch`` is a :class:`modserve.core.sampling_batch.SamplingBatch`."""
+        """``logits [R, V]`` float32; ``batch`` is a :class:`modserve.core.sampling_batch.SamplingBatch`.
+
+        ``logits`` hold only for this step: the model reuses their storage in the next one,
+        so a sampler that keeps logits across steps keeps a copy."""
 
     @abstractmethod
     def probs(self, logits: torch.Tensor, batch: object) -> torch.Tensor:
