@@ -34,6 +34,9 @@ if [ ! -f "$GGUF" ]; then
     t1=$(now)
     [ -f "$MODEL_DIR/config.json" ] || "$PY" "$HERE/../convert_smollm2_to_hf.py" "$MODEL_DIR"
     SRC=$(ls -d "$DIR"/llama_cpp_python-*/vendor/llama.cpp | head -1)
-    "$PY" "$SRC/convert_hf_to_gguf.py" "$MODEL_DIR" --outtype bf16 --outfile "$GGUF" >/dev/null
+    # the converter imports sentencepiece before it finds there is no tokenizer.model; kept
+    # beside the build rather than in modserve's environment
+    "$PY" -m pip install --quiet --target "$DIR/converter-deps" sentencepiece
+    PYTHONPATH="$DIR/converter-deps" "$PY" "$SRC/convert_hf_to_gguf.py" "$MODEL_DIR" --outtype bf16 --outfile "$GGUF" >/dev/null
     echo "bf16 GGUF conversion took $(since "$t1") s ($GGUF)"
 fi
