@@ -29,6 +29,7 @@ def test_block_pool_never_double_allocates_or_leaks(operations):
             got = pool.allocate(n)
             in_use = {b for bl in owners.values() for b in bl}
             assert not in_use & set(got), "a block in use was handed out again"
+            assert got == sorted(got), "one allocation's blocks come in ascending order"
             held += got
         elif op == "touch" and owners:
             donor = next((bl for o, bl in owners.items() if o != owner and bl), None)
@@ -88,6 +89,19 @@ def test_paged_backend_grows_frees_and_shares_without_leaks(script):
     for req in live.values():
         kv.free(req)
     assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_allocations_are_ascending_runs_that_attention_reads_forward():
+    """A fresh pool's queue hands out N-1, N-2, ...; a freed request comes back tail-first.
+    Either way one allocation (a prompt's blocks) must be an ascending run of neighbours."""
+    pool = BlockPool(64)
+    first, second = pool.allocate(16), pool.allocate(16)
+    assert first == list(range(48, 64)) and second == list(range(32, 48))
+    for block, tag in zip(first, range(16)):
+        pool.cache(block, bytes([tag]), (tag,))  # a prompt's full blocks, hashed
+    pool.free(first[::-1])  # tail-first, as the paged backend frees
+    pool.allocate(32)  # the uncached blocks 0..31 go first
+    assert pool.allocate(16) == first  # then the cached ones, least recently freed first
 
 
 def test_prefix_hit_compares_tokens_and_salt():
