@@ -89,6 +89,14 @@ inline void finish_heads(const QIO& io, int64_t token, int first, int nh, int D,
     }
 }
 
+#if defined(__AVX512F__)
+// finish_heads for one head on the AVX-512 paths (D a multiple of 16), 16 lanes at a time.
+inline void put_head(const QIO& io, int64_t token, int64_t first, const float* acc, int D, float l) {
+    const __m512 inv = _mm512_set1_ps(1.f / l);
+    for (int j = 0; j < D / 16; ++j) io.put16(token, first + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * j), inv));
+}
+#endif
+
 // acc += sum over t < n of p[t] * v[t]: with D known the accumulator lives in registers
 // for the whole block (not loaded and stored for every row), and the V rows of one head,
 // read again for each query head of its group, come from L1.
@@ -295,7 +303,7 @@ void attend_avx512(const QIO& io, int64_t token, const T* kc, const T* vc, const
             }
         }
     }
-    finish_heads(io, token, h0 * G, nh, D, acc, l);
+    for (int i = 0; i < nh; ++i) put_head(io, token, static_cast<int64_t>(h0 * G + i) * D, acc + i * D, D, l[i]);
 }
 
 #if defined(__AVX512BF16__)
@@ -603,9 +611,7 @@ void attend_tile_avx512(const QIO& io, const int64_t* rows, int n_rows, int32_t 
         }
     }
     for (int rh = 0; rh < R; ++rh) {
-        const int64_t oi = static_cast<int64_t>(h * G + rh % G) * D;
-        const __m512 inv = _mm512_set1_ps(1.f / l[rh]);
-        for (int j = 0; j < NV; ++j) io.put16(rows[rh / G], oi + 16 * j, _mm512_mul_ps(_mm512_load_ps(acc + rh * D + 16 * j), inv));
+        put_head(io, rows[rh / G], static_cast<int64_t>(h * G + rh % G) * D, acc + rh * D, D, l[rh]);
     }
 }
 
