@@ -176,8 +176,8 @@ class LlamaForCausalLM(nn.Module):
         if logits.dtype == torch.float32:
             return logits
         rows, vocab = logits.shape
-        if self._logits.shape[0] < rows or self._logits.shape[1] != vocab or self._logits.device != logits.device:
-            self._logits = torch.empty(rows, vocab, device=logits.device)
+        if self._logits.shape[0] < rows or self._logits.shape[1] != vocab:  # the first call, or more rows
+            self._logits = logits.new_empty(rows, vocab, dtype=torch.float32)
         return self._logits[:rows].copy_(logits)
 
     # ----------------------------------------------------------------- weight loading
