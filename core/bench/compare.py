@@ -15,10 +15,12 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 from typing import Any
 
 from modserve.core.bench.metrics import percentile_key
+from modserve.core.bench.throughput import medians
 
 
 def load_runs(path: str) -> list[dict[str, Any]]:
@@ -95,16 +97,18 @@ def render(systems: dict[str, list[dict[str, Any]]], offline: list[dict[str, Any
                     f"| {_ratio(ours['median_tpot_ms'], peer['median_tpot_ms'])} "
                     f"| {_ratio(ours.get(f'{tail}_itl_ms'), peer.get(f'{tail}_itl_ms'))} |")
     if offline:
-        lines += ["", "## Offline (`modserve bench throughput --baseline hf`)", "",
+        summary = medians(offline)
+        rounds = max(m["rounds"] for m in summary)
+        title = "" if rounds == 1 else f", medians of {rounds} alternated rounds"
+        lines += ["", f"## Offline (`modserve bench throughput --baseline hf`{title})", "",
                   "| system | dtype | batch / max_num_seqs | requests | output tok/s | total tok/s | ratio |",
                   "|---|---|---:|---:|---:|---:|---:|"]
-        peers = [r for r in offline if r["system"] != "modserve"]
-        for r in offline:
-            ratio = "" if r["system"] != "modserve" else ", ".join(
-                f"/ {p['system']} (batch {p['max_num_seqs']}) = {_ratio(r['output_tok_s'], p['output_tok_s'])}"
-                for p in peers if p["dtype"] == r["dtype"])
-            lines.append(f"| {r['system']} | {r['dtype']} | {r['max_num_seqs']} | {r['num_requests']} "
-                         f"| {_fmt(r['output_tok_s'])} | {_fmt(r['total_tokens'] / r['elapsed_s'])} | {ratio} |")
+        for m in summary:
+            ratio = ", ".join(
+                f"/ {peer} = {statistics.median(xs):.2f}x" + ("" if len(xs) == 1 else f" ({min(xs):.2f}–{max(xs):.2f}x)")
+                for peer, xs in m["ratios"].items())
+            lines.append(f"| {m['system']} | {m['dtype']} | {m['max_num_seqs']} | {m['num_requests']} "
+                         f"| {_fmt(m['output_tok_s'])} | {_fmt(m['total_tok_s'])} | {ratio} |")
     return "\n".join(lines) + "\n"
 
 

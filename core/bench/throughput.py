@@ -7,13 +7,18 @@ static batches of ``max_num_seqs`` in the same process, as vLLM's ``bench throug
 --backend hf`` runs them: each batch left-padded to its longest prompt and generating its
 longest output, only each request's own output tokens counted. The ratio is printed.
 Sweeps: ``--max-num-seqs 1,8,32`` and ``--dtype float32,bfloat16`` run every combination.
+``--repeats N`` runs the whole sweep N times, modserve and the baseline alternating, and
+prints each configuration's median and the median of its rounds' ratios: on a machine whose
+speed drifts by 10% between runs, one pair of runs is one sample of that drift.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from modserve.core.bench import datasets as ds
 from modserve.core.hookspecs import hookimpl
@@ -29,6 +34,8 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", default="float32", help="comma-separated sweep")
     p.add_argument("--baseline", choices=["none", "hf"], default="none")
     p.add_argument("--hf-batch-size", type=int, help="HF's static batch size (default: each --max-num-seqs)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds of the whole sweep, modserve and the baseline alternating; 2+ also prints medians")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", help="write results as JSON")
     p.set_defaults(func=run)
@@ -44,6 +51,7 @@ class Result:
     output_tokens: int
     total_tokens: int
     model_share: float | None = None  # share of wall time inside the model forward
+    round: int = 1  # which round of --repeats
 
     @property
     def output_tok_s(self) -> float:
@@ -73,31 +81,71 @@ def run(args) -> int:
         raise ValueError(f"--range-ratio: must be in [0, 1), got {args.range_ratio}")
     if args.hf_batch_size is not None and args.hf_batch_size < 1:
         raise ValueError(f"--hf-batch-size: must be >= 1, got {args.hf_batch_size}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats: must be >= 1, got {args.repeats}")
     results: list[Result] = []
-    hf_runs: dict[tuple[str, int], Result] = {}  # one HF run per (dtype, batch size), whatever the sweep
-    for dtype in dtypes:
-        for size in sizes:
-            ours = run_modserve(args, dtype, size)
-            results.append(ours)
-            line = f"modserve  dtype={dtype:<8} max_num_seqs={size:<3} {ours.output_tok_s:8.1f} out tok/s"
-            line += f"  ({ours.num_requests / ours.elapsed_s:.2f} req/s, {ours.total_tokens / ours.elapsed_s:.1f} tok/s total"
-            line += f", model {100 * ours.model_share:.0f}% of wall)"
-            print(line, flush=True)
-            if args.baseline == "hf":
-                batch = args.hf_batch_size or size
-                if (dtype, batch) not in hf_runs:
-                    hf_runs[dtype, batch] = run_hf(args, dtype, batch)
-                    results.append(hf_runs[dtype, batch])
-                hf = hf_runs[dtype, batch]
-                print(
-                    f"hf        dtype={dtype:<8} batch={batch:<10} {hf.output_tok_s:8.1f} out tok/s"
-                    f"  -> modserve (max_num_seqs {size}) / hf (batch {batch}) = {ours.output_tok_s / hf.output_tok_s:.2f}x",
-                    flush=True,
-                )
+    for rnd in range(1, args.repeats + 1):
+        tag = f"[round {rnd}/{args.repeats}] " if args.repeats > 1 else ""
+        hf_runs: dict[tuple[str, int], Result] = {}  # one HF run per (dtype, batch size) a round, whatever the sweep
+        for dtype in dtypes:
+            for size in sizes:
+                ours = run_modserve(args, dtype, size)
+                ours.round = rnd
+                results.append(ours)
+                line = f"{tag}modserve  dtype={dtype:<8} max_num_seqs={size:<3} {ours.output_tok_s:8.1f} out tok/s"
+                line += f"  ({ours.num_requests / ours.elapsed_s:.2f} req/s, {ours.total_tokens / ours.elapsed_s:.1f} tok/s total"
+                line += f", model {100 * ours.model_share:.0f}% of wall)"
+                print(line, flush=True)
+                if args.baseline == "hf":
+                    batch = args.hf_batch_size or size
+                    if (dtype, batch) not in hf_runs:
+                        hf_runs[dtype, batch] = run_hf(args, dtype, batch)
+                        hf_runs[dtype, batch].round = rnd
+                        results.append(hf_runs[dtype, batch])
+                    hf = hf_runs[dtype, batch]
+                    print(
+                        f"{tag}hf        dtype={dtype:<8} batch={batch:<10} {hf.output_tok_s:8.1f} out tok/s"
+                        f"  -> modserve (max_num_seqs {size}) / hf (batch {batch}) = {ours.output_tok_s / hf.output_tok_s:.2f}x",
+                        flush=True,
+                    )
+    rows = [{**asdict(r), "output_tok_s": r.output_tok_s} for r in results]
+    if args.repeats > 1:
+        print(f"median of {args.repeats} rounds:")
+        for m in medians(rows):
+            line = f"  {m['system']:<9} dtype={m['dtype']:<8} {m['max_num_seqs']:<4} {m['output_tok_s']:8.1f} out tok/s"
+            for peer, ratios in m["ratios"].items():
+                line += f"  / {peer} = {statistics.median(ratios):.2f}x (rounds: {', '.join(f'{x:.2f}' for x in ratios)})"
+            print(line)
     if args.output:
         with open(args.output, "w") as f:
-            json.dump([{**asdict(r), "output_tok_s": r.output_tok_s} for r in results], f, indent=2)
+            json.dump(rows, f, indent=2)
     return 0
+
+
+def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per (system, dtype, max_num_seqs) of ``--output`` rows (any number of rounds):
+    median output and total tok/s, and for modserve its ratio to each baseline of the same
+    dtype in every round both ran (``ratios``: ``"hf (batch 16)"`` -> one ratio a round)."""
+    groups: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["system"], r["dtype"], r["max_num_seqs"]), []).append(r)
+    out = []
+    for (system, dtype, size), runs in groups.items():
+        ratios: dict[str, list[float]] = {}
+        if system == "modserve":
+            for (peer, peer_dtype, batch), peer_runs in groups.items():
+                if peer == "modserve" or peer_dtype != dtype:
+                    continue
+                by_round = {p.get("round", 1): p["output_tok_s"] for p in peer_runs}
+                pairs = [r["output_tok_s"] / by_round[r.get("round", 1)] for r in runs if r.get("round", 1) in by_round]
+                if pairs:
+                    ratios[f"{peer} (batch {batch})"] = pairs
+        out.append({
+            "system": system, "dtype": dtype, "max_num_seqs": size, "num_requests": runs[0]["num_requests"],
+            "rounds": len(runs), "output_tok_s": statistics.median(r["output_tok_s"] for r in runs),
+            "total_tok_s": statistics.median(r["total_tokens"] / r["elapsed_s"] for r in runs), "ratios": ratios,
+        })
+    return out
 
 
 def _token_space(vocab: int) -> ds.TokenSpace:
