@@ -6,6 +6,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 
 namespace modserve {
 
@@ -53,13 +54,9 @@ inline __m512 exp512_nonpositive(__m512 x) {
     return _mm512_scalef_ps(y, n);
 }
 
-// Lane i of the result = the sum of the 16 lanes of v[i]: sixteen horizontal sums for the
-// price of about three (pairwise unpacks, then 128-bit lane shuffles).
-inline __m512 transpose_sum16(const __m512* v) {
-    __m512 a[8];
-    for (int i = 0; i < 8; ++i) {  // per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3]
-        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    }
+// transpose_sum16 after its first step, where a[i] holds v[2i] and v[2i + 1] folded as
+// there (a caller producing the v's in pairs folds each pair at once: fewer live vectors).
+inline __m512 transpose_sum16_from_pairs(const __m512* a) {
     __m512 b[4];
     for (int i = 0; i < 4; ++i) {  // per 128-bit lane: partial sums of v[4i .. 4i+3]
         const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
@@ -69,6 +66,20 @@ inline __m512 transpose_sum16(const __m512* v) {
     const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], kEven), _mm512_shuffle_f32x4(b[0], b[1], kOdd));
     const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], kEven), _mm512_shuffle_f32x4(b[2], b[3], kOdd));
     return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, kEven), _mm512_shuffle_f32x4(s01, s23, kOdd));
+}
+
+// The first step of transpose_sum16: v[2i] and v[2i + 1] as one vector of partial sums
+// (per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3]).
+inline __m512 fold_pair(__m512 x, __m512 y) {
+    return _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
+}
+
+// Lane i of the result = the sum of the 16 lanes of v[i]: sixteen horizontal sums for the
+// price of about three (pairwise unpacks, then 128-bit lane shuffles).
+inline __m512 transpose_sum16(const __m512* v) {
+    __m512 a[8];
+    for (int i = 0; i < 8; ++i) a[i] = fold_pair(v[2 * i], v[2 * i + 1]);
+    return transpose_sum16_from_pairs(a);
 }
 
 // Transposes a 16 x 16 float32 block held as 16 row vectors, in place: r[i][j] <- r[j][i].
@@ -96,6 +107,23 @@ inline void transpose16x16(__m512* r) {
         r[12 + j] = _mm512_shuffle_f32x4(c1, c3, 0xDD);
     }
 }
+
+#if defined(__AVX512BF16__)
+// 32 bfloat16 values as vdpbf16ps takes them. GCC 12 compiles a C cast of an __m512i to
+// __m512bh as a store and a reload through the stack (a round trip per load in the
+// kernels' inner loops); a memcpy compiles to the plain load or to nothing.
+inline __m512bh as_bh(__m512i x) {
+    __m512bh y;
+    std::memcpy(&y, &x, sizeof y);
+    return y;
+}
+
+inline __m512bh load_bh(const void* p) {
+    __m512bh y;
+    std::memcpy(&y, p, sizeof y);
+    return y;
+}
+#endif  // __AVX512BF16__
 
 }  // namespace modserve
 
