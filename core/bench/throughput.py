@@ -85,29 +85,7 @@ def run(args) -> int:
         raise ValueError(f"--repeats: must be >= 1, got {args.repeats}")
     results: list[Result] = []
     for rnd in range(1, args.repeats + 1):
-        tag = f"[round {rnd}/{args.repeats}] " if args.repeats > 1 else ""
-        hf_runs: dict[tuple[str, int], Result] = {}  # one HF run per (dtype, batch size) a round, whatever the sweep
-        for dtype in dtypes:
-            for size in sizes:
-                ours = run_modserve(args, dtype, size)
-                ours.round = rnd
-                results.append(ours)
-                line = f"{tag}modserve  dtype={dtype:<8} max_num_seqs={size:<3} {ours.output_tok_s:8.1f} out tok/s"
-                line += f"  ({ours.num_requests / ours.elapsed_s:.2f} req/s, {ours.total_tokens / ours.elapsed_s:.1f} tok/s total"
-                line += f", model {100 * ours.model_share:.0f}% of wall)"
-                print(line, flush=True)
-                if args.baseline == "hf":
-                    batch = args.hf_batch_size or size
-                    if (dtype, batch) not in hf_runs:
-                        hf_runs[dtype, batch] = run_hf(args, dtype, batch)
-                        hf_runs[dtype, batch].round = rnd
-                        results.append(hf_runs[dtype, batch])
-                    hf = hf_runs[dtype, batch]
-                    print(
-                        f"{tag}hf        dtype={dtype:<8} batch={batch:<10} {hf.output_tok_s:8.1f} out tok/s"
-                        f"  -> modserve (max_num_seqs {size}) / hf (batch {batch}) = {ours.output_tok_s / hf.output_tok_s:.2f}x",
-                        flush=True,
-                    )
+        results += _run_round(args, dtypes, sizes, rnd)
     rows = [{**asdict(r), "output_tok_s": r.output_tok_s} for r in results]
     if args.repeats > 1:
         print(f"median of {args.repeats} rounds:")
@@ -120,6 +98,35 @@ def run(args) -> int:
         with open(args.output, "w") as f:
             json.dump(rows, f, indent=2)
     return 0
+
+
+def _run_round(args, dtypes: list[str], sizes: list[int], rnd: int) -> list[Result]:
+    """One pass over the sweep: modserve at each size, the baseline once per (dtype, batch)."""
+    tag = f"[round {rnd}/{args.repeats}] " if args.repeats > 1 else ""
+    results: list[Result] = []
+    hf_runs: dict[tuple[str, int], Result] = {}
+    for dtype in dtypes:
+        for size in sizes:
+            ours = run_modserve(args, dtype, size)
+            ours.round = rnd
+            results.append(ours)
+            line = f"{tag}modserve  dtype={dtype:<8} max_num_seqs={size:<3} {ours.output_tok_s:8.1f} out tok/s"
+            line += f"  ({ours.num_requests / ours.elapsed_s:.2f} req/s, {ours.total_tokens / ours.elapsed_s:.1f} tok/s total"
+            line += f", model {100 * ours.model_share:.0f}% of wall)"
+            print(line, flush=True)
+            if args.baseline == "hf":
+                batch = args.hf_batch_size or size
+                if (dtype, batch) not in hf_runs:
+                    hf_runs[dtype, batch] = run_hf(args, dtype, batch)
+                    hf_runs[dtype, batch].round = rnd
+                    results.append(hf_runs[dtype, batch])
+                hf = hf_runs[dtype, batch]
+                print(
+                    f"{tag}hf        dtype={dtype:<8} batch={batch:<10} {hf.output_tok_s:8.1f} out tok/s"
+                    f"  -> modserve (max_num_seqs {size}) / hf (batch {batch}) = {ours.output_tok_s / hf.output_tok_s:.2f}x",
+                    flush=True,
+                )
+    return results
 
 
 def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
