@@ -80,22 +80,25 @@ inline void start_heads(const QIO& io, int64_t token, int first, int nh, int D, 
     }
 }
 
-// ... and their outputs: each accumulator over its sum of weights.
-inline void finish_heads(const QIO& io, int64_t token, int first, int nh, int D, const float* acc, const float* l) {
-    for (int i = 0; i < nh; ++i) {
-        const int64_t oi = static_cast<int64_t>(first + i) * D;
-        const float inv = 1.f / l[i];
-        for (int d = 0; d < D; ++d) io.put(token, oi + d, acc[i * D + d] * inv);
+// One head's output, elements [first, first + D) of the row: its accumulator over its sum of
+// weights. 16 lanes at a time where the build has AVX-512 and D is a multiple of 16 (the
+// same products, narrowed to bfloat16 by the same formula).
+inline void put_head(const QIO& io, int64_t token, int64_t first, const float* acc, int D, float l) {
+#if defined(__AVX512F__)
+    if (D % 16 == 0) {
+        const __m512 inv = _mm512_set1_ps(1.f / l);
+        for (int j = 0; j < D / 16; ++j) io.put16(token, first + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * j), inv));
+        return;
     }
+#endif
+    const float inv = 1.f / l;
+    for (int d = 0; d < D; ++d) io.put(token, first + d, acc[d] * inv);
 }
 
-#if defined(__AVX512F__)
-// finish_heads for one head on the AVX-512 paths (D a multiple of 16), 16 lanes at a time.
-inline void put_head(const QIO& io, int64_t token, int64_t first, const float* acc, int D, float l) {
-    const __m512 inv = _mm512_set1_ps(1.f / l);
-    for (int j = 0; j < D / 16; ++j) io.put16(token, first + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * j), inv));
+// ... and a decode row's outputs, query heads [first, first + nh).
+inline void finish_heads(const QIO& io, int64_t token, int first, int nh, int D, const float* acc, const float* l) {
+    for (int i = 0; i < nh; ++i) put_head(io, token, static_cast<int64_t>(first + i) * D, acc + i * D, D, l[i]);
 }
-#endif
 
 // acc += sum over t < n of p[t] * v[t]: with D known the accumulator lives in registers
 // for the whole block (not loaded and stored for every row), and the V rows of one head,
@@ -318,7 +321,7 @@ void attend_avx512(const QIO& io, int64_t token, const T* kc, const T* vc, const
             }
         }
     }
-    for (int i = 0; i < nh; ++i) put_head(io, token, static_cast<int64_t>(h0 * G + i) * D, acc + i * D, D, l[i]);
+    finish_heads(io, token, h0 * G, nh, D, acc, l);
 }
 
 #if defined(__AVX512BF16__)
