@@ -65,12 +65,17 @@ def _median_of(runs: list[dict[str, Any]], key: str) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def _median_range(ratios: list[float]) -> str:
+    """``1.17x (0.81–1.23x)``: the median of the rounds' ratios and their range (one round: the ratio)."""
+    if not ratios:
+        return "-"
+    spread = "" if len(ratios) == 1 else f" ({min(ratios):.2f}–{max(ratios):.2f}x)"
+    return f"{statistics.median(ratios):.2f}x{spread}"
+
+
 def _median_ratio(pairs: list[tuple[dict[str, Any], dict[str, Any]]], key: str) -> str:
     """The median of each round's own ``ours / peer`` for ``key``, with its range over the rounds."""
-    xs = [a[key] / b[key] for a, b in pairs if a.get(key) and b.get(key)]
-    if not xs:
-        return "-"
-    return f"{statistics.median(xs):.2f}x" + ("" if len(xs) == 1 else f" ({min(xs):.2f}–{max(xs):.2f}x)")
+    return _median_range([a[key] / b[key] for a, b in pairs if a.get(key) and b.get(key)])
 
 
 def render(systems: dict[str, list[Any]], offline: list[dict[str, Any]] | None = None,
@@ -137,7 +142,8 @@ def render(systems: dict[str, list[Any]], offline: list[dict[str, Any]] | None =
                     "output_throughput", "request_throughput", f"{tail}_ttft_ms", "median_tpot_ms", f"{tail}_itl_ms"))
                 lines.append(f"| {pt[1]:g} | {name} | {cells} |")
     if n_rounds > 1:
-        lines += ["", "## Every round", "", "Round by round (even rounds ran the servers in reverse order); a dash where a round has no result.", "",
+        lines += ["", "## Every round", "", "Round by round (even rounds ran the servers in reverse order); "
+                  "a dash where a round has no result.", "",
                   f"| {axis} | system | output tok/s by round | {tail} TTFT ms by round |", "|---:|---|---|---|"]
         for pt in points:
             for name in names:
@@ -154,9 +160,7 @@ def render(systems: dict[str, list[Any]], offline: list[dict[str, Any]] | None =
                   "| system | dtype | batch / max_num_seqs | requests | output tok/s | total tok/s | ratio |",
                   "|---|---|---:|---:|---:|---:|---:|"]
         for m in summary:
-            ratio = ", ".join(
-                f"/ {peer} = {statistics.median(xs):.2f}x" + ("" if len(xs) == 1 else f" ({min(xs):.2f}–{max(xs):.2f}x)")
-                for peer, xs in m["ratios"].items())
+            ratio = ", ".join(f"/ {peer} = {_median_range(xs)}" for peer, xs in m["ratios"].items())
             lines.append(f"| {m['system']} | {m['dtype']} | {m['max_num_seqs']} | {m['num_requests']} "
                          f"| {_fmt(m['output_tok_s'])} | {_fmt(m['total_tok_s'])} | {ratio} |")
     return "\n".join(lines) + "\n"
