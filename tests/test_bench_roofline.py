@@ -9,7 +9,13 @@ import pytest
 import yaml
 
 from modserve.core import cli
-from modserve.core.bench.roofline import kv_bytes_per_context_token, model_flops, read_model_spec, weight_bytes
+from modserve.core.bench.roofline import (
+    kv_bytes_per_context_token,
+    layer_matmul_params,
+    model_flops,
+    read_model_spec,
+    weight_bytes,
+)
 from modserve.core.models.loader import locate
 from modserve.core.models.spec import ModelSpec
 from tiny_models import build_model
@@ -93,6 +99,16 @@ def test_engine_part_on_a_tiny_model(tiny_dir, tiny_config, tmp_path, capsys):
     assert d["bytes"] > d["steps"] * weight_bytes(spec, 4)  # weights every step, plus the KV read
     assert d["arithmetic_intensity"] > 0 and d["achieved_gb_s"] > 0
     assert e["notes"] == []
+    # the forward by part: every linear and attention call of every timed step was seen
+    p, steps = e["forward_parts"], e["counts"]["steps"]
+    assert p["calls"] == {"linears": steps * (4 * spec.num_layers + 1), "attention": steps * spec.num_layers}
+    layers = 2 * layer_matmul_params(spec) * spec.num_layers * 6 * (20 + 7 - 1)
+    assert p["linear_flops"] == layers + 2 * spec.hidden_size * spec.vocab_size * 6 * 7
+    assert p["seconds"]["linears"] > 0 and p["seconds"]["attention"] > 0
+    assert p["seconds"]["linears"] + p["seconds"]["attention"] <= e["times_s"]["model"]
+    assert e["output_tok_s"] < p["ceiling_linears_attention_tok_s"] < p["ceiling_linears_tok_s"]
+    assert p["ceiling_linears_tok_s"] == pytest.approx(6 * 7 / p["seconds"]["linears"])
+    assert "ceiling: linears + attention" in printed and "attention backend" in printed
 
 
 def test_skip_engine_measures_the_machine_only(tiny_config, tmp_path, capsys):

@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from modserve.core.bench import forward_parts
+from modserve.core.bench.forward_parts import ForwardParts
 from modserve.core.hookspecs import hookimpl
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -70,13 +72,17 @@ def _context_sum(first: int, last: int) -> int:
     return (first + last) * (last - first + 1) // 2 if last >= first else 0
 
 
+def _linear_flops(spec, tokens: int, sampled_rows: int) -> float:
+    """FLOPs of the linear layers: ``tokens`` computed tokens, ``sampled_rows`` rows through the LM head."""
+    per_token = 2 * layer_matmul_params(spec) * spec.num_layers
+    return float(per_token * tokens + 2 * spec.hidden_size * spec.vocab_size * sampled_rows)
+
+
 def _flops(spec, tokens: int, context_sum: int, sampled_rows: int) -> float:
     """Matmul FLOPs of ``tokens`` computed tokens whose contexts add up to ``context_sum``,
     with ``sampled_rows`` rows through the LM head."""
-    per_token = 2 * layer_matmul_params(spec) * spec.num_layers
     attention = 4 * spec.num_heads * spec.head_dim * spec.num_layers  # QK^T and PV, per context position
-    lm_head = 2 * spec.hidden_size * spec.vocab_size
-    return float(per_token * tokens + attention * context_sum + lm_head * sampled_rows)
+    return _linear_flops(spec, tokens, sampled_rows) + float(attention * context_sum)
 
 
 def model_flops(spec, prompt_len: int, output_len: int) -> float:
@@ -311,6 +317,7 @@ class _StepAccount:
     counts: dict[str, int] = field(default_factory=dict)
     decode: dict[str, float] = field(default_factory=dict)
     executed_flops: float = 0.0
+    linear_flops: float = 0.0
     _pending: list[tuple[int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -323,6 +330,7 @@ class _StepAccount:
         )
         self.decode = dict.fromkeys(("steps", "sequences", "model_time_s", "flops", "bytes", "kv_bytes"), 0)
         self.executed_flops = 0.0
+        self.linear_flops = 0.0
 
     def attach(self, scheduler):
         """Record each step's ``(computed tokens before, tokens now)`` per scheduled request."""
@@ -349,8 +357,10 @@ class _StepAccount:
         c["preemptions"] += stats.num_preemptions
         c["prefix_hits"] += stats.prefix_hits
         context = sum(_context_sum(before + 1, before + n) for before, n in pending)
-        flops = _flops(self.spec, sum(n for _, n in pending), context, stats.num_generation_tokens)
+        tokens = sum(n for _, n in pending)
+        flops = _flops(self.spec, tokens, context, stats.num_generation_tokens)
         self.executed_flops += flops
+        self.linear_flops += _linear_flops(self.spec, tokens, stats.num_generation_tokens)
         if pending and stats.num_prompt_tokens == 0 and all(n == 1 for _, n in pending):  # decode-only
             d = self.decode
             kv = self.kv_bytes_per_token * context
@@ -393,20 +403,27 @@ def run_engine(args, resolved, llm, machine: dict[str, Any]) -> dict[str, Any]:
     account = _StepAccount(spec, weight_bytes(spec, dtype_bytes), kv_bytes_per_context_token(spec, dtype_bytes, int8))
     c.registry.pm.register(account)
     detach = account.attach(llm.engine.scheduler)
+    parts = ForwardParts() if c.device.type == "cpu" else None  # timers measure launches on a GPU
+    detach_parts = parts.attach(llm.engine.runner.model, llm.engine.runner.attention) if parts else lambda: None
     try:
         L, O, N = args.input_len, args.output_len, args.num_prompts
         prompts = make_prompts(N, L, spec.vocab_size, args.seed)
         warm = make_prompts(min(2, N), L, spec.vocab_size, args.seed + 1)  # other ids: no prefix-cache hits later
         llm.generate(warm, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         account.reset()
+        if parts:
+            parts.reset()
         t0 = time.perf_counter()
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=O, ignore_eos=True))
         wall = time.perf_counter() - t0
     finally:
+        detach_parts()
         detach()
         c.registry.pm.unregister(account)
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     report = engine_report(account, spec, machine, dtype, wall, out_tokens, args, c.model_name)
+    report["forward_parts"] = parts and forward_parts.report(
+        parts, account.times["model"], wall, out_tokens, account.linear_flops, report["peak_flops_per_s"])
     report["plugins"] = {k: v for k, v in c.info()["plugins"].items() if v is not None}
     if resolved.pipeline.speculative:
         report["notes"].append("speculative decoding is on: drafts make the FLOP and decode figures inexact")
@@ -527,8 +544,27 @@ def print_engine(e: dict[str, Any]) -> None:
         row("  achieved compute", _si(d["achieved_flops_per_s"], "FLOP/s"),
             f"= {100 * d['roofline_share']:.0f} % of the roofline bound min(peak, intensity x bandwidth) "
             f"≈ {_si(d['roofline_flops_per_s'], 'FLOP/s')}")
+    _print_forward_parts(e.get("forward_parts"), e["output_tok_s"], row)
     for note in e["notes"]:
         print(f"  note: {note}")
+
+
+def _print_forward_parts(p: dict[str, Any] | None, output_tok_s: float, row) -> None:
+    if p is None:
+        print("  model forward by part: timed on the CPU only")
+        return
+    print("  model forward by part (timers around each call), share of the wall time:")
+    labels = {"linears": f"linears ({p['calls']['linears']} calls)",
+              "attention": f"attention backend ({p['calls']['attention']} calls)",
+              "rest_of_forward": "rest (norms, RoPE, activations, copies)"}
+    for name, label in labels.items():
+        print(f"    {label:<38} {p['seconds'][name]:9.3f} s {100 * p['shares'][name]:6.1f} %")
+    row("  linears' compute", _si(p["linear_flops_per_s"], "FLOP/s"),
+        f"= {100 * p['linear_peak_share']:.0f} % of the measured peak")
+    row("  ceiling: linears alone", f"{p['ceiling_linears_tok_s']:.1f} tok/s",
+        f"(output tokens / linear time; this run {output_tok_s:.1f})")
+    row("  ceiling: linears + attention", f"{p['ceiling_linears_attention_tok_s']:.1f} tok/s",
+        "(if norms, RoPE, activations and the engine around the forward took no time)")
 
 
 def _si(value: float, unit: str) -> str:

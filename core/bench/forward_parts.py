@@ -1,0 +1,80 @@
+"""Where the model forward's time goes: the linears, the attention backend, the rest.
+
+MFU and the wall-time shares say how far the engine is from the machine's limits, not which
+part keeps it there. A linear layer cannot beat the matmul library on its own shape, and
+attention cannot read the KV cache faster than memory delivers it; what remains (norms, RoPE,
+activations, the embedding, copies) and the engine around the forward is what an engine can
+still shrink. So ``bench roofline`` times every call of the model's linear modules and of its
+attention backend (wall-clock timers around each call, CPU only: on an asynchronous device a
+timer measures the launch, not the work) and reports each part and the throughput ceilings
+they imply: output tokens over the linears' time alone, and over the linears' and attention's.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from torch import nn
+
+PARTS = ("linears", "attention")
+
+
+@dataclass
+class ForwardParts:
+    """Seconds and calls per part, added up while attached."""
+
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
+    calls: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PARTS, 0))
+
+    def reset(self) -> None:
+        self.seconds = dict.fromkeys(PARTS, 0.0)
+        self.calls = dict.fromkeys(PARTS, 0)
+
+    def attach(self, model: nn.Module, attention: Any) -> Callable[[], None]:
+        """Time every linear module under ``model`` and ``attention.forward``; returns the detach.
+
+        The timers shadow ``forward`` on each instance: the model calls ``module.forward(...)``
+        directly, which module hooks would not see."""
+        from modserve.core.models.cpu_linear import PackedLinear
+
+        targets = [(m, "linears") for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear))]
+        targets.append((attention, "attention"))
+        for obj, part in targets:
+            obj.forward = self._timed(obj.forward, part)
+
+        def detach() -> None:
+            for obj, _ in targets:
+                del obj.forward  # the class's forward again
+
+        return detach
+
+    def _timed(self, fn: Callable, part: str) -> Callable:
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[part] += time.perf_counter() - t0
+                self.calls[part] += 1
+
+        return timed
+
+
+def report(parts: ForwardParts, model_time_s: float, wall_s: float, output_tokens: int,
+           linear_flops: float, peak_flops_per_s: float) -> dict[str, Any]:
+    """The parts as seconds and shares of the wall time, the linears' achieved FLOP/s, and the
+    output tok/s the run would reach if nothing but the linears (and the attention) took time."""
+    lin, att = parts.seconds["linears"], parts.seconds["attention"]
+    rest = max(0.0, model_time_s - lin - att)
+    return {
+        "seconds": {"linears": lin, "attention": att, "rest_of_forward": rest},
+        "shares": {"linears": lin / wall_s, "attention": att / wall_s, "rest_of_forward": rest / wall_s},
+        "calls": dict(parts.calls),
+        "linear_flops": linear_flops,
+        "linear_flops_per_s": linear_flops / lin if lin > 0 else 0.0,
+        "linear_peak_share": linear_flops / lin / peak_flops_per_s if lin > 0 else 0.0,
+        "ceiling_linears_tok_s": output_tokens / lin if lin > 0 else 0.0,
+        "ceiling_linears_attention_tok_s": output_tokens / (lin + att) if lin + att > 0 else 0.0,
+    }
