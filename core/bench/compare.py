@@ -48,10 +48,6 @@ def _fmt(x: float | None, digits: int = 1) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
-def _ratio(a: float | None, b: float | None) -> str:
-    return "-" if not a or not b else f"{a / b:.2f}x"
-
-
 Rounds = list[list[dict[str, Any]]]  # a system's results: one list of runs (one per point) a round
 
 

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from modserve.core.bench import forward_parts
-from modserve.core.bench.forward_parts import ForwardParts
 from modserve.core.hookspecs import hookimpl
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -403,7 +402,7 @@ def run_engine(args, resolved, llm, machine: dict[str, Any]) -> dict[str, Any]:
     account = _StepAccount(spec, weight_bytes(spec, dtype_bytes), kv_bytes_per_context_token(spec, dtype_bytes, int8))
     c.registry.pm.register(account)
     detach = account.attach(llm.engine.scheduler)
-    parts = ForwardParts() if c.device.type == "cpu" else None  # timers measure launches on a GPU
+    parts = forward_parts.ForwardParts() if c.device.type == "cpu" else None  # timers measure launches on a GPU
     detach_parts = parts.attach(llm.engine.runner.model, llm.engine.runner.attention) if parts else lambda: None
     try:
         L, O, N = args.input_len, args.output_len, args.num_prompts
@@ -422,7 +421,7 @@ def run_engine(args, resolved, llm, machine: dict[str, Any]) -> dict[str, Any]:
         c.registry.pm.unregister(account)
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     report = engine_report(account, spec, machine, dtype, wall, out_tokens, args, c.model_name)
-    report["forward_parts"] = parts and forward_parts.report(
+    report["forward_parts"] = None if parts is None else forward_parts.report(
         parts, account.times["model"], wall, out_tokens, account.linear_flops, report["peak_flops_per_s"])
     report["plugins"] = {k: v for k, v in c.info()["plugins"].items() if v is not None}
     if resolved.pipeline.speculative:
