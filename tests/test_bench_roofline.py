@@ -111,6 +111,30 @@ def test_engine_part_on_a_tiny_model(tiny_dir, tiny_config, tmp_path, capsys):
     assert "ceiling: linears + attention" in printed and "attention backend" in printed
 
 
+def test_engine_part_with_ragged_lengths(tiny_dir, tiny_config, tmp_path, capsys):
+    """``--range-ratio``: each request's own lengths, as bench serve's random dataset draws them;
+    the analytic FLOPs add up request by request and still equal the per-step count."""
+    import argparse
+
+    from modserve.core.bench.throughput import make_requests
+
+    out = tmp_path / "roofline.json"
+    argv = ["bench", "roofline", "-c", tiny_config, "--quick", "--dtypes", "float32", "--concurrency", "4",
+            "--num-prompts", "8", "--input-len", "20", "--output-len", "8", "--range-ratio", "0.5", "--output", str(out)]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    assert "(20 in + 8 out ± 50%)" in capsys.readouterr().out
+    e = json.loads(out.read_text())["engine"]
+    spec = read_model_spec(locate(tiny_dir))
+    drawn = make_requests(argparse.Namespace(num_prompts=8, input_len=20, output_len=8, range_ratio=0.5, seed=0),
+                          spec.vocab_size)
+    assert len({r.prompt_len for r in drawn}) > 1 and len({r.output_len for r in drawn}) > 1
+    assert e["output_tokens"] == sum(r.output_len for r in drawn) and e["range_ratio"] == 0.5
+    assert e["model_flops"] == sum(model_flops(spec, r.prompt_len, r.output_len) for r in drawn)
+    assert e["executed_flops"] == pytest.approx(e["model_flops"], rel=1e-12)
+    assert e["counts"]["scheduled_tokens"] == sum(r.prompt_len + r.output_len - 1 for r in drawn)
+    assert e["notes"] == []
+
+
 def test_skip_engine_measures_the_machine_only(tiny_config, tmp_path, capsys):
     out = tmp_path / "machine.json"
     argv = ["bench", "roofline", "-c", tiny_config, "--quick", "--skip-engine", "--dtypes", "float32,bfloat16",
@@ -138,7 +162,11 @@ def test_skip_engine_measures_the_machine_only(tiny_config, tmp_path, capsys):
     (["--input-len", "0"], "--input-len: must be >= 1, got 0"),
     (["--output-len", "0"], "--output-len: must be >= 1, got 0"),
     (["--repeats", "0"], "--repeats: must be >= 1, got 0"),
-    (["--input-len", "250", "--output-len", "10"], "--input-len + --output-len: 260 tokens exceed max_model_len 256"),
+    (["--input-len", "250", "--output-len", "10"], "--input-len + --output-len: up to 260 tokens exceed max_model_len 256"),
+    (["--input-len", "200", "--output-len", "10", "--range-ratio", "0.5"],
+     "--input-len + --output-len: up to 315 tokens at --range-ratio 0.5 exceed max_model_len 256"),
+    (["--range-ratio", "1"], "--range-ratio: must be in [0, 1), got 1.0"),
+    (["--range-ratio", "-0.1"], "--range-ratio: must be in [0, 1), got -0.1"),
 ])
 def test_bad_arguments_exit_2_naming_the_flag(tiny_config, args, message, capsys):
     assert cli.main(["bench", "roofline", "-c", tiny_config, "--quick", *args]) == 2

@@ -38,6 +38,8 @@ def add_arguments(p) -> None:
     p.add_argument("--num-prompts", type=int, default=None, help="requests (default: --concurrency)")
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--range-ratio", type=float, default=0.0,
+                   help="lengths vary uniformly by this fraction, in [0, 1), as in bench throughput and bench serve's random dataset")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-engine", action="store_true", help="measure the machine only")
     p.add_argument("--output", help="write all results as JSON")
@@ -151,6 +153,8 @@ def _check_args(args) -> list[str]:
     for flag in ("concurrency", "num_prompts", "input_len", "output_len", "repeats"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')}: must be >= 1, got {getattr(args, flag)}")
+    if not 0.0 <= args.range_ratio < 1.0:
+        raise ValueError(f"--range-ratio: must be in [0, 1), got {args.range_ratio}")
     return list(dict.fromkeys(dtypes))
 
 
@@ -372,10 +376,13 @@ class _StepAccount:
 
 
 def _check_lengths(args, max_len: int) -> None:
-    if args.input_len + args.output_len > max_len:
-        raise ValueError(
-            f"--input-len + --output-len: {args.input_len + args.output_len} tokens exceed max_model_len {max_len}"
-        )
+    """The longest request the lengths and ``--range-ratio`` allow must fit the model."""
+    from modserve.core.bench.datasets import length_bounds
+
+    longest = length_bounds(args.input_len, args.range_ratio)[1] + length_bounds(args.output_len, args.range_ratio)[1]
+    if longest > max_len:
+        spread = f" at --range-ratio {args.range_ratio:g}" if args.range_ratio else ""
+        raise ValueError(f"--input-len + --output-len: up to {longest} tokens{spread} exceed max_model_len {max_len}")
 
 
 def build_engine(args, resolved):
@@ -393,7 +400,7 @@ def build_engine(args, resolved):
 def run_engine(args, resolved, llm, machine: dict[str, Any]) -> dict[str, Any]:
     """Run the workload on the engine and account for every step."""
     from modserve import SamplingParams
-    from modserve.core.bench.throughput import make_prompts
+    from modserve.core.bench.throughput import make_prompts, make_requests
 
     c = llm.engine.c
     spec, dtype_bytes = c.spec, c.dtype.itemsize
@@ -405,22 +412,23 @@ def run_engine(args, resolved, llm, machine: dict[str, Any]) -> dict[str, Any]:
     parts = forward_parts.ForwardParts() if c.device.type == "cpu" else None  # timers measure launches on a GPU
     detach_parts = parts.attach(llm.engine.runner.model, llm.engine.runner.attention) if parts else lambda: None
     try:
-        L, O, N = args.input_len, args.output_len, args.num_prompts
-        prompts = make_prompts(N, L, spec.vocab_size, args.seed)
-        warm = make_prompts(min(2, N), L, spec.vocab_size, args.seed + 1)  # other ids: no prefix-cache hits later
+        requests = make_requests(args, spec.vocab_size)
+        warm = make_prompts(min(2, args.num_prompts), args.input_len, spec.vocab_size, args.seed + 1)  # other ids: no prefix-cache hits later
         llm.generate(warm, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         account.reset()
         if parts:
             parts.reset()
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=O, ignore_eos=True))
+        outs = llm.generate([r.prompt for r in requests],
+                            [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests])
         wall = time.perf_counter() - t0
     finally:
         detach_parts()
         detach()
         c.registry.pm.unregister(account)
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    report = engine_report(account, spec, machine, dtype, wall, out_tokens, args, c.model_name)
+    lengths = [(r.prompt_len, r.output_len) for r in requests]
+    report = engine_report(account, spec, machine, dtype, wall, out_tokens, args, c.model_name, lengths)
     report["forward_parts"] = None if parts is None else forward_parts.report(
         parts, account.times["model"], wall, out_tokens, account.linear_flops, report["peak_flops_per_s"])
     report["plugins"] = {k: v for k, v in c.info()["plugins"].items() if v is not None}
@@ -430,11 +438,13 @@ def run_engine(args, resolved, llm, machine: dict[str, Any]) -> dict[str, Any]:
 
 
 def engine_report(
-    account: _StepAccount, spec, machine, dtype: str, wall: float, out_tokens: int, args, model_name: str
+    account: _StepAccount, spec, machine, dtype: str, wall: float, out_tokens: int, args, model_name: str,
+    lengths: list[tuple[int, int]],
 ) -> dict[str, Any]:
-    """The engine figures from one run's accounting and the machine's measured limits."""
-    L, O, N = args.input_len, args.output_len, args.num_prompts
-    flops = N * model_flops(spec, L, O)
+    """The engine figures from one run's accounting and the machine's measured limits;
+    ``lengths``: each request's ``(prompt tokens, output tokens)``."""
+    flops = sum(model_flops(spec, prompt, output) for prompt, output in lengths)
+    asked = sum(output for _, output in lengths)
     peak = machine["dtypes"][dtype]["peak_flops_per_s"]
     read_bw = machine["bandwidth"]["read_gb_s"] * 1e9
     times = {name: account.times[name] for name in STEP_TIMES}
@@ -450,9 +460,9 @@ def engine_report(
             f"(prefix-cache hits {account.counts['prefix_hits']} tokens, preemptions {account.counts['preemptions']}); "
             "MFU counts the analytic (useful) FLOPs"
         )
-    if out_tokens != N * O:
+    if out_tokens != asked:
         notes.append(
-            f"{out_tokens} output tokens instead of {N * O}: the analytic FLOPs assume every request ran to --output-len"
+            f"{out_tokens} output tokens instead of {asked}: the analytic FLOPs assume every request ran to its max_tokens"
         )
     d = account.decode
     decode = None
@@ -482,9 +492,10 @@ def engine_report(
         "model": model_name,
         "dtype": dtype,
         "concurrency": args.concurrency,
-        "num_prompts": N,
-        "input_len": L,
-        "output_len": O,
+        "num_prompts": len(lengths),
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "range_ratio": args.range_ratio,
         "wall_s": wall,
         "output_tokens": out_tokens,
         "output_tok_s": out_tokens / wall,
@@ -504,8 +515,9 @@ def engine_report(
 
 def print_engine(e: dict[str, Any]) -> None:
     c = e["counts"]
+    spread = f" ± {100 * e['range_ratio']:g}%" if e.get("range_ratio") else ""
     print(
-        f"Engine: {e['model']} {e['dtype']}, {e['num_prompts']} prompts x ({e['input_len']} in + {e['output_len']} out), "
+        f"Engine: {e['model']} {e['dtype']}, {e['num_prompts']} prompts x ({e['input_len']} in + {e['output_len']} out{spread}), "
         f"max_num_seqs {e['concurrency']}, ignore_eos, greedy"
     )
     if e.get("plugins"):
