@@ -120,7 +120,8 @@ def test_engine_part_with_ragged_lengths(tiny_dir, tiny_config, tmp_path, capsys
 
     out = tmp_path / "roofline.json"
     argv = ["bench", "roofline", "-c", tiny_config, "--quick", "--dtypes", "float32", "--concurrency", "4",
-            "--num-prompts", "8", "--input-len", "20", "--output-len", "8", "--range-ratio", "0.5", "--output", str(out)]
+            "--num-prompts", "8", "--input-len", "20", "--output-len", "8", "--range-ratio", "0.5",
+            "--output", str(out)]
     assert cli.main(argv) == 0, capsys.readouterr().err
     assert "(20 in + 8 out ± 50%)" in capsys.readouterr().out
     e = json.loads(out.read_text())["engine"]

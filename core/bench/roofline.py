@@ -39,7 +39,7 @@ def add_arguments(p) -> None:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--range-ratio", type=float, default=0.0,
-                   help="lengths vary uniformly by this fraction, in [0, 1), as in bench throughput and bench serve's random dataset")
+                   help="lengths vary uniformly by this fraction, in [0, 1) (bench serve's random dataset)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-engine", action="store_true", help="measure the machine only")
     p.add_argument("--output", help="write all results as JSON")
@@ -413,7 +413,8 @@ def run_engine(args, resolved, llm, machine: dict[str, Any]) -> dict[str, Any]:
     detach_parts = parts.attach(llm.engine.runner.model, llm.engine.runner.attention) if parts else lambda: None
     try:
         requests = make_requests(args, spec.vocab_size)
-        warm = make_prompts(min(2, args.num_prompts), args.input_len, spec.vocab_size, args.seed + 1)  # other ids: no prefix-cache hits later
+        # other ids than the measured prompts: no prefix-cache hits later
+        warm = make_prompts(min(2, args.num_prompts), args.input_len, spec.vocab_size, args.seed + 1)
         llm.generate(warm, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         account.reset()
         if parts:
@@ -517,8 +518,8 @@ def print_engine(e: dict[str, Any]) -> None:
     c = e["counts"]
     spread = f" ± {100 * e['range_ratio']:g}%" if e.get("range_ratio") else ""
     print(
-        f"Engine: {e['model']} {e['dtype']}, {e['num_prompts']} prompts x ({e['input_len']} in + {e['output_len']} out{spread}), "
-        f"max_num_seqs {e['concurrency']}, ignore_eos, greedy"
+        f"Engine: {e['model']} {e['dtype']}, {e['num_prompts']} prompts x "
+        f"({e['input_len']} in + {e['output_len']} out{spread}), max_num_seqs {e['concurrency']}, ignore_eos, greedy"
     )
     if e.get("plugins"):
         print("  pipeline: " + ", ".join(f"{k} {v}" for k, v in e["plugins"].items()))
