@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from torch import nn
+if TYPE_CHECKING:  # torch only when timing: the CLI builds its parsers from this package
+    from torch import nn
 
 PARTS = ("linears", "attention")
 
@@ -37,6 +38,8 @@ class ForwardParts:
 
         The timers shadow ``forward`` on each instance: the model calls ``module.forward(...)``
         directly, which module hooks would not see."""
+        from torch import nn
+
         from modserve.core.models.cpu_linear import PackedLinear
 
         targets = [(m, "linears") for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear))]
