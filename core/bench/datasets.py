@@ -82,10 +82,15 @@ def load_tokenizer(path: str):
 # --------------------------------------------------------------------- synthetic
 
 
+def check_range_ratio(range_ratio: float, flag: str) -> None:
+    """A length spread is a fraction in [0, 1); the error names the caller's ``flag``."""
+    if not 0.0 <= range_ratio < 1.0:
+        raise ValueError(f"{flag}: must be in [0, 1), got {range_ratio}")
+
+
 def length_bounds(mean: int, range_ratio: float, minimum: int = 1) -> tuple[int, int]:
     """``[floor(mean * (1 - r)), ceil(mean * (1 + r))]``, as vLLM's random dataset (low at least ``minimum``)."""
-    if not 0.0 <= range_ratio < 1.0:
-        raise ValueError(f"--random-range-ratio: must be in [0, 1), got {range_ratio}")
+    check_range_ratio(range_ratio, "--random-range-ratio")
     lo = max(minimum, math.floor(mean * (1 - range_ratio)))
     hi = max(lo, math.ceil(mean * (1 + range_ratio)))
     return lo, hi

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from modserve.core.bench import datasets as ds
 from modserve.core.bench import forward_parts
 from modserve.core.hookspecs import hookimpl
 
@@ -153,8 +154,7 @@ def _check_args(args) -> list[str]:
     for flag in ("concurrency", "num_prompts", "input_len", "output_len", "repeats"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')}: must be >= 1, got {getattr(args, flag)}")
-    if not 0.0 <= args.range_ratio < 1.0:
-        raise ValueError(f"--range-ratio: must be in [0, 1), got {args.range_ratio}")
+    ds.check_range_ratio(args.range_ratio, "--range-ratio")
     return list(dict.fromkeys(dtypes))
 
 
@@ -377,9 +377,7 @@ class _StepAccount:
 
 def _check_lengths(args, max_len: int) -> None:
     """The longest request the lengths and ``--range-ratio`` allow must fit the model."""
-    from modserve.core.bench.datasets import length_bounds
-
-    longest = length_bounds(args.input_len, args.range_ratio)[1] + length_bounds(args.output_len, args.range_ratio)[1]
+    longest = ds.length_bounds(args.input_len, args.range_ratio)[1] + ds.length_bounds(args.output_len, args.range_ratio)[1]
     if longest > max_len:
         spread = f" at --range-ratio {args.range_ratio:g}" if args.range_ratio else ""
         raise ValueError(f"--input-len + --output-len: up to {longest} tokens{spread} exceed max_model_len {max_len}")

@@ -77,8 +77,7 @@ def run(args) -> int:
     for flag in ("num_prompts", "input_len", "output_len"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')}: must be >= 1, got {getattr(args, flag)}")
-    if not 0.0 <= args.range_ratio < 1.0:
-        raise ValueError(f"--range-ratio: must be in [0, 1), got {args.range_ratio}")
+    ds.check_range_ratio(args.range_ratio, "--range-ratio")
     if args.hf_batch_size is not None and args.hf_batch_size < 1:
         raise ValueError(f"--hf-batch-size: must be >= 1, got {args.hf_batch_size}")
     if args.repeats < 1:
