@@ -111,6 +111,11 @@ run_online() {
     stop "$pid"
 }
 
+# round_tag NAME R: the file stem of NAME's results in round R (NAME alone without rounds)
+round_tag() {
+    if [ "$ONLINE_REPEATS" = 1 ]; then echo "$1"; else echo "$1.round$2"; fi
+}
+
 # serve_online NAME TAG: run_online with NAME's server
 serve_online() {
     case $1 in
@@ -188,16 +193,12 @@ for r in $(seq "$ONLINE_REPEATS"); do
         ORDER=()
         for ((i = ${#ONLINE[@]} - 1; i >= 0; i--)); do ORDER+=("${ONLINE[i]}"); done
     fi
-    for name in "${ORDER[@]}"; do
-        if [ "$ONLINE_REPEATS" = 1 ]; then serve_online "$name" "$name"; else serve_online "$name" "$name.round$r"; fi
-    done
+    for name in "${ORDER[@]}"; do serve_online "$name" "$(round_tag "$name" "$r")"; done
 done
 for name in "${ONLINE[@]}"; do
-    if [ "$ONLINE_REPEATS" = 1 ]; then
-        SYSTEMS+=(--system "$name=$OUT/$name.json")
-    else
-        SYSTEMS+=(--system "$name=$(seq -s, -f "$OUT/$name.round%g.json" "$ONLINE_REPEATS")")
-    fi
+    files=()
+    for r in $(seq "$ONLINE_REPEATS"); do files+=("$OUT/$(round_tag "$name" "$r").json"); done
+    SYSTEMS+=(--system "$name=$(IFS=,; echo "${files[*]}")")
 done
 
 # --- offline: modserve against HF static batching

@@ -80,11 +80,15 @@ def _linear_flops(spec, tokens: int, sampled_rows: int) -> float:
     return float(per_token * tokens + 2 * spec.hidden_size * spec.vocab_size * sampled_rows)
 
 
+def _attention_flops(spec, context_sum: int) -> float:
+    """QK^T and PV FLOPs of computed tokens whose contexts add up to ``context_sum``."""
+    return float(4 * spec.num_heads * spec.head_dim * spec.num_layers * context_sum)
+
+
 def _flops(spec, tokens: int, context_sum: int, sampled_rows: int) -> float:
     """Matmul FLOPs of ``tokens`` computed tokens whose contexts add up to ``context_sum``,
     with ``sampled_rows`` rows through the LM head."""
-    attention = 4 * spec.num_heads * spec.head_dim * spec.num_layers  # QK^T and PV, per context position
-    return _linear_flops(spec, tokens, sampled_rows) + float(attention * context_sum)
+    return _linear_flops(spec, tokens, sampled_rows) + _attention_flops(spec, context_sum)
 
 
 def model_flops(spec, prompt_len: int, output_len: int) -> float:
@@ -360,10 +364,10 @@ class _StepAccount:
         c["preemptions"] += stats.num_preemptions
         c["prefix_hits"] += stats.prefix_hits
         context = sum(_context_sum(before + 1, before + n) for before, n in pending)
-        tokens = sum(n for _, n in pending)
-        flops = _flops(self.spec, tokens, context, stats.num_generation_tokens)
+        linear = _linear_flops(self.spec, sum(n for _, n in pending), stats.num_generation_tokens)
+        flops = linear + _attention_flops(self.spec, context)
         self.executed_flops += flops
-        self.linear_flops += _linear_flops(self.spec, tokens, stats.num_generation_tokens)
+        self.linear_flops += linear
         if pending and stats.num_prompt_tokens == 0 and all(n == 1 for _, n in pending):  # decode-only
             d = self.decode
             kv = self.kv_bytes_per_token * context
