@@ -451,3 +451,15 @@ def test_comparison_of_alternated_rounds_pairs_each_round(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--out", str(out), "--system", "modserve=a.json,"])
     assert "--system: expected LABEL=PATH[,PATH...], got 'modserve=a.json,'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["0", "x2", "-1", "1.5"])
+def test_compare_script_rejects_a_bad_online_repeats_before_any_work(value, tmp_path):
+    import subprocess
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "compare.sh"
+    env = {"PATH": "/usr/bin:/bin", "ONLINE_REPEATS": value, "OUT": str(tmp_path / "out"), "PEERS": ""}
+    r = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"ONLINE_REPEATS: expected a whole number >= 1, got '{value}'"
+    assert not (tmp_path / "out").exists()  # stopped before writing anything
