@@ -109,7 +109,8 @@ def build(args) -> tuple[LLM, DecodeRows]:
     raw = msgspec.to_builtins(load_pipeline(args.config))
     raw["model"]["dtype"] = args.dtype
     raw["scheduler"] = {"plugin": "fcfs", "max_num_seqs": args.concurrency, "max_num_batched_tokens": 2048}
-    raw["kv_cache"]["prefix_caching"] = False
+    if raw["kv_cache"].get("plugin") == "paged":  # the one shipped KV backend with a prefix cache
+        raw["kv_cache"]["prefix_caching"] = False
     llm = LLM(raw)
     backend = llm.engine.runner.attention
     if not isinstance(backend, CpuAttention):
