@@ -27,7 +27,6 @@ import argparse
 import statistics
 import sys
 import time
-import types
 
 import msgspec
 import torch
@@ -92,10 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    for flag in ("concurrency", "num_prompts", "input_len", "output_len", "rounds"):
-        if getattr(args, flag) < 1:
-            p.error(f"--{flag.replace('_', '-')}: must be >= 1, got {getattr(args, flag)}")
     try:
+        datasets.check_at_least_one(args, ("concurrency", "num_prompts", "input_len", "output_len", "rounds"))
         datasets.check_range_ratio(args.range_ratio, "--range-ratio")
     except ValueError as e:
         p.error(str(e))
@@ -120,13 +117,9 @@ def build(args) -> tuple[LLM, DecodeRows]:
 
 def run(args) -> dict[str, list[float]]:
     llm, decode = build(args)
-    requests = throughput.make_requests(
-        types.SimpleNamespace(num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
-                              range_ratio=args.range_ratio, seed=args.seed),
-        llm.engine.c.spec.vocab_size,
-    )  # fmt: skip
-    prompts = [r.prompt for r in requests]
-    params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+    requests = throughput.make_requests(args, llm.engine.c.spec.vocab_size)  # its lengths and seed flags
+    prompts, params = [r.prompt for r in requests], throughput.greedy_params(requests)
+    asked = sum(r.output_len for r in requests)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
     tok_s: dict[str, list[float]] = {m: [] for m in args.modes}
     for rnd in range(args.rounds):
@@ -136,8 +129,8 @@ def run(args) -> dict[str, list[float]]:
             outs = llm.generate(prompts, params)
             elapsed = time.perf_counter() - t0
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-            if tokens != sum(r.output_len for r in requests):
-                raise SystemExit(f"{mode}: {tokens} output tokens, expected {sum(r.output_len for r in requests)}")
+            if tokens != asked:
+                raise SystemExit(f"{mode}: {tokens} output tokens, expected {asked}")
             tok_s[mode].append(tokens / elapsed)
             print(f"round {rnd + 1} {mode:6s} {tokens / elapsed:8.1f} out tok/s ({elapsed:.1f} s)", flush=True)
     decode.mode = "real"

@@ -82,6 +82,13 @@ def load_tokenizer(path: str):
 # --------------------------------------------------------------------- synthetic
 
 
+def check_at_least_one(args, names: tuple[str, ...]) -> None:
+    """Each of ``args``' attributes ``names`` (counts, lengths) is >= 1; the error names the flag."""
+    for name in names:
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+
+
 def check_range_ratio(range_ratio: float, flag: str) -> None:
     """A length spread is a fraction in [0, 1); the error names the caller's ``flag``."""
     if not 0.0 <= range_ratio < 1.0:

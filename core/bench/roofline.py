@@ -155,9 +155,7 @@ def _check_args(args) -> list[str]:
             raise ValueError(f"--dtypes: expected float32, bfloat16 or float16, got {d!r}")
     if args.num_prompts is None:
         args.num_prompts = args.concurrency
-    for flag in ("concurrency", "num_prompts", "input_len", "output_len", "repeats"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')}: must be >= 1, got {getattr(args, flag)}")
+    ds.check_at_least_one(args, ("concurrency", "num_prompts", "input_len", "output_len", "repeats"))
     ds.check_range_ratio(args.range_ratio, "--range-ratio")
     return list(dict.fromkeys(dtypes))
 
@@ -402,7 +400,7 @@ def build_engine(args, resolved):
 def run_engine(args, resolved, llm, machine: dict[str, Any]) -> dict[str, Any]:
     """Run the workload on the engine and account for every step."""
     from modserve import SamplingParams
-    from modserve.core.bench.throughput import make_prompts, make_requests
+    from modserve.core.bench.throughput import greedy_params, make_prompts, make_requests
 
     c = llm.engine.c
     spec, dtype_bytes = c.spec, c.dtype.itemsize
@@ -422,8 +420,7 @@ def run_engine(args, resolved, llm, machine: dict[str, Any]) -> dict[str, Any]:
         if parts:
             parts.reset()
         t0 = time.perf_counter()
-        outs = llm.generate([r.prompt for r in requests],
-                            [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests])
+        outs = llm.generate([r.prompt for r in requests], greedy_params(requests))
         wall = time.perf_counter() - t0
     finally:
         detach_parts()

@@ -74,9 +74,7 @@ def run(args) -> int:
     for d in dtypes:
         if d not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype: expected float32, bfloat16 or float16, got {d!r}")
-    for flag in ("num_prompts", "input_len", "output_len"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')}: must be >= 1, got {getattr(args, flag)}")
+    ds.check_at_least_one(args, ("num_prompts", "input_len", "output_len"))
     ds.check_range_ratio(args.range_ratio, "--range-ratio")
     if args.hf_batch_size is not None and args.hf_batch_size < 1:
         raise ValueError(f"--hf-batch-size: must be >= 1, got {args.hf_batch_size}")
@@ -163,6 +161,13 @@ def make_requests(args, vocab: int) -> list[ds.SampleRequest]:
     return ds.random_requests(args.num_prompts, args.input_len, args.output_len, args.range_ratio, _token_space(vocab), args.seed)
 
 
+def greedy_params(requests: list[ds.SampleRequest]):
+    """Each request's sampling: greedy, ``ignore_eos``, its own output length (as bench serve sends)."""
+    from modserve import SamplingParams
+
+    return [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+
+
 def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     """``num`` random token-id prompts of exactly ``length`` tokens (``bench roofline``)."""
     return [r.prompt for r in ds.random_requests(num, length, 1, 0.0, _token_space(vocab), seed)]
@@ -180,7 +185,7 @@ def run_modserve(args, dtype: str, max_num_seqs: int) -> Result:
     llm.engine.c.registry.pm.register(model_time)
     requests = make_requests(args, llm.engine.c.spec.vocab_size)
     prompts = [r.prompt for r in requests]
-    params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+    params = greedy_params(requests)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
     model_time.reset()
     t0 = time.perf_counter()
