@@ -13,6 +13,7 @@ import time
 import httpx
 import openai
 import pytest
+import yaml
 from server_helpers import MODEL_NAME, LiveServer, pipeline, server_process
 
 from modserve.core.server.app import serve
@@ -128,12 +129,26 @@ def test_startup_failure_is_one_line(capsys, case, source, code, words):
     assert all(w in err for w in words), err
 
 
-def test_process_exit_status_on_startup_failure(tmp_path):
-    bad = tmp_path / "pipeline.yaml"
-    bad.write_text("scheduler: {plugin: nope}\n")
-    done = subprocess.run([sys.executable, "-m", "modserve.core.server", "-c", str(bad)], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2
-    assert done.stderr.strip().startswith("modserve serve: error: scheduler.plugin: unknown") and len(done.stderr.strip().splitlines()) == 1
+@pytest.mark.parametrize(
+    "entry,port_flag",
+    [(["modserve.core.server"], False), (["modserve.core.cli", "serve"], True)],
+    ids=["python -m modserve.core.server", "modserve serve --port"],
+)
+def test_process_exit_status_on_startup_failure(tmp_path, entry, port_flag):
+    """The pipeline is validated before anything binds: a bad one exits 2 naming the field
+    even when its port is held by another server (here, this test)."""
+    sock, port = _busy_port()
+    try:
+        server = {"host": "127.0.0.1"} if port_flag else {"host": "127.0.0.1", "port": port}
+        bad = tmp_path / "pipeline.yaml"
+        bad.write_text(yaml.safe_dump({"scheduler": {"plugin": "nope"}, "server": server}))
+        argv = [sys.executable, "-m", *entry, "-c", str(bad), *(["--port", str(port)] if port_flag else [])]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    finally:
+        sock.close()
+    err = done.stderr.strip()
+    assert done.returncode == 2, err
+    assert err.startswith("modserve serve: error: scheduler.plugin: unknown") and len(err.splitlines()) == 1, err
 
 
 def test_serving_runs_with_the_startup_heap_frozen(monkeypatch, capsys):

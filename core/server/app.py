@@ -13,8 +13,9 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 
 from modserve.core.async_engine import AsyncEngine
-from modserve.core.config import ConfigError, api_keys, load_pipeline
+from modserve.core.config import ConfigError, api_keys
 from modserve.core.engine import Engine
+from modserve.core.engine_factory import resolve
 from modserve.core.server.access_log import AccessLogMiddleware
 from modserve.core.server.auth import AuthMiddleware
 from modserve.core.server.errors import EXCEPTION_HANDLERS
@@ -107,7 +108,7 @@ def serve(
         overrides["parallel"] = {**overrides.get("parallel", {}), "data_parallel_size": replicas}
     sock = None
     try:
-        pipeline = load_pipeline(pipeline_source, **overrides)
+        pipeline = resolve(pipeline_source, **overrides).pipeline  # a bad pipeline fails before any port is bound
         cfg = pipeline.server
         sock = bind(cfg.host, cfg.port)
         engines = build_replicas(pipeline)
