@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import int8_quality  # noqa: E402
 
 from modserve import LLM, SamplingParams  # noqa: E402
-from modserve.core.interfaces import KVSpec  # noqa: E402
-from modserve.core.plugin_manager import default_registry  # noqa: E402
+from modserve.core.contract import KVSpec  # noqa: E402
+from modserve.core.plugin_manager import default_registry, standalone_context  # noqa: E402
 from modserve.core.request import Request  # noqa: E402
 from modserve.plugins.kv_backends.paged import bytes_per_block  # noqa: E402
 
@@ -59,7 +59,7 @@ def capacity_table(model_spec, memory_gb: float, request_tokens: int) -> list[di
         spec = KVSpec(m.num_layers, m.num_kv_heads, m.head_dim, dtype, torch.device("cpu"), 2048)
         options = {"plugin": "paged", "memory_gb": memory_gb, "kv_dtype": kv_dtype}
         cls, cfg = default_registry().resolve("kv_cache", options)
-        kv = cls(cfg, spec)
+        kv = cls(cfg, standalone_context(kv_spec=spec))
         rows.append({
             "kv": label,
             "blocks": kv.num_blocks,

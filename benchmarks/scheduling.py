@@ -21,7 +21,7 @@ import statistics
 import time
 
 from modserve import LLM, SamplingParams
-from modserve.core.hookspecs import hookimpl
+from modserve.core.contract import hookimpl
 
 
 class Recorder:

@@ -11,7 +11,7 @@ import argparse
 import time
 
 from modserve import LLM, SamplingParams
-from modserve.core.hookspecs import hookimpl
+from modserve.core.contract import hookimpl
 
 CODE = '''def moving_average(values, window):
     """Return the moving average of values over the given window."""

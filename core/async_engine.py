@@ -243,7 +243,7 @@ class AsyncEngine:
                     outputs += self._apply(cmd, routes)
                 if cmds or self.engine.has_unfinished():
                     outputs += self.engine.step()  # also refreshes step stats after aborts
-                self._num_waiting = self.engine.scheduler.num_waiting
+                self._num_waiting = self.engine.scheduler.stats().num_waiting
                 self._send(outputs, routes)
         except BaseException as e:  # the engine's state is unknown now: fail everything
             try:
@@ -257,11 +257,7 @@ class AsyncEngine:
     def _death_reason(self, e: BaseException) -> str:
         """``"<section> plugin '<name>' failed: <Type>: <message>"`` when a plugin raised it, else ``"<Type>: <message>"``."""
         plain = f"{type(e).__name__}: {e}"
-        faults = getattr(self.engine, "faults", None)
-        if faults is None:
-            log.exception("engine loop died")
-            return plain
-        described = faults.describe(e, "engine loop")  # logs it with the traceback
+        described = self.engine.faults.describe(e, "engine loop")  # logs it with the traceback
         return plain if described.startswith("engine loop failed:") else described
 
     def _take(self, block: bool) -> list:
@@ -303,18 +299,17 @@ class AsyncEngine:
         except ValueError as e:
             self._call(self._dispatch, [(stream, e)])
         except Exception as e:  # a plugin raised while enqueueing (the scheduler's add_request)
-            if getattr(self.engine, "dead", None) is not None:
+            if self.engine.dead is not None:
                 raise  # the engine cannot run at all any more
             self._call(self._dispatch, [(stream, RequestFailedError(self._fail_admission(e, stream)))])
         finally:
-            self._num_waiting = self.engine.scheduler.num_waiting
+            self._num_waiting = self.engine.scheduler.stats().num_waiting
             self._consumed += len(stream.child_ids)
         return []
 
     def _fail_admission(self, e: Exception, stream: RequestStream) -> str:
         """Fail only this request (500 naming the plugin) and drop what the engine kept of it."""
-        faults = getattr(self.engine, "faults", None)
-        message = faults.describe(e, "scheduler") if faults is not None else f"scheduler failed: {type(e).__name__}: {e}"
+        message = self.engine.faults.describe(e, "scheduler")
         leftovers = [cid for cid in stream.child_ids if cid in self.engine.requests]
         if leftovers:
             self.engine.abort_request(leftovers, reason="error", error=message)

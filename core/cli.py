@@ -86,14 +86,14 @@ def _cmd_validate(args) -> int:
 
     for path in args.config:
         r = resolve(path)
-        plugins = ", ".join(f"{k}={getattr(r.pipeline, k)['plugin']}" for k in r.plugins)
+        plugins = ", ".join(f"{k}={r.plugin_name(k)}" for k in ("device", *r.plugins))
         print(f"{path}: ok (model {r.source.path} [{r.source.kind}]; {plugins})")
     return 0
 
 
 def _cmd_plugins(args) -> int:
-    from modserve.core import hookspecs
-    from modserve.core.plugin_manager import KINDS, config_fields, default_registry
+    from modserve.core.contract import CONTRACT_VERSION, KINDS
+    from modserve.core.plugin_manager import config_fields, default_registry
 
     reg = default_registry()
     listing = {
@@ -110,13 +110,13 @@ def _cmd_plugins(args) -> int:
         for kind in KINDS
     }
     if args.json:
-        print(json.dumps({"contract": hookspecs.CONTRACT_VERSION, "plugins": listing}, indent=2))
+        print(json.dumps({"contract": CONTRACT_VERSION, "plugins": listing}, indent=2))
         return 0
-    print(f"modserve plugin contract {hookspecs.CONTRACT_VERSION}")
+    print(f"modserve plugin contract {CONTRACT_VERSION}")
     for kind, impls in listing.items():
         print(f"\n{kind}:")
         for impl in impls:
-            print(f"  {impl['name']:<12} {impl['class']}  [{impl['source']}, contract {impl['contract']}]")
+            print(f"  {impl['name']:<14} {impl['class']}  [{impl['source']}, contract {impl['contract']}]")
             for f in impl["config"]:
                 print(f"      {f['name']}: {f['type']} = {f['default']!r}")
     return 0

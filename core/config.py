@@ -31,12 +31,9 @@ class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class ModelSection(_Section):
     path: str = "smollm2-135m-instruct"  # HF directory, .gguf file, or an embedded model name
     name: str | None = None  # served model name; defaults to the path's last component
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"  # weights and activations; auto: bf16 on CUDA, fp32 on CPU
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"  # weights and activations; auto: the platform's choice (bf16 on CUDA, fp32 on CPU)
     max_model_len: Annotated[int, msgspec.Meta(ge=2)] | None = None  # prompt + output tokens; default: the model's max_position_embeddings
     tokenizer: str | None = None  # an HF directory, if not beside the weights
-    pack_cpu_weights: bool = True  # on the CPU, reorder linear weights once for oneDNN (faster matmuls)
-    fuse_cpu_ops: bool = True  # on the CPU in float32 or bfloat16, run norms, SiLU·mul and RoPE as fused C++ kernels
-    reuse_cpu_memory: bool = True  # on the CPU (glibc), keep freed step memory in the process instead of faulting it in again every step
 
 
 class ServerSection(_Section):
@@ -61,44 +58,39 @@ class ServerSection(_Section):
     log_prompts: bool = False  # include prompt and output text in logs
 
 
-class TracingSection(_Section):
-    exporter: Literal["none", "console", "otlp"] = "none"
-    endpoint: str | None = None
-
-
-class ObservabilitySection(_Section):
-    metrics: bool = True
-    tracing: TracingSection = msgspec.field(default_factory=TracingSection)
-
-
 class ParallelSection(_Section):
     tensor_parallel_size: PositiveInt = 1  # ranks each layer is sharded over (Megatron-style); >1 starts workers
-    backend: Literal["auto", "gloo", "nccl"] = "auto"  # torch.distributed backend; auto: nccl on CUDA, gloo on CPU
+    backend: Literal["auto", "gloo", "nccl"] = "auto"  # torch.distributed backend; auto: the platform's (nccl on CUDA, gloo on CPU)
     timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0  # a collective waiting longer fails the engine
     data_parallel_size: PositiveInt = 1  # engine replicas behind one server (prefix-aware routing); `serve --replicas` overrides
 
 
 class PipelineConfig(_Section):
     model: ModelSection = msgspec.field(default_factory=ModelSection)
-    device: Literal["cpu", "cuda", "auto"] = "cpu"  # auto: CUDA when available
+    device: str | dict[str, Any] = "cpu"  # a platform plugin (cpu, cuda, an installed one) or auto; {plugin: cpu, ...} for its options
     seed: int = 0  # seeds the per-request seeds of requests that give none
     scheduler: dict[str, Any] = msgspec.field(default_factory=lambda: {"plugin": "fcfs"})
     kv_cache: dict[str, Any] = msgspec.field(default_factory=lambda: {"plugin": "paged"})
-    attention: dict[str, Any] = msgspec.field(default_factory=lambda: {"plugin": "auto"})
+    attention: dict[str, Any] = msgspec.field(default_factory=lambda: {"plugin": "auto"})  # auto: the platform's default
     sampler: dict[str, Any] = msgspec.field(default_factory=lambda: {"plugin": "default"})
+    logits_processors: list[dict[str, Any]] = msgspec.field(default_factory=lambda: [{"plugin": "logit_bias"}])  # per-request biases and constraints
     speculative: dict[str, Any] | None = None  # null: no speculative decoding
+    observers: list[dict[str, Any]] = msgspec.field(default_factory=lambda: [{"plugin": "metrics"}])  # metrics, tracing, third-party loggers
     server: ServerSection = msgspec.field(default_factory=ServerSection)
-    observability: ObservabilitySection = msgspec.field(default_factory=ObservabilitySection)
     parallel: ParallelSection = msgspec.field(default_factory=ParallelSection)
 
 
-PLUGIN_SECTIONS = {
+PLUGIN_SECTIONS = {  # pipeline key -> plugin kind
+    "device": "platforms",
     "scheduler": "schedulers",
     "kv_cache": "kv_backends",
     "attention": "attention_backends",
     "sampler": "samplers",
+    "logits_processors": "logits_processors",
     "speculative": "speculative_decoders",
+    "observers": "observers",
 }
+NESTED_PLUGIN_KEYS = {"kv_cache.eviction": "eviction_policies"}  # a plugin named inside another's options
 
 
 def load_pipeline(source: str | os.PathLike | dict | PipelineConfig | None = None, **overrides: Any) -> PipelineConfig:
@@ -112,7 +104,7 @@ def load_pipeline(source: str | os.PathLike | dict | PipelineConfig | None = Non
     else:
         raw = _read_yaml(str(source))
     for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(raw.get(key), dict) and key in ("model", "server", "observability", "parallel"):
+        if isinstance(value, dict) and isinstance(raw.get(key), dict) and key in ("model", "server", "parallel"):
             raw[key] = {**raw[key], **value}
         else:
             raw[key] = value

@@ -45,7 +45,20 @@ name the key's path (`scheduler.max_num_seqs: expected int >= 1, got -3`);
 A plugin section is `{plugin: <name>, <option>: <value>, ...}`: the options are those of
 the chosen implementation, listed below per plugin. This page covers the built-in
 plugins; `modserve plugins` also lists installed out-of-tree ones with their options.
+`device` also takes a bare platform name (`device: cpu`); `logits_processors` and
+`observers` are lists of plugin sections.
 """
+
+AUTO_ATTENTION = (
+    "`plugin: auto` (the default) asks the platform for its default backend: the `cpu` platform "
+    "picks the compiled `cpu` kernel where a C++ compiler builds it (float32/bfloat16), else `torch`; "
+    "`cuda` picks `triton`.\n"
+)
+
+PLATFORMS = (
+    "`device: auto` picks the first platform that says it is available: installed (out-of-tree) "
+    "platforms first, then `cuda`, then `cpu`.\n"
+)
 
 
 def pipeline_reference(registry: PluginRegistry | None = None, builtin_only: bool = True) -> str:
@@ -56,9 +69,9 @@ def pipeline_reference(registry: PluginRegistry | None = None, builtin_only: boo
     for section, kind in PLUGIN_SECTIONS.items():
         parts.append(f"## `{section}` plugins\n")
         if section == "attention":
-            from modserve.core.engine_factory import auto_attention  # imports torch: only when generating
-
-            parts.append(f"{_first_paragraph(auto_attention.__doc__)}\n")
+            parts.append(AUTO_ATTENTION)
+        if section == "device":
+            parts.append(PLATFORMS)
         parts += _plugin_tables(section, _implementations(registry, kind, builtin_only))
     parts.append("## `kv_cache.eviction` policies\n")
     parts.append("The `paged` KV backend's `eviction` option names one of these (built with its default options).\n")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from contextlib import contextmanager
 import random
 import time
 
@@ -25,12 +26,22 @@ from modserve.core.request import Request, RequestStatus
 from modserve.core.sample_plan import SamplePlan
 from modserve.core.sampling_batch import fresh_seed
 from modserve.core.sampling_params import SamplingParams
-from modserve.core.speculative_base import SpeculationGovernor
-from modserve.core.stats import StepStats
+from modserve.core.contract import SchedulerOutput, SchedulerStats, StepStats
+from modserve.core.speculation_governor import SpeculationGovernor
 from modserve.core.token_selection import Chosen, select_tokens
 
 
 log = logging.getLogger("modserve.engine")
+
+
+@contextmanager
+def timed(stats: StepStats, field: str):
+    """Add the block's wall time to ``stats.<field>`` (where a step's time went)."""
+    t = time.perf_counter()
+    try:
+        yield
+    finally:
+        setattr(stats, field, getattr(stats, field) + time.perf_counter() - t)
 
 
 class Engine:
@@ -43,6 +54,9 @@ class Engine:
         self.proposer = components.proposer
         self.governor = SpeculationGovernor(components.proposer.config) if components.proposer else None
         self.hooks = components.registry.pm.hook
+        self.processors = {p.request_field: p for p in components.logits_processors}
+        for observer in components.observers:
+            components.registry.pm.register(observer)
         self.faults = PluginFault(components.chosen_plugins())
         self.tokenizer = components.tokenizer
         self.max_model_len = components.max_model_len
@@ -52,11 +66,11 @@ class Engine:
         self._rng = random.Random(components.pipeline.seed)
         self._ids = itertools.count()
         self._step = 0
-        self._notify("on_engine_started", engine_info=components.info())
+        self.notify("on_engine_started", engine_info=components.info())
 
     @classmethod
-    def from_config(cls, source=None, **overrides) -> Engine:
-        return cls(build_components(source, **overrides))
+    def from_config(cls, source=None, replica: int | None = None, **overrides) -> Engine:
+        return cls(build_components(source, replica=replica, **overrides))
 
     # ----------------------------------------------------------------- requests
 
@@ -82,6 +96,10 @@ class Engine:
         bad = next((t for t in params.stop_token_ids if t >= vocab), None)
         if bad is not None:
             raise ValueError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
+        for name in params.processor_fields():
+            if name not in self.processors:
+                raise ValueError(f"{name}: not supported by this pipeline (no logits processor for it in `logits_processors`)")
+            self.processors[name].check(params)
         kids = child_params(params)
         ids = [child_id(request_id, i, len(kids)) for i in range(len(kids))]
         if any(i in self.requests for i in ids):
@@ -99,7 +117,7 @@ class Engine:
         if len(seqs) > 1:
             self._forks[seqs[0].request_id] = seqs[1:]
         for req in seqs:
-            self._notify("on_request_added", request=req)
+            self.notify("on_request_added", request=req)
         return seqs
 
     def check_prompt(self, token_ids: list[int]) -> None:
@@ -136,76 +154,81 @@ class Engine:
     def dead(self) -> str | None:
         """Why this engine can never step again (a tensor-parallel worker died: the message
         names the rank), else None. Cheap: polls the worker processes."""
-        return getattr(self.runner, "dead", None)
+        return self.runner.dead
 
     def shutdown(self) -> None:
         """Stop tensor-parallel worker processes (also done when the engine is garbage-collected
-        or the interpreter exits). Idempotent; a no-op for a single-process engine."""
-        stop = getattr(self.runner, "shutdown", None)
-        if stop is not None:
-            stop()
+        or the interpreter exits) and close the observers. Idempotent."""
+        self.runner.shutdown()
+        for observer in self.c.observers:
+            if self.c.registry.pm.is_registered(observer):
+                self.c.registry.pm.unregister(observer)
+                observer.close()
 
     # ----------------------------------------------------------------- the step
 
     def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample, update: DESIGN.md's diagram. A plugin that
+        raises fails only the requests it touched (``_fail``); a dead worker group ends it all."""
         t0 = time.perf_counter()
         if self.dead is not None:
             self._die(WorkerDiedError(self.dead))
-        preemptions_before = getattr(self.scheduler, "num_preemptions", 0)
-        queries_before, hits_before = self._prefix_counters()
+        before = self.scheduler.stats()
+        stats = StepStats(self._step, 0, 0, 0.0)
         try:
-            sched = self.scheduler.schedule()
+            with timed(stats, "schedule_time_s"):
+                sched = self.scheduler.schedule()
         except Exception as e:  # the scheduler, or the KV backend it called
-            current = getattr(self.scheduler, "current", None)
+            current = self.scheduler.current
             return self._fail(e, "scheduler", [current] if current is not None else list(self.requests.values()))
-        t_prepare = time.perf_counter()
-        stats = StepStats(self._step, 0, 0, 0.0, num_scheduled_tokens=sched.num_tokens)
-        stats.schedule_time_s = t_prepare - t0
+        stats.num_scheduled_tokens = sched.num_tokens
         outputs: list[RequestOutput] = []
         if sched.scheduled:
             try:
-                batch = self.runner.prepare(sched)
-                plan = SamplePlan.build(sched, self._forks)
-                t_model = time.perf_counter()
-                stats.prepare_time_s = t_model - t_prepare
-                logits = self.runner.execute(batch, plan.rows)
-                stats.model_time_s = time.perf_counter() - t_model
-                if plan.prompt_rows:
-                    record_prompt_logprobs(plan.prompt_rows, logits[plan.num_sample_rows :])
+                plan, logits = self._run(sched, stats)
             except WorkerDiedError as e:  # tensor parallelism: the worker group is gone for good
                 self._die(e)
             except Exception as e:  # attention or KV plugin inside the forward: the batch is lost
                 return self._fail(e, "model forward", [s.request for s in sched.scheduled])
-            t_sample = time.perf_counter()
-            chosen, failed = self._select(logits, plan, sched)
-            t_output = time.perf_counter()
-            stats.sample_time_s = t_output - t_sample
-            outputs = self._update(sched, plan, chosen, stats) + failed
-            outputs += self._propose_drafts([e.request for e in plan.entries if e.request.finish_reason is None])
-            stats.output_time_s = time.perf_counter() - t_output
-        self._step += 1
-        stats.num_preemptions = getattr(self.scheduler, "num_preemptions", 0) - preemptions_before
-        queries, hits = self._prefix_counters()
-        stats.prefix_queries, stats.prefix_hits = queries - queries_before, hits - hits_before
-        stats.num_running, stats.num_waiting = self.scheduler.num_running, self.scheduler.num_waiting
-        stats.kv_usage = self.kv.usage()
-        stats.step_time_s = time.perf_counter() - t0
-        self._notify("on_step_finished", stats=stats)
+            with timed(stats, "sample_time_s"):
+                chosen, failed = self._select(logits, plan, sched)
+            with timed(stats, "output_time_s"):
+                outputs = self._update(sched, plan, chosen, stats) + failed
+                outputs += self._propose_drafts([e.request for e in plan.entries if e.request.finish_reason is None])
+        self._end_step(stats, before, t0)
         return outputs
 
     # ----------------------------------------------------------------- internals
 
-    def _notify(self, hook: str, **kwargs) -> None:
+    def _run(self, sched: SchedulerOutput, stats: StepStats) -> tuple[SamplePlan, torch.Tensor]:
+        """Flatten the scheduled tokens into one batch and run the model: logits of the sampled rows."""
+        with timed(stats, "prepare_time_s"):
+            batch = self.runner.prepare(sched)
+            plan = SamplePlan.build(sched, self._forks)
+        with timed(stats, "model_time_s"):
+            logits = self.runner.execute(batch, plan.rows)
+        if plan.prompt_rows:
+            record_prompt_logprobs(plan.prompt_rows, logits[plan.num_sample_rows :])
+        return plan, logits
+
+    def _end_step(self, stats: StepStats, before: SchedulerStats, t0: float) -> None:
+        self._step += 1
+        after = self.scheduler.stats()
+        stats.num_preemptions = after.num_preemptions - before.num_preemptions
+        stats.prefix_queries = after.prefix_queries - before.prefix_queries
+        stats.prefix_hits = after.prefix_hits - before.prefix_hits
+        stats.num_running, stats.num_waiting = after.num_running, after.num_waiting
+        stats.kv_usage = self.kv.stats().usage
+        stats.step_time_s = time.perf_counter() - t0
+        self.notify("on_step_finished", stats=stats)
+
+    def notify(self, hook: str, **kwargs) -> None:
         """Call every observer of ``hook``; one that raises is logged and the rest still run."""
-        for impl in getattr(self.hooks, hook).get_hookimpls():
+        for impl in getattr(self.hooks, hook).get_hookimpls():  # pluggy's hook relay
             try:
                 impl.function(*[kwargs[name] for name in impl.argnames])
             except Exception:
                 log.exception("observer %s failed in %s", impl.plugin_name, hook)
-
-    def _prefix_counters(self) -> tuple[int, int]:
-        """Prefix-cache tokens looked up and found so far (0, 0 for backends without a cache)."""
-        return getattr(self.kv, "prefix_queries", 0), getattr(self.kv, "prefix_hits", 0)
 
     def _update(self, sched, plan: SamplePlan, chosen: list[Chosen], stats: StepStats) -> list[RequestOutput]:
         for s in sched.scheduled:
@@ -275,7 +298,7 @@ class Engine:
                 rows = logits[first:end]
             else:
                 rows = torch.cat([logits[offsets[id(e)] : offsets[id(e)] + len(e.rows)] for e in entries])
-            return select_tokens(self.sampler, rows, entries, self.c.spec.vocab_size)
+            return select_tokens(self.sampler, rows, entries, self.c.spec.vocab_size, self.processors)
 
         chosen, faults = run_isolated(choose, plan.entries)
         if not faults:
@@ -289,7 +312,7 @@ class Engine:
     def _propose_drafts(self, decoding: list[Request]) -> list[RequestOutput]:
         """Ask the proposer for the next step's draft tokens (speculative decoding); a request
         whose proposal raises fails alone. Returns the outputs of failed requests."""
-        if self.proposer is None or not self.governor.should_propose(self.scheduler.num_running):
+        if self.proposer is None or not self.governor.should_propose(self.scheduler.stats().num_running):
             return []
         k = self.proposer.config.num_speculative_tokens
         eligible = [r for r in decoding if r.sampling_params.speculative and not r.sampling_params.needs_penalties]
@@ -327,6 +350,8 @@ class Engine:
             del self.requests[req.request_id]
             if self.proposer is not None:
                 self.proposer.release(req)
+            for name in req.sampling_params.processor_fields():
+                self.processors[name].release(req)
             outputs.append(self.outputs.output(req))
-            self._notify("on_request_finished", request=req)
+            self.notify("on_request_finished", request=req)
         return outputs

@@ -1,199 +1,244 @@
-"""Builds an engine's parts from a pipeline config: validate, load the model, pick plugins."""
+"""Builds an engine's parts from a pipeline config, every kind as ``cls(config, ctx)``.
+
+Order (each step fills the :class:`~modserve.core.contract.BuildContext` the next reads):
+platform -> model spec -> KV backend -> attention (with the KV backend's block size) ->
+model -> scheduler -> sampler -> logits processors -> proposer -> observers.
+"""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 import torch
 
 from modserve.core.config import PipelineConfig, load_pipeline
-from modserve.core.cpu_memory import keep_freed_memory
-from modserve.core.interfaces import AttentionSpec, KVSpec, SchedulerLimits
-from modserve.core.models.loader import ModelSource, load_model, locate
-from modserve.core.models.spec import ModelSpec
+from modserve.core.contract import (
+    BuildContext,
+    CausalLM,
+    KVBackend,
+    KVSpec,
+    LogitsProcessor,
+    ModelSpec,
+    Observer,
+    Platform,
+    Proposer,
+    Sampler,
+    Scheduler,
+    TargetModel,
+)
+from modserve.core.models.loader import (
+    LoadedModel,
+    ModelSource,
+    build_model,
+    check_max_model_len,
+    load_model,
+    locate,
+    open_checkpoint,
+)
 from modserve.core.plugin_manager import PluginRegistry, default_registry
 from modserve.core.runner import ModelRunner
-from modserve.core.speculative_base import ProposerContext
 from modserve.core.tokenizer import TokenizerBundle
 
 log = logging.getLogger("modserve.engine")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SINGLE_SECTIONS = ("scheduler", "kv_cache", "attention", "sampler", "speculative")
+LIST_SECTIONS = ("logits_processors", "observers")
 
 
 @dataclass
 class ResolvedPipeline:
-    """A validated pipeline: config plus the implementation class and options of each plugin."""
+    """A validated pipeline: config, the platform (built: it answers ``auto``), and the
+    implementation class and options of every other plugin, by pipeline key
+    (``logits_processors[0]``, ``observers[1]`` for list entries)."""
 
     pipeline: PipelineConfig
+    platform: Platform
+    dtype: str
     plugins: dict[str, tuple[type, msgspec.Struct]]
     source: ModelSource
     registry: PluginRegistry
+
+    def entries(self, section: str) -> list[str]:
+        """The keys of a list section's entries, in order."""
+        return [k for k in self.plugins if k.startswith(section + "[")]
+
+    def build(self, key: str, ctx: BuildContext) -> Any:
+        cls, config = self.plugins[key]
+        return cls(config, ctx)
+
+    def plugin_name(self, key: str) -> str:
+        section, _, index = key.partition("[")
+        raw = getattr(self.pipeline, section)
+        raw = raw[int(index[:-1])] if index else raw
+        return raw if isinstance(raw, str) else raw["plugin"]
 
 
 def resolve(source: Any = None, registry: PluginRegistry | None = None, **overrides: Any) -> ResolvedPipeline:
     """Validate everything that can be checked without loading weights (``modserve validate``)."""
     pipeline = load_pipeline(source, **overrides)
     registry = registry or default_registry()
+    device = pipeline.device  # a platform name, or {plugin: name, **options}
+    if device == "auto" or (isinstance(device, dict) and device.get("plugin") == "auto"):
+        chosen = registry.available_platform()
+        device = pipeline.device = {**device, "plugin": chosen} if isinstance(device, dict) else chosen
+    platform = registry.create("device", device, BuildContext(registry, pipeline.model.max_model_len))
+    dtype = pipeline.model.dtype if pipeline.model.dtype != "auto" else platform.default_dtype()
+    if pipeline.attention.get("plugin") == "auto":
+        pipeline.attention = {**pipeline.attention, "plugin": platform.default_attention(dtype)}
     plugins = {}
-    for section in ("scheduler", "kv_cache", "attention", "sampler", "speculative"):
+    for section in SINGLE_SECTIONS:
         raw = getattr(pipeline, section)
-        if section == "attention" and isinstance(raw, dict) and raw.get("plugin") == "auto":
-            raw = pipeline.attention = {**raw, "plugin": auto_attention(pipeline.device, pipeline.model.dtype)}
         if raw is not None:
             plugins[section] = registry.resolve(section, raw)
-    return ResolvedPipeline(pipeline, plugins, locate(pipeline.model.path), registry)
+    for section in LIST_SECTIONS:
+        for i, raw in enumerate(getattr(pipeline, section)):
+            plugins[f"{section}[{i}]"] = registry.resolve(f"{section}[{i}]", raw)
+    return ResolvedPipeline(pipeline, platform, dtype, plugins, locate(pipeline.model.path), registry)
 
 
 @dataclass
 class EngineComponents:
     pipeline: PipelineConfig
     registry: PluginRegistry
+    platform: Platform
     spec: ModelSpec
     tokenizer: TokenizerBundle
     model_name: str
     max_model_len: int
     device: torch.device
     dtype: torch.dtype
-    kv: Any
-    scheduler: Any
-    sampler: Any
+    kv: KVBackend
+    scheduler: Scheduler
+    sampler: Sampler
     attention: Any
     runner: ModelRunner
-    proposer: Any = None
+    proposer: Proposer | None = None
+    logits_processors: list[LogitsProcessor] = field(default_factory=list)
+    observers: list[Observer] = field(default_factory=list)
+    plugin_names: dict[str, str] = field(default_factory=dict)  # pipeline key -> plugin name
 
     def chosen_plugins(self) -> dict[str, tuple[str, Any]]:
         """``{section: (plugin name, object)}`` for fault messages."""
-        p = self.pipeline
         objects = {"scheduler": self.scheduler, "kv_cache": self.kv, "attention": self.attention,
                    "sampler": self.sampler, "speculative": self.proposer}
-        return {s: (getattr(p, s)["plugin"], obj) for s, obj in objects.items() if obj is not None}
+        objects.update({f"logits_processors[{i}]": p for i, p in enumerate(self.logits_processors)})
+        return {s: (self.plugin_names[s], obj) for s, obj in objects.items() if obj is not None}
 
     def info(self) -> dict[str, Any]:
-        p = self.pipeline
+        kv = self.kv.stats()
         return {
             "model_name": self.model_name,
-            "num_blocks": self.kv.num_blocks,
+            "num_blocks": kv.num_blocks,
             "block_size": self.kv.block_size,
-            "plugins": {s: (getattr(p, s) or {}).get("plugin") for s in ("scheduler", "kv_cache", "attention", "sampler", "speculative")},
+            "platform": self.plugin_names["device"],
+            "plugins": dict(self.plugin_names),
         }
 
 
-def auto_attention(device: str, dtype: str = "auto") -> str:
-    """``attention: {plugin: auto}``: Triton kernels on CUDA; on the CPU the compiled ``cpu``
-    kernel where a C++ compiler can build it (float32/bfloat16), else the ``torch`` backend."""
-    if pick_device(device).type == "cuda":
-        return "triton"
-    if dtype == "float16":
-        return "torch"
-    from modserve.plugins.attention import cpu_kernel_build
+@dataclass
+class Shard:
+    """What every tensor-parallel rank builds alike: KV backend, attention, model."""
 
-    try:
-        cpu_kernel_build.load()
-    except cpu_kernel_build.KernelUnavailable as e:
-        log.warning("attention auto: %s; using the torch backend", e)
-        return "torch"
-    return "cpu"
+    ctx: BuildContext
+    tokenizer: TokenizerBundle
+    kv: KVBackend
+    attention: Any
+    model: CausalLM
 
 
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device: 'cuda' requested but torch sees no CUDA device; use 'cpu' or 'auto'")
-    return torch.device(name)
+def build_shard(r: ResolvedPipeline, rank: int = 0, tp=None, model_name: str = "", replica: int | None = None, on_read=None) -> Shard:
+    """Platform device -> checkpoint spec -> KV backend -> attention -> model, for one rank.
+    ``on_read`` is called just before the weights are read (the workers measure memory there)."""
+    p = r.pipeline
+    shards = tp.world_size if tp is not None else 1
+    device = r.platform.device(rank)
+    ctx = BuildContext(r.registry, p.model.max_model_len, model_name, replica, shards, r.platform, device, DTYPES[r.dtype])
+    ckpt = open_checkpoint(r.source, ctx, p.model.tokenizer, tp)
+    spec = ckpt.spec
+    max_model_len = check_max_model_len(spec, p.model.max_model_len)
+    kv_spec = KVSpec(spec.num_layers, spec.num_kv_heads // shards, spec.head_dim, ctx.dtype, device, max_model_len)
+    ctx = ctx.with_(model=spec, max_model_len=max_model_len, kv_spec=kv_spec)
+    kv = r.build("kv_cache", ctx)
+    ctx = ctx.with_(kv=kv)
+    attention = r.build("attention", ctx)
+    if on_read is not None:
+        on_read()
+    model = build_model(ckpt, attention, ctx, max_model_len, tp=tp)
+    return Shard(ctx, ckpt.tokenizer, kv, attention, model)
 
 
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[name]
-
-
-def build_components(source: Any = None, registry: PluginRegistry | None = None, **overrides: Any) -> EngineComponents:
-    """Each engine gets its own registry unless given one, so observers added to it stay its own.
+def build_components(
+    source: Any = None, registry: PluginRegistry | None = None, replica: int | None = None, **overrides: Any
+) -> EngineComponents:
+    """Each engine gets its own registry unless given one, so its observers stay its own.
 
     With ``parallel.tensor_parallel_size > 1`` this process becomes rank 0: the worker
     processes start loading their shards first, then rank 0 loads its own.
     """
     r = resolve(source, registry or PluginRegistry(), **overrides)
     if r.pipeline.parallel.tensor_parallel_size == 1:
-        return _build(r, None)
+        return _build(r, None, replica)
     from modserve.core.distributed.tp_runner import start_workers
 
-    workers = start_workers(r, pick_device(r.pipeline.device))
+    workers = start_workers(r)
     try:
-        return _build(r, workers)
+        return _build(r, workers, replica)
     except BaseException:
         workers.stop(grace_s=0)
         raise
 
 
-def _build(r: ResolvedPipeline, workers) -> EngineComponents:
+def _build(r: ResolvedPipeline, workers, replica: int | None) -> EngineComponents:
     p = r.pipeline
-    n = p.parallel.tensor_parallel_size  # > 1: this process is rank 0 and holds one shard of n
-    device = pick_device(p.device)
-    dtype = pick_dtype(p.model.dtype, device)
-    att_cls, att_cfg = r.plugins["attention"]
-    kv_cls, kv_cfg = r.plugins["kv_cache"]
-    block_size = getattr(kv_cfg, "block_size", 16)
-    holder: dict[str, Any] = {}
-
-    def make_attention(spec: ModelSpec, shards: int = 1):
-        holder["attention"] = att_cls(
-            att_cfg,
-            AttentionSpec(spec.num_heads // shards, spec.num_kv_heads // shards, spec.head_dim, spec.head_dim**-0.5, dtype, device, block_size),
-        )
-        return holder["attention"]
-
-    if device.type == "cpu" and p.model.reuse_cpu_memory:
-        keep_freed_memory()
-    tp = workers.tp if workers is not None else None
-    loaded = load_model(
-        r.source, lambda spec: make_attention(spec, n), dtype, device, p.model.max_model_len, p.model.tokenizer, tp=tp,
-        pack_weights=p.model.pack_cpu_weights,
-        fuse_ops=p.model.fuse_cpu_ops,
-    )
-    spec = loaded.spec
-    max_model_len = p.model.max_model_len or spec.max_position_embeddings
-    if spec.sliding_window and max_model_len > spec.sliding_window:
-        raise ValueError(
-            f"model.max_model_len: {max_model_len} exceeds the model's sliding window {spec.sliding_window}, "
-            "which modserve does not implement; set max_model_len <= the window"
-        )
-    kv = kv_cls(kv_cfg, KVSpec(spec.num_layers, spec.num_kv_heads // n, spec.head_dim, dtype, device, max_model_len))
-    sched_cls, sched_cfg = r.plugins["scheduler"]
-    scheduler = sched_cls(sched_cfg, kv, SchedulerLimits(max_model_len))
-    samp_cls, samp_cfg = r.plugins["sampler"]
-    sampler = samp_cls(samp_cfg, spec.vocab_size)
+    model_name = p.model.name or r.source.default_name
+    shard = build_shard(r, 0, workers.tp if workers is not None else None, model_name, replica)
+    ctx, kv = shard.ctx, shard.kv
     if workers is None:
-        runner = ModelRunner(loaded.model, kv, holder["attention"], device)
+        runner = ModelRunner(shard.model, kv, shard.attention, ctx.device)
     else:
         from modserve.core.distributed.tp_runner import TPModelRunner
 
         workers.wait_ready(kv.num_blocks)
-        runner = TPModelRunner(loaded.model, kv, holder["attention"], device, workers)
+        runner = TPModelRunner(shard.model, kv, shard.attention, ctx.device, workers)
+    scheduler = r.build("scheduler", ctx)
+    sampler = r.build("sampler", ctx)
+    processors = [r.build(key, ctx) for key in r.entries("logits_processors")]
     proposer = None
     if "speculative" in r.plugins:
-        spec_cls, spec_cfg = r.plugins["speculative"]
-        ctx = ProposerContext(spec, r.source, loaded.model, loaded.tokenizer, dtype, device, max_model_len, make_attention)
-        proposer = spec_cls(spec_cfg, ctx)
+
+        def load(path: str | None, num_layers: int | None) -> LoadedModel:
+            """A draft beside the target: ``path`` None means the target's own file."""
+            source = r.source if path is None else locate(path)
+            return load_model(source, make_attention, ctx, num_layers=num_layers)
+
+        def make_attention(spec: ModelSpec):
+            return r.build("attention", ctx.with_(model=spec, shards=1))  # a draft is not sharded
+
+        target = TargetModel(shard.model, shard.tokenizer, load, make_attention)
+        proposer = r.build("speculative", ctx.with_(target=target))
+    observers = [r.build(key, ctx) for key in r.entries("observers")]
+    names = {key: r.plugin_name(key) for key in ("device", *r.plugins)}
     return EngineComponents(
         pipeline=p,
         registry=r.registry,
-        spec=spec,
-        tokenizer=loaded.tokenizer,
-        model_name=p.model.name or r.source.default_name,
-        max_model_len=max_model_len,
-        device=device,
-        dtype=dtype,
+        platform=r.platform,
+        spec=ctx.model,
+        tokenizer=shard.tokenizer,
+        model_name=model_name,
+        max_model_len=ctx.max_model_len,
+        device=ctx.device,
+        dtype=ctx.dtype,
         kv=kv,
         scheduler=scheduler,
         sampler=sampler,
-        attention=holder["attention"],
+        attention=shard.attention,
         runner=runner,
         proposer=proposer,
+        logits_processors=processors,
+        observers=observers,
+        plugin_names=names,
     )

@@ -10,8 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from modserve.core.interfaces import AttentionBackend, AttentionMetadata, KVBackend, SchedulerOutput
-from modserve.core.models.llama import LlamaForCausalLM
+from modserve.core.contract import AttentionBackend, AttentionMetadata, CausalLM, KVBackend, SchedulerOutput
 
 
 @dataclass
@@ -22,7 +21,12 @@ class StepBatch:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv: KVBackend, attention: AttentionBackend, device: torch.device):
+    """Runs one process's model; :class:`~modserve.core.distributed.tp_runner.TPModelRunner`
+    drives tensor-parallel workers beside it."""
+
+    dead: str | None = None  # why this runner can never run again (a worker died), else None
+
+    def __init__(self, model: CausalLM, kv: KVBackend, attention: AttentionBackend, device: torch.device):
         self.model = model
         self.kv = kv
         self.attention = attention
@@ -67,6 +71,9 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
         )
         return StepBatch(torch.tensor(input_ids, dtype=torch.int64, device=dev), pos.to(dev), meta)
+
+    def shutdown(self) -> None:
+        """Stop what this runner started (nothing for a single process). Idempotent."""
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch, logits_rows: list[int]) -> torch.Tensor:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from modserve.core.interfaces import SchedulerOutput
+from modserve.core.contract import SchedulerOutput
 from modserve.core.request import Request
 
 

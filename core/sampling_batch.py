@@ -110,3 +110,10 @@ def row_uniforms(seeds: torch.Tensor, counters: torch.Tensor, stream: int = 0) -
 def fresh_seed(rng: random.Random) -> int:
     """A seed for a request that gave none (so every row samples the same way)."""
     return rng.getrandbits(63)
+
+
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Sample one token per row by inverting the (unnormalised) CDF at ``uniforms``."""
+    cdf = probs.double().cumsum(dim=-1)
+    target = (uniforms * cdf[:, -1]).unsqueeze(1)
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)

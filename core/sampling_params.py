@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import msgspec
 
 
@@ -30,6 +32,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     speculative: bool = True  # a request may opt out of speculative decoding
+    logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit (OpenAI: -100..100); a logits processor applies it
+
+    # Fields implemented by logits processor plugins (``LogitsProcessor.request_field``): a
+    # request setting one that no enabled processor claims is refused, never ignored.
+    PROCESSOR_FIELDS: ClassVar[tuple[str, ...]] = ("logit_bias",)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -69,6 +76,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         )
         _check(all(s for s in self.stop), "stop", "must not contain empty strings", self.stop)
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0", self.stop_token_ids)
+
+    def processor_fields(self) -> tuple[str, ...]:
+        """The logits-processor fields this request sets."""
+        return tuple(f for f in self.PROCESSOR_FIELDS if getattr(self, f) is not None)
 
     @property
     def greedy(self) -> bool:

@@ -17,13 +17,13 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from modserve.core.interfaces import (
-    KVBackend,
+from modserve.core.contract import (
+    BuildContext,
     PrefixHit,
     ScheduledRequest,
     Scheduler,
-    SchedulerLimits,
     SchedulerOutput,
+    SchedulerStats,
 )
 from modserve.core.request import Request, RequestStatus
 
@@ -40,13 +40,15 @@ class SchedulerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class BaseScheduler(Scheduler):
     Config = SchedulerConfig
 
-    def __init__(self, config: SchedulerConfig, kv: KVBackend, limits: SchedulerLimits) -> None:
-        self.config = config
-        self.kv = kv
-        self.limits = limits
+    def __init__(self, config: SchedulerConfig, ctx: BuildContext) -> None:
+        super().__init__(config, ctx)
+        self.kv = ctx.kv
+        self.max_model_len = ctx.max_model_len
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
         self.num_preemptions = 0
+        self.prefix_queries = 0  # prompt tokens looked up at admission
+        self.prefix_hits = 0  # of those, found in the prefix cache
         self.current: Request | None = None  # the request being scheduled (named if a plugin raises)
 
     # ----------------------------------------------------------------- policy hooks
@@ -82,13 +84,8 @@ class BaseScheduler(Scheduler):
     def has_unfinished(self) -> bool:
         return bool(self.running or self.waiting)
 
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(len(self.running), len(self.waiting), self.num_preemptions, self.prefix_queries, self.prefix_hits)
 
     def adopt(self, request: Request) -> None:
         if request.metrics.first_scheduled_time is None:
@@ -185,9 +182,8 @@ class BaseScheduler(Scheduler):
             req.metrics.first_scheduled_time = time.monotonic()
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = hit.num_tokens
-        record = getattr(self.kv, "record_prefix_query", None)
-        if record is not None:
-            record(req.num_tokens, hit.num_tokens)
+        self.prefix_queries += req.num_tokens
+        self.prefix_hits += hit.num_tokens
 
     def _preempt(self, victim: Request, scheduled: dict[str, ScheduledRequest], out: SchedulerOutput) -> int:
         """Free the victim's blocks and requeue it at the front; returns budget it gave back."""

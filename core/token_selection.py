@@ -16,10 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from modserve.core.interfaces import Sampler
+from modserve.core.contract import LogitsProcessor, LogitsRow, Sampler
 from modserve.core.sample_plan import SampleEntry
-from modserve.core.sampling_batch import SamplingBatch, row_uniforms
-from modserve.plugins.samplers.default import inverse_cdf
+from modserve.core.sampling_batch import SamplingBatch, inverse_cdf, row_uniforms
 
 LogprobRecord = tuple[float, list[tuple[int, float]]]
 
@@ -32,8 +31,14 @@ class Chosen:
     num_accepted: int
 
 
-def select_tokens(sampler: Sampler, logits: torch.Tensor, entries: list[SampleEntry], vocab: int) -> list[Chosen]:
-    """``logits`` has one row per entry row, in order."""
+def select_tokens(
+    sampler: Sampler, logits: torch.Tensor, entries: list[SampleEntry], vocab: int,
+    processors: dict[str, LogitsProcessor] | None = None,
+) -> list[Chosen]:
+    """``logits`` has one row per entry row, in order. The logits processors named by the
+    rows' requests change them first (draft-verification rows included)."""
+    if processors and any(e.request.sampling_params.processor_fields() for e in entries):
+        apply_processors(processors, logits, entries)
     reqs, counters = [], []
     for e in entries:
         for j in range(len(e.rows)):
@@ -46,6 +51,20 @@ def select_tokens(sampler: Sampler, logits: torch.Tensor, entries: list[SampleEn
         records = _records(out, entries) if out.logprobs is not None else None
         return [Chosen([t], None if records is None else [records[i]], 0, 0) for i, t in enumerate(tokens)]
     return _verify(sampler, logits, batch, entries)
+
+
+def apply_processors(processors: dict[str, LogitsProcessor], logits: torch.Tensor, entries: list[SampleEntry]) -> None:
+    """Each processor gets the rows whose request sets its field, with the drafts before each row."""
+    rows: list[LogitsRow] = []
+    fields: list[tuple[str, ...]] = []
+    for e in entries:
+        for j in range(len(e.rows)):
+            rows.append(LogitsRow(e.request, tuple(e.drafts[:j])))
+            fields.append(e.request.sampling_params.processor_fields())
+    for name, processor in processors.items():
+        which = [i for i, f in enumerate(fields) if name in f]
+        if which:
+            processor.apply(logits, [rows[i] for i in which], which)
 
 
 def _records(out, entries: list[SampleEntry]) -> list[LogprobRecord]:

@@ -15,7 +15,7 @@ from modserve.core.async_engine import AsyncEngine
 from modserve.core.config import ServerSection
 from modserve.core.engine import Engine
 from modserve.core.engine_factory import build_components
-from modserve.core.hookspecs import hookimpl
+from modserve.core.contract import hookimpl
 from modserve.core.plugin_manager import PluginRegistry
 from modserve.core.server.app import build_app
 from modserve.core.server.lifecycle import Runner, bind
@@ -25,7 +25,7 @@ from modserve.plugins.schedulers.fcfs import FCFSScheduler
 def registry(**kinds: dict[str, type]) -> PluginRegistry:
     """A registry with the built-ins plus ``kinds``, e.g. ``samplers={"faulty": FaultySampler}``."""
     module = types.ModuleType("test_plugins")
-    module.MODSERVE_CONTRACT = "1.0"
+    module.MODSERVE_CONTRACT = "2.0"
     for kind, impls in kinds.items():
         setattr(module, f"register_{kind}", hookimpl(_returning(impls)))
     reg = PluginRegistry()

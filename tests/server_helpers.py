@@ -48,7 +48,7 @@ def pipeline(max_position_embeddings: int = 512, **sections: dict[str, Any]) -> 
         "server": {"host": "127.0.0.1", "port": 0},
     }
     for key, value in sections.items():
-        base[key] = {**base.get(key, {}), **value}
+        base[key] = value if isinstance(value, list) else {**base.get(key, {}), **value}
     return base
 
 

@@ -17,7 +17,7 @@ from modserve.core.bench.roofline import (
     weight_bytes,
 )
 from modserve.core.models.loader import locate
-from modserve.core.models.spec import ModelSpec
+from modserve.core.contract import ModelSpec
 from tiny_models import build_model
 
 

@@ -6,7 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from modserve.core.interfaces import KVSpec
+from modserve.core.contract import KVSpec
+from modserve.core.plugin_manager import standalone_context
 from modserve.core.request import Request, RequestStatus
 from modserve.core.sampling_params import SamplingParams
 from modserve.plugins.kv_backends.block_pool import BlockPool
@@ -55,7 +56,7 @@ def test_block_pool_never_double_allocates_or_leaks(operations):
 
 def _backend(num_blocks=8, block_size=4, prefix_caching=True):
     spec = KVSpec(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, device=torch.device("cpu"), max_model_len=16)
-    return PagedKVBackend(PagedConfig(block_size=block_size, num_blocks=num_blocks, prefix_caching=prefix_caching), spec)
+    return PagedKVBackend(PagedConfig(block_size=block_size, num_blocks=num_blocks, prefix_caching=prefix_caching), standalone_context(kv_spec=spec))
 
 
 @settings(max_examples=150, deadline=None)

@@ -29,12 +29,14 @@ CONFIG_ERRORS = [
     ({"modle": {}}, "modle: unknown key"),
     ({"model": {"dtype": "float64"}}, "model.dtype: expected one of float32, bfloat16, float16, auto, got 'float64'"),
     ({"model": {"max_model_len": 1}}, "model.max_model_len: expected int >= 2, got 1"),
-    ({"device": "tpu"}, "device: expected one of cpu, cuda, auto, got 'tpu'"),
     ({"server": {"port": 70000}}, "server.port: expected int <= 65535, got 70000"),
     ({"server": {"api_keys": ["a", 3]}}, "server.api_keys.1: expected str, got 3"),
     ({"server": {"burst_window_ms": 300}}, "server.burst_window_ms: expected float <= 100.0, got 300"),
     ({"server": {"burst_window_ms": -1}}, "server.burst_window_ms: expected float >= 0.0, got -1"),
-    ({"observability": {"tracing": {"exporter": "jaeger"}}}, "observability.tracing.exporter: expected one of none, console, otlp"),
+    ({"observers": [{"plugin": "metrics"}, {"plugin": "tracing", "exporter": "jaeger"}]}, "observers[1].exporter: expected one of console, otlp"),
+    ({"observability": {"metrics": True}}, "observability: unknown key"),
+    ({"device": "tpu"}, "device: unknown platform 'tpu'; available: cuda, cpu"),
+    ({"logits_processors": [{"plugin": "nope"}]}, "logits_processors[0].plugin: unknown logits processor 'nope'"),
 ]
 
 
@@ -45,7 +47,8 @@ def test_config_error_names_the_field(config, message):
     assert message in str(e.value)
     if "available: " in message:  # built-ins listed (installed example plugins may add more)
         listed = str(e.value).split("available: ")[1].split(", ")
-        assert {"fcfs", "priority", "static"} <= set(listed) or {"torch", "triton"} <= set(listed)
+        builtins = [{"fcfs", "priority", "static"}, {"torch", "triton"}, {"cpu", "cuda"}, {"logit_bias"}]
+        assert any(b <= set(listed) for b in builtins)
 
 
 def test_missing_model_and_files(tmp_path):
@@ -117,7 +120,8 @@ def test_sampling_params_errors(kwargs, message):
     assert message in str(e.value)
     if "available: " in message:  # built-ins listed (installed example plugins may add more)
         listed = str(e.value).split("available: ")[1].split(", ")
-        assert {"fcfs", "priority", "static"} <= set(listed) or {"torch", "triton"} <= set(listed)
+        builtins = [{"fcfs", "priority", "static"}, {"torch", "triton"}, {"cpu", "cuda"}, {"logit_bias"}]
+        assert any(b <= set(listed) for b in builtins)
 
 
 def _cli(*args, env=None):
@@ -149,5 +153,5 @@ def test_cli_validate_and_plugins(tmp_path):
     import json
 
     data = json.loads(_cli("plugins", "--json").stdout)
-    assert data["contract"] == "1.0"
+    assert data["contract"] == "2.0"
     assert {"fcfs", "priority", "static"} <= {p["name"] for p in data["plugins"]["schedulers"]}

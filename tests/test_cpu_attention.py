@@ -302,5 +302,7 @@ def test_bad_options_name_the_field(tiny_models):
         resolve({"model": {"path": path}, "attention": {"plugin": "cpu", "max_query_lenn": 3}})
     with pytest.raises(ConfigError, match=r"attention\.max_query_len: expected int >= 1, got 0"):
         resolve({"model": {"path": path}, "attention": {"plugin": "cpu", "max_query_len": 0}})
-    with pytest.raises(ConfigError, match=r"model\.pack_cpu_weights: expected bool, got 'yes'"):
-        resolve({"model": {"path": path, "pack_cpu_weights": "yes"}})
+    with pytest.raises(ConfigError, match=r"device\.pack_weights: expected bool, got 'yes'"):
+        resolve({"model": {"path": path}, "device": {"plugin": "cpu", "pack_weights": "yes"}})
+    with pytest.raises(ConfigError, match=r"model\.pack_cpu_weights: unknown key"):  # moved to the cpu platform
+        resolve({"model": {"path": path, "pack_cpu_weights": True}})

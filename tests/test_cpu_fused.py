@@ -14,7 +14,7 @@ from modserve import LLM, SamplingParams
 from modserve.core.config import ConfigError
 from modserve.core.engine_factory import resolve
 from modserve.core.models import cpu_fused
-from modserve.core.models.llama import MLP, Attention, RMSNorm
+from modserve.plugins.models.llama import MLP, Attention, RMSNorm
 from modserve.core.models.rope import apply_rotary
 
 pytestmark = pytest.mark.skipif(not cpu_fused.can_fuse("cpu", torch.float32), reason="no C++ compiler")
@@ -117,7 +117,7 @@ def test_engine_fuses_unless_told_not_to_and_tokens_agree(tiny_models, dtype):
         path, _ = tiny_models[arch]
         tokens = {}
         for fuse in (True, False):
-            llm = LLM(model={"path": path, "fuse_cpu_ops": fuse, "dtype": dtype}, kv_cache={"plugin": "paged", "num_blocks": 64})
+            llm = LLM(model={"path": path, "dtype": dtype}, device={"plugin": "cpu", "fuse_ops": fuse}, kv_cache={"plugin": "paged", "num_blocks": 64})
             assert fused_flags(llm) == {fuse}
             tokens[fuse] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         assert tokens[True] == tokens[False], arch
@@ -134,11 +134,11 @@ def test_not_fused_for_float16_or_without_a_compiler(tiny_llama, monkeypatch, tm
         with caplog.at_level(logging.WARNING, logger="modserve.models"):
             llm = LLM(model={"path": path}, kv_cache=kv, attention={"plugin": "torch"})
         assert fused_flags(llm) == {False}
-        assert "model.fuse_cpu_ops: compiling the fused cpu ops failed" in caplog.text
+        assert "device.fuse_ops: compiling the fused cpu ops failed" in caplog.text
     finally:
         cpu_fused.load.cache_clear()
 
 
 def test_a_non_boolean_setting_names_its_field(tiny_llama):
-    with pytest.raises(ConfigError, match=r"model\.fuse_cpu_ops: expected bool, got 'yes'"):
-        resolve({"model": {"path": tiny_llama[0], "fuse_cpu_ops": "yes"}})
+    with pytest.raises(ConfigError, match=r"device\.fuse_ops: expected bool, got 'yes'"):
+        resolve({"model": {"path": tiny_llama[0]}, "device": {"plugin": "cpu", "fuse_ops": "yes"}})

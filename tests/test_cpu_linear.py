@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from modserve import LLM, SamplingParams
-from modserve.core.models.cpu_linear import (
+from modserve.plugins.platforms.cpu_linear import (
     MAX_CHUNK,
     MIN_CHUNK,
     PAD_BELOW,
@@ -87,7 +87,7 @@ def test_engine_packs_unless_told_not_to_and_outputs_agree(tiny_llama):
     path, _ = tiny_llama
     tokens = {}
     for pack in (True, False):
-        llm = LLM(model={"path": path, "pack_cpu_weights": pack}, kv_cache={"plugin": "paged", "num_blocks": 64})
+        llm = LLM(model={"path": path}, device={"plugin": "cpu", "pack_weights": pack}, kv_cache={"plugin": "paged", "num_blocks": 64})
         kinds = {type(m) for m in llm.engine.c.runner.model.modules()}
         assert (PackedLinear in kinds) is pack and (nn.Linear in kinds) is not pack
         outs = llm.generate([[3, 4, 5, 6], [9] * 30], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))

@@ -1,4 +1,4 @@
-"""``model.reuse_cpu_memory``: a CPU engine keeps freed step memory instead of faulting it in
+"""``device: {plugin: cpu, reuse_freed_memory: ...}``: a CPU engine keeps freed step memory instead of faulting it in
 again every step. Each setting runs in a fresh process (malloc thresholds are process-wide)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from modserve import LLM
-from modserve.core import engine_factory
+from modserve.plugins.platforms import cpu as cpu_platform
 from modserve.core.config import ConfigError
 from modserve.core.engine_factory import resolve
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the t
 PROBE = r"""
 import json, resource, sys, torch
 from modserve import LLM
-LLM(model={"path": sys.argv[1], "reuse_cpu_memory": sys.argv[2] == "on"}, kv_cache={"plugin": "paged", "num_blocks": 64})
+LLM(model={"path": sys.argv[1]}, device={"plugin": "cpu", "reuse_freed_memory": sys.argv[2] == "on"}, kv_cache={"plugin": "paged", "num_blocks": 64})
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 def step():  # like a decode step: 8 blocks of 4 MiB live at once, written, then all freed
@@ -51,11 +51,11 @@ def test_freed_step_memory_is_reused(tiny_llama):
 @pytest.mark.parametrize("setting,applied", [(True, 1), (False, 0)])
 def test_the_setting_decides_whether_the_thresholds_are_applied(tiny_llama, monkeypatch, setting, applied):
     calls = []
-    monkeypatch.setattr(engine_factory, "keep_freed_memory", lambda: calls.append(1))
-    LLM(model={"path": tiny_llama[0], "reuse_cpu_memory": setting}, kv_cache={"plugin": "paged", "num_blocks": 64})
+    monkeypatch.setattr(cpu_platform, "keep_freed_memory", lambda: calls.append(1))
+    LLM(model={"path": tiny_llama[0]}, device={"plugin": "cpu", "reuse_freed_memory": setting}, kv_cache={"plugin": "paged", "num_blocks": 64})
     assert len(calls) == applied
 
 
 def test_a_non_boolean_setting_names_its_field(tiny_llama):
-    with pytest.raises(ConfigError, match=r"model\.reuse_cpu_memory: expected bool, got 'yes'"):
-        resolve({"model": {"path": tiny_llama[0], "reuse_cpu_memory": "yes"}})
+    with pytest.raises(ConfigError, match=r"device\.reuse_freed_memory: expected bool, got 'yes'"):
+        resolve({"model": {"path": tiny_llama[0]}, "device": {"plugin": "cpu", "reuse_freed_memory": "yes"}})

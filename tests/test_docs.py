@@ -91,9 +91,11 @@ def _unregistered_plugins(path: Path) -> list[str]:
     registry = default_registry()
     missing = []
     for section, kind in PLUGIN_SECTIONS.items():
-        name = (raw.get(section) or {}).get("plugin")
-        if name not in (None, "auto") and name not in registry.implementations(kind):
-            missing.append(f"{section} plugin {name!r}")
+        value = raw.get(section) or {}
+        for entry in value if isinstance(value, list) else [value]:
+            name = entry if isinstance(entry, str) else entry.get("plugin")
+            if name not in (None, "auto") and name not in registry.implementations(kind):
+                missing.append(f"{section} plugin {name!r}")
     eviction = (raw.get("kv_cache") or {}).get("eviction")
     if eviction is not None and eviction not in registry.implementations("eviction_policies"):
         missing.append(f"kv_cache.eviction policy {eviction!r}")
@@ -157,11 +159,13 @@ def _greedy(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def test_metrics_page_names_exactly_the_exported_metrics():
+    from modserve.core.contract import NoOptions
+    from modserve.core.plugin_manager import standalone_context
     from modserve.plugins.observers.metrics import MetricsObserver
 
     exported = {
         c.name + ("_total" if c.type == "counter" else "")
-        for c in MetricsObserver("m", 2048).registry.collect()
+        for c in MetricsObserver(NoOptions(), standalone_context(max_model_len=2048)).registry.collect()
     }
     documented = set(re.findall(r"`(modserve:\w+)`", (DOCS / "metrics.md").read_text(encoding="utf-8")))
     assert documented == exported

@@ -7,7 +7,7 @@ import types
 import pytest
 
 from modserve import LLM, SamplingParams
-from modserve.core.hookspecs import hookimpl
+from modserve.core.contract import hookimpl
 from modserve.core.plugin_manager import PluginRegistry
 from modserve.plugins.samplers.default import DefaultSampler
 from modserve.plugins.schedulers.fcfs import FCFSScheduler
@@ -40,7 +40,7 @@ class FaultyProposer(NgramProposer):
 
 def _registry():
     module = types.ModuleType("faulty_plugins")
-    module.MODSERVE_CONTRACT = "1.0"
+    module.MODSERVE_CONTRACT = "2.0"
     module.register_samplers = hookimpl(lambda: {"faulty": FaultySampler})
     module.register_schedulers = hookimpl(lambda: {"faulty": FaultyScheduler})
     module.register_speculative_decoders = hookimpl(lambda: {"faulty": FaultyProposer})

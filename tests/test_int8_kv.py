@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from modserve import LLM, SamplingParams
-from modserve.core.interfaces import KVSpec
-from modserve.core.plugin_manager import default_registry
+from modserve.core.contract import KVSpec
+from modserve.core.plugin_manager import default_registry, standalone_context
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import int8_quality  # noqa: E402
@@ -66,7 +66,7 @@ def test_int8_kv_quality_on_smollm2(smollm2_llm, smollm2_int8_llm):
 
 def _paged_backend(options: dict, spec: KVSpec):
     cls, cfg = default_registry().resolve("kv_cache", {"plugin": "paged", **options})
-    return cls(cfg, spec)
+    return cls(cfg, standalone_context(kv_spec=spec))
 
 
 def _allocated_bytes(kv) -> int:
@@ -146,7 +146,7 @@ def test_int8_greedy_keeps_block_accounting_exact_with_prefix_hits_and_preemptio
     tight = engine(12, True)
     got = _run(tight, prompts, params, late=3)
     assert tight.scheduler.num_preemptions > 0
-    assert tight.kv.prefix_hits > 0
+    assert tight.scheduler.stats().prefix_hits > 0
     roomy = engine(256, False)
     want = _run(roomy, prompts, params, late=3)
     assert roomy.scheduler.num_preemptions == 0

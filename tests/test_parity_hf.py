@@ -52,7 +52,7 @@ def test_requests_added_mid_decode_match_hf(tiny_models):
     for _ in range(5):
         for out in engine.step():
             done[out.request_id] = out
-    assert engine.scheduler.num_running == 4
+    assert engine.scheduler.stats().num_running == 4
     for i, p in enumerate(ps[4:], start=4):
         engine.add_request(p, GREEDY, request_id=str(i))
     while engine.has_unfinished():

@@ -1,12 +1,11 @@
-"""Out-of-tree plugins: the example packages install into this environment, register through
-the ``modserve`` entry-point group, and change the engine's behaviour as they claim.
-A plugin written for another contract version is refused with both versions named.
+"""Out-of-tree plugins: the example packages install into a temporary environment (never the
+user's), register through the ``modserve`` entry-point group, and change the engine's
+behaviour as they claim. A KV backend written from scratch against the contract runs with
+preemption, ``n > 1`` and tensor parallelism. Plugins breaking the contract are refused.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.metadata
 import json
 import random
 import subprocess
@@ -16,17 +15,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from plugin_env import install_plugins
 
 from modserve import LLM, SamplingParams
 from modserve.core import cli
 from modserve.core.config import ConfigError
+from modserve.core.contract import CONTRACT_VERSION, AttentionSpec, Scheduler, hookimpl
 from modserve.core.engine_factory import resolve
-from modserve.core.hookspecs import CONTRACT_VERSION, hookimpl
-from modserve.core.interfaces import AttentionSpec
-from modserve.core.plugin_manager import PluginContractError, PluginRegistry, default_registry
+from modserve.core.plugin_manager import PluginContractError, PluginRegistry, standalone_context
 from modserve.core.request import Request
 
 PLUGINS = Path(__file__).resolve().parent.parent / "examples" / "plugins"
+SCRATCH_KV = Path(__file__).resolve().parent / "plugins" / "modserve-scratch-kv"
 # distribution -> (plugin module, registered kind, registered name, config fields it adds)
 PACKAGES = {
     "modserve-fairshare": ("modserve_fairshare", "schedulers", "fair_share", {"max_running_per_user"}),
@@ -34,55 +34,41 @@ PACKAGES = {
     "modserve-vendor-attention": (
         "modserve_vendor_attention", "attention_backends", "vendor_skeleton", {"log_shapes", "fallback"}
     ),
+    "modserve-vendor-platform": ("modserve_vendor_platform", "platforms", "vendor_cpu", {"memory_gb", "int8_weights"}),
 }
 
 
-def _installed_from(dist_name: str, module: str, project: Path) -> bool:
-    """Whether ``dist_name`` is already an editable install of ``project`` with the expected entry point."""
-    try:
-        dist = importlib.metadata.distribution(dist_name)
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    url = json.loads(dist.read_text("direct_url.json") or "{}").get("url")
-    entry_points = [(ep.group, ep.value) for ep in dist.entry_points]
-    return url == project.as_uri() and entry_points == [("modserve", module)]
+@pytest.fixture(scope="module")
+def example_plugins(tmp_path_factory):
+    """Every example package (and the scratch KV backend) installed into a temporary target
+    directory, on ``sys.path`` for this module's tests only; ``.env()`` for subprocesses."""
+    env = install_plugins([*(PLUGINS / d for d in PACKAGES), SCRATCH_KV], tmp_path_factory.mktemp("plugins"))
+    with env.activate():
+        yield env
 
 
-@pytest.fixture(scope="session")
-def example_plugins():
-    """``pip install -e`` each example package unless it already is; make it importable here.
-
-    The editable install's ``.pth`` line (the package's ``src``) is read only at interpreter
-    start, so this process adds it itself; subprocesses pick it up on their own.
-    """
-    missing = [d for d, (m, *_) in PACKAGES.items() if not _installed_from(d, m, PLUGINS / d)]
-    if missing:
-        args = [a for d in missing for a in ("-e", str(PLUGINS / d))]
-        pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", *args]
-        done = subprocess.run(pip, capture_output=True, text=True)
-        assert done.returncode == 0, done.stderr
-        importlib.invalidate_caches()
-    for dist in PACKAGES:
-        src = str(PLUGINS / dist / "src")
-        if src not in sys.path:
-            sys.path.append(src)
-    default_registry.cache_clear()  # rebuilt with the new entry points
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess:
+def _cli(*args: str, env=None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "modserve.core.cli", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_nothing_is_installed_into_the_users_environment():
+    out = _cli("plugins", "--json")
+    assert out.returncode == 0, out.stderr
+    listing = json.loads(out.stdout)["plugins"]
+    names = {p["name"] for impls in listing.values() for p in impls}
+    assert not names & {name for _, _, name, _ in PACKAGES.values()}
 
 
 def test_modserve_plugins_json_lists_installed_packages(example_plugins):
-    out = _cli("plugins", "--json")
+    out = _cli("plugins", "--json", env=example_plugins.env())
     assert out.returncode == 0, out.stderr
     listing = json.loads(out.stdout)["plugins"]
     for dist, (module, kind, name, fields) in PACKAGES.items():
         impl = next((p for p in listing[kind] if p["name"] == name), None)
         assert impl is not None, f"{name} missing from modserve plugins --json {kind}"
         assert impl["source"] == f"{dist} ({module})"
-        assert impl["contract"] == "1.0"
+        assert impl["contract"] == CONTRACT_VERSION
         assert impl["class"].startswith(f"{module}.")
         assert fields <= {f["name"] for f in impl["config"]}
 
@@ -165,7 +151,7 @@ def test_fair_share_caps_running_per_user(example_plugins, llm_with):
 def test_fair_share_preempts_the_busiest_users_newest_request(example_plugins):
     from modserve_fairshare import FairShareConfig, FairShareScheduler
 
-    sched = FairShareScheduler(FairShareConfig(), kv=None, limits=None)
+    sched = FairShareScheduler(FairShareConfig(), standalone_context())
     users = ["a", "b", "b", "a", "b", "c"]
     sched.running = [Request(f"r{i}", [1], SamplingParams(), user=u) for i, u in enumerate(users)]
     assert sched.pick_victim(sched.running[0]).request_id == "r4"
@@ -178,18 +164,21 @@ HOT_PREFIX = [11, 12, 13, 14, 15, 16, 17, 18]  # two blocks of 4 tokens
 
 def _hot_prefix_hits_after_churn(llm: LLM) -> tuple[int, int]:
     """(prefix-hit tokens while warming a shared prefix, its hit tokens after cold prompts churned the pool)."""
-    kv = llm.engine.kv
-    kv.reset_prefix_cache()
+    llm.engine.kv.reset_prefix_cache()
+
+    def hits() -> int:
+        return llm.engine.scheduler.stats().prefix_hits
+
     params = SamplingParams(max_tokens=4, ignore_eos=True)
-    start = kv.prefix_hits
+    start = hits()
     for i in range(4):
         llm.generate([HOT_PREFIX + [100 + i, 101, 102]], params)
-    warm = kv.prefix_hits - start
+    warm = hits() - start
     rng = random.Random(0)
     llm.generate([[rng.randrange(20, 300) for _ in range(20)] for _ in range(12)], params)
-    start = kv.prefix_hits
+    start = hits()
     llm.generate([HOT_PREFIX + [200, 201, 202]], params)
-    return warm, kv.prefix_hits - start
+    return warm, hits() - start
 
 
 def test_lfu_keeps_a_hot_prefix_that_lru_evicts(example_plugins, llm_with):
@@ -266,7 +255,98 @@ def test_vendor_skeleton_refuses_a_bad_fallback(example_plugins):
         resolve({"attention": {"plugin": "vendor_skeleton", "fallback": "vendor_skeleton"}})
     spec = AttentionSpec(4, 2, 16, 0.25, torch.float32, torch.device("cpu"), 16)
     with pytest.raises(ValueError, match="attention.fallback: unknown attention backend 'cuda_kernels'; available: "):
-        VendorAttention(VendorConfig(fallback="cuda_kernels"), spec)
+        VendorAttention(VendorConfig(fallback="cuda_kernels"), standalone_context(attention=spec))
+
+
+# ----------------------------------------------------------------------------- vendor platform
+
+
+def _next_token_predictions(llm: LLM, sequences):
+    """Teacher-forced: per position of each sequence, (the model's top token, the logprob of the
+    sequence's actual next token)."""
+    outs = llm.generate([{"prompt_token_ids": s} for s in sequences], SamplingParams(max_tokens=1, prompt_logprobs=1))
+    preds = []
+    for seq, out in zip(sequences, outs):
+        for i, lps in enumerate(out.prompt_logprobs):
+            if lps is not None:
+                preds.append((max(lps.values(), key=lambda lp: lp.logprob).token_id, lps[seq[i]].logprob))
+    return preds
+
+
+def test_vendor_platform_runs_int8_linears_within_its_stated_tolerance(example_plugins, llm_with):
+    """The README's tolerance, teacher-forced over the float platform's own greedy text: the
+    top token agrees at >= 85% of positions and the actual token's logprob moves <= 0.25 nats."""
+    from modserve_vendor_platform import Int8WeightOnlyLinear
+
+    ref = llm_with()
+    vendor = llm_with(device={"plugin": "vendor_cpu", "memory_gb": 1.0})
+    prompts = [[10, 20, 30, 40, 50], [60, 70, 80], list(range(100, 140)), [5] * 12]
+    greedy = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0)
+    sequences = [p + o.outputs[0].token_ids for p, o in zip(prompts, ref.generate([{"prompt_token_ids": p} for p in prompts], greedy))]
+    want, got = _next_token_predictions(ref, sequences), _next_token_predictions(vendor, sequences)
+    agree = sum(w[0] == g[0] for w, g in zip(want, got))
+    assert agree >= 0.85 * len(want), f"top token agrees at {agree}/{len(want)} positions"
+    assert max(abs(w[1] - g[1]) for w, g in zip(want, got)) <= 0.25
+    assert want != got  # the weights really are int8
+    model = vendor.engine.c.runner.model
+    int8 = [m for m in model.modules() if isinstance(m, Int8WeightOnlyLinear)]
+    assert len(int8) == 4 * len(model.layers)  # qkv, o, gate_up, down of every layer; not the head
+    assert type(model.lm_head) is torch.nn.Linear
+    assert vendor.engine.c.platform.kv_bytes == sum(
+        t.numel() * t.element_size() for c in vendor.engine.kv.layer_caches() for t in c.tensors().values()
+    )
+
+
+def test_vendor_platform_enforces_its_memory_and_auto_picks_it(example_plugins, tiny_llama):
+    with pytest.raises(ValueError, match="device.memory_gb: the KV cache needs more than the vendor device's"):
+        LLM(model={"path": tiny_llama[0]}, device={"plugin": "vendor_cpu", "memory_gb": 1e-6},
+            kv_cache={"plugin": "paged", "num_blocks": 64})
+    r = resolve({"model": {"path": tiny_llama[0]}, "device": "auto"})
+    assert r.plugin_name("device") == "vendor_cpu"  # installed platforms come before cuda and cpu
+    assert r.pipeline.attention["plugin"] == "torch"  # the platform's default attention
+
+
+# ----------------------------------------------------------------------------- a KV backend from scratch
+
+
+def _scratch_config(path: str, n: int) -> dict:
+    """24 blocks of 4 tokens for prompts of 5-40 tokens: preemption (by recompute) is certain."""
+    return {
+        "model": {"path": path, "max_model_len": 96},
+        "scheduler": {"plugin": "fcfs", "max_num_batched_tokens": 32},
+        "kv_cache": {"plugin": "scratch", "block_size": 4, "num_blocks": 24},
+        "parallel": {"tensor_parallel_size": n},
+    }
+
+
+def test_kv_backend_written_from_scratch_matches_paged(example_plugins, tiny_models):
+    """Not a subclass of paged: prefix caching off, preemption, n > 1 forks through copy_blocks,
+    tensor parallelism 2 replaying those copies on the worker; tokens equal paged's."""
+    from modserve_scratch_kv import ScratchKV
+
+    path, hf = tiny_models["qwen2"]  # 2 KV heads: splits over 2 ranks
+    prompts = [list(range(3 + i, 3 + i + length)) for i, length in enumerate([5, 40, 17, 33, 9, 26])]
+    greedy = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0)
+    sampled = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.8, seed=7, n=3)
+    paged = LLM({**_scratch_config(path, 1), "kv_cache": {"plugin": "paged", "block_size": 4, "num_blocks": 24, "prefix_caching": False}})
+    want = [[c.token_ids for c in o.outputs] for o in paged.generate([{"prompt_token_ids": p} for p in prompts], greedy)]
+    want_n = [[c.token_ids for c in o.outputs] for o in paged.generate([{"prompt_token_ids": prompts[1]}], sampled)]
+    for n in (1, 2):
+        llm = LLM(_scratch_config(path, n))
+        try:
+            kv = llm.engine.kv
+            assert isinstance(kv, ScratchKV) and not isinstance(kv, type(paged.engine.kv))
+            got = [[c.token_ids for c in o.outputs] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)]
+            assert got == want, f"tensor_parallel_size {n}"
+            assert llm.engine.scheduler.stats().num_preemptions > 0
+            got_n = [[c.token_ids for c in o.outputs] for o in llm.generate([{"prompt_token_ids": prompts[1]}], sampled)]
+            assert got_n == want_n, f"n > 1 with tensor_parallel_size {n}"
+            assert kv.fork_copies > 0
+            if n == 2:
+                assert llm.engine.runner.copies.counts.get("device->device", 0) == kv.fork_copies
+            assert kv.num_free_blocks == kv.num_blocks
+        finally:
+            llm.engine.shutdown()
 
 
 # ----------------------------------------------------------------------------- the contract
@@ -285,7 +365,7 @@ def _plugin_module(contract: str | None) -> types.ModuleType:
     return module
 
 
-@pytest.mark.parametrize("declared", ["2.0", "1.9", "0.9"])
+@pytest.mark.parametrize("declared", ["3.0", "2.9", "0.9"])
 def test_incompatible_contract_is_refused_naming_both_versions(declared):
     registry = PluginRegistry()
     with pytest.raises(PluginContractError) as err:
@@ -303,7 +383,37 @@ def test_plugin_without_a_contract_is_refused():
 
 
 def test_plugin_declaring_the_current_contract_registers():
+    module = _plugin_module(CONTRACT_VERSION)
+    module.register_schedulers = hookimpl(lambda: {"acme": _AcmeScheduler})
     registry = PluginRegistry()
-    registry.register_module(_plugin_module(CONTRACT_VERSION), source="acme-scheduler")
+    registry.register_module(module, source="acme-scheduler")
     impl = registry.implementations("schedulers")["acme"]
     assert (impl.source, impl.contract) == ("acme-scheduler", CONTRACT_VERSION)
+
+
+def test_a_1x_plugin_is_refused_with_what_changed():
+    with pytest.raises(PluginContractError) as err:
+        PluginRegistry().register_module(_plugin_module("1.0"), source="acme-scheduler")
+    message = str(err.value)
+    assert "acme-scheduler targets modserve contract 1.0" in message
+    assert "cls(config, ctx)" in message and "docs/plugins-tutorial.md#migrating-from-contract-1x" in message
+
+
+class _AcmeScheduler(Scheduler):
+    pass
+
+
+def test_two_packages_registering_one_name_is_a_start_up_error_naming_both():
+    module = _plugin_module(CONTRACT_VERSION)
+    module.register_schedulers = hookimpl(lambda: {"fcfs": _AcmeScheduler})
+    registry = PluginRegistry()
+    registry.register_module(module, source="acme-scheduler (acme)")
+    with pytest.raises(PluginContractError, match=r"scheduler 'fcfs' is registered twice: by modserve \(built-in\) and by acme-scheduler \(acme\)"):
+        registry.implementations("schedulers")
+
+
+def test_a_class_that_is_not_its_kinds_interface_is_refused():
+    registry = PluginRegistry()
+    registry.register_module(_plugin_module(CONTRACT_VERSION), source="acme-scheduler")
+    with pytest.raises(PluginContractError, match=r"'acme' -> <class 'object'>, which does not derive from modserve.core.contract.Scheduler"):
+        registry.implementations("schedulers")

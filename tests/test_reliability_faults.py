@@ -141,10 +141,10 @@ def test_faulty_plugin_fails_only_its_requests(server, reference, section, poiso
 
 FATAL_PLUGIN = '''
     """An out-of-tree sampler whose fault the engine cannot contain: it raises a BaseException."""
-    from modserve.core.hookspecs import hookimpl
+    from modserve.core.contract import hookimpl
     from modserve.plugins.samplers.default import DefaultSampler
 
-    MODSERVE_CONTRACT = "1.0"
+    MODSERVE_CONTRACT = "2.0"
 
 
     class Fatal(BaseException):

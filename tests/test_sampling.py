@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import collections
 
 import pytest
@@ -11,7 +13,8 @@ from modserve import LLM, SamplingParams
 from modserve.core.request import Request
 from modserve.core.sampling_batch import SamplingBatch
 from modserve.plugins.samplers.default import DefaultSampler
-from modserve.core.interfaces import NoOptions
+from modserve.core.contract import NoOptions
+from modserve.core.plugin_manager import standalone_context
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +57,7 @@ def test_top_k_top_p_min_p_restrict_the_support():
     torch.manual_seed(0)
     logits = torch.randn(1, 50) * 3
     order = logits[0].argsort(descending=True).tolist()
-    sampler = DefaultSampler(NoOptions(), 50)
+    sampler = DefaultSampler(NoOptions(), standalone_context(model=SimpleNamespace(vocab_size=50)))
     probs = logits[0].softmax(-1)
     cases = {
         "top_k": (SamplingParams(temperature=1.0, top_k=3), set(order[:3])),
@@ -79,7 +82,7 @@ def test_top_k_top_p_min_p_restrict_the_support():
 
 def test_sampling_follows_the_distribution():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
-    sampler = DefaultSampler(NoOptions(), 4)
+    sampler = DefaultSampler(NoOptions(), standalone_context(model=SimpleNamespace(vocab_size=4)))
     counts = collections.Counter()
     n = 4000
     _, batch = _sampler_rows([SamplingParams(temperature=1.0, seed=7)] * n, vocab=4)
@@ -98,7 +101,7 @@ def test_penalties_match_a_reference():
     req = Request("r", [1, 2], sp.with_changes(seed=1))
     req.output_token_ids = [2, 6, 6]
     batch = SamplingBatch.build([req], [3], vocab, "cpu")
-    got = DefaultSampler(NoOptions(), vocab).process(logits.clone(), batch)[0]
+    got = DefaultSampler(NoOptions(), standalone_context(model=SimpleNamespace(vocab_size=vocab))).process(logits.clone(), batch)[0]
     ref = logits[0].clone()
     for t in {1, 2, 6}:  # prompt + output
         ref[t] = ref[t] / 1.5 if ref[t] > 0 else ref[t] * 1.5

@@ -10,7 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from modserve.core.interfaces import KVSpec, SchedulerLimits
+from modserve.core.contract import KVSpec
+from modserve.core.plugin_manager import standalone_context
 from modserve.core.request import Request, RequestStatus
 from modserve.core.sampling_params import SamplingParams
 from modserve.plugins.kv_backends.paged import PagedConfig, PagedKVBackend
@@ -29,9 +30,9 @@ requests_st = st.lists(
 
 def make(kind, seqs, budget, blocks, mode, prefix):
     spec = KVSpec(1, 1, 2, torch.float32, torch.device("cpu"), MAX_LEN)
-    kv = PagedKVBackend(PagedConfig(block_size=4, num_blocks=blocks, prefix_caching=prefix, swap_space_gb=1e-4), spec)
+    kv = PagedKVBackend(PagedConfig(block_size=4, num_blocks=blocks, prefix_caching=prefix, swap_space_gb=1e-4), standalone_context(kv_spec=spec))
     cfg_cls, cls = (PriorityConfig, PriorityScheduler) if kind == "priority" else (SchedulerConfig, FCFSScheduler)
-    return kv, cls(cfg_cls(max_num_seqs=seqs, max_num_batched_tokens=budget, preemption_mode=mode), kv, SchedulerLimits(MAX_LEN))
+    return kv, cls(cfg_cls(max_num_seqs=seqs, max_num_batched_tokens=budget, preemption_mode=mode), standalone_context(kv_spec=spec, kv=kv))
 
 
 @settings(max_examples=120, deadline=None)
@@ -58,7 +59,7 @@ def test_scheduler_invariants(specs, kind, seqs, budget, blocks, mode, prefix):
             pending.remove((arrival, req))
         out = sched.schedule()
         assert out.num_tokens <= budget
-        assert sched.num_running <= seqs
+        assert sched.stats().num_running <= seqs
         written: set[int] = set()
         for s in out.scheduled:
             req = s.request

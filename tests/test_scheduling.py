@@ -7,7 +7,7 @@ import random
 import pytest
 
 from modserve import LLM, SamplingParams
-from modserve.core.hookspecs import hookimpl
+from modserve.core.contract import hookimpl
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
@@ -69,16 +69,16 @@ def test_prefix_hits_compute_fewer_prompt_tokens_and_salts_isolate(tiny_llama):
     computed_first = sum(s.num_prompt_tokens for s in log.steps)
     assert computed_first == len(ps[0])
     log.steps.clear()
-    hits_before = llm.engine.kv.prefix_hits
+    hits_before = llm.engine.scheduler.stats().prefix_hits
     llm.generate([{"prompt_token_ids": p} for p in ps[1:]], GREEDY)
-    assert llm.engine.kv.prefix_hits - hits_before >= 3 * 96  # six full 16-token blocks each
+    assert llm.engine.scheduler.stats().prefix_hits - hits_before >= 3 * 96  # six full 16-token blocks each
     assert sum(s.num_prompt_tokens for s in log.steps) <= sum(len(p) for p in ps[1:]) - 3 * 96
-    hits_before = llm.engine.kv.prefix_hits
+    hits_before = llm.engine.scheduler.stats().prefix_hits
     for salt in ("tenant-a", "tenant-b"):
         llm.engine.add_request(ps[1], GREEDY, request_id=salt, cache_salt=salt)
         while llm.engine.has_unfinished():
             llm.engine.step()
-    assert llm.engine.kv.prefix_hits == hits_before  # neither salt sees the unsalted or the other's blocks
+    assert llm.engine.scheduler.stats().prefix_hits == hits_before  # neither salt sees the unsalted or the other's blocks
 
 
 def test_n_greater_than_one_forks_after_one_prompt_with_copy_on_write(tiny_llama):

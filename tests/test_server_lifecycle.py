@@ -107,7 +107,7 @@ def _busy_port() -> tuple[object, int]:
         ("missing pipeline file", "/nonexistent/pipeline.yaml", 2, ["pipeline file not found"]),
         ("bad server key", {"server": {"port": "x"}}, 2, ["server.port", "expected int"]),
         ("missing model", {"model": {"path": "/nonexistent/model"}}, 1, ["model not found"]),
-        ("otlp exporter not installed", {"observability": {"tracing": {"exporter": "otlp"}}}, 2, ["opentelemetry-exporter-otlp"]),
+        ("otlp exporter not installed", {"observers": [{"plugin": "tracing", "exporter": "otlp"}]}, 2, ["opentelemetry-exporter-otlp"]),
         ("port in use", None, 1, ["in use"]),
     ],
 )

@@ -17,7 +17,7 @@ from starlette.applications import Starlette
 
 from modserve.core.async_engine import AsyncEngine
 from modserve.core.engine import Engine
-from modserve.core.hookspecs import hookimpl
+from modserve.core.contract import hookimpl
 from modserve.core.server.app import build_app
 from modserve.core.server.lifecycle import Runner, bind
 

@@ -11,6 +11,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from server_helpers import MODEL_NAME, LiveServer
 
+from modserve.plugins.observers.tracing import TracingObserver
+
 C = "/v1/completions"
 LONG = {"prompt": "Hello", "max_tokens": 480, "ignore_eos": True}
 
@@ -63,9 +65,10 @@ def test_disconnects_abort_and_free_kv():
 
 
 def test_tracing_joins_the_incoming_trace():
-    with LiveServer(observability={"tracing": {"exporter": "console"}}) as s:
+    with LiveServer(observers=[{"plugin": "metrics"}, {"plugin": "tracing", "exporter": "console"}]) as s:
         memory = InMemorySpanExporter()
-        s.app.state.server.tracing.provider.add_span_processor(SimpleSpanProcessor(memory))
+        (tracing,) = [o for o in s.app.state.server.engine.engine.c.observers if isinstance(o, TracingObserver)]
+        tracing.provider.add_span_processor(SimpleSpanProcessor(memory))
         trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "n": 2, "ignore_eos": True}
         r = httpx.post(f"{s.url}/v1/chat/completions", json=body, headers={"traceparent": f"00-{trace_id}-{parent_id}-01"})

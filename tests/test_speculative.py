@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import random
 
 import pytest
 import torch
 
 from modserve import LLM, SamplingParams
-from modserve.core.hookspecs import hookimpl
-from modserve.core.interfaces import NoOptions
+from modserve.core.contract import NoOptions, hookimpl
+from modserve.core.plugin_manager import standalone_context
 from modserve.core.request import Request
 from modserve.core.sample_plan import SampleEntry
 from modserve.core.token_selection import select_tokens
@@ -99,7 +101,7 @@ def test_rejection_sampling_preserves_the_target_distribution():
     target's distributions exactly (chi-square, fixed seeds: deterministic, no flakiness)."""
     vocab, n = 6, 6000
     logits_rows = torch.tensor([[1.5, 0.2, -0.5, 0.9, -1.0, 0.0], [0.1, 1.2, 0.3, -0.7, 0.5, -2.0], [0.0] * 6])
-    sampler = DefaultSampler(NoOptions(), vocab)
+    sampler = DefaultSampler(NoOptions(), standalone_context(model=SimpleNamespace(vocab_size=vocab)))
     entries = []
     for i in range(n):
         req = Request(str(i), [1], SamplingParams(temperature=1.0, seed=1000 + i))
@@ -122,7 +124,7 @@ def test_rejection_sampling_preserves_the_target_distribution():
 
 
 def test_greedy_verification_accepts_exactly_the_argmax_prefix():
-    sampler = DefaultSampler(NoOptions(), 4)
+    sampler = DefaultSampler(NoOptions(), standalone_context(model=SimpleNamespace(vocab_size=4)))
     logits = torch.tensor([[0.0, 3.0, 0.0, 0.0], [0.0, 0.0, 3.0, 0.0], [3.0, 0.0, 0.0, 0.0]])
     req = Request("g", [1], SamplingParams(temperature=0, seed=1))
     (ch,) = select_tokens(sampler, logits, [SampleEntry(req, [0, 1, 2], drafts=[1, 3])], 4)

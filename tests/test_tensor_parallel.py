@@ -23,7 +23,7 @@ from modserve import LLM, SamplingParams
 from modserve.core.config import ConfigError
 from modserve.core.distributed import WorkerDiedError
 from modserve.core.distributed.sharding import TPShard, plan, take
-from modserve.core.models.spec import ModelSpec
+from modserve.core.contract import ModelSpec
 from test_parity_hf import hf_greedy, prompts
 from tiny_models import build_model
 

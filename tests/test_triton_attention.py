@@ -20,7 +20,8 @@ import torch
 pytest.importorskip("triton")
 
 from modserve.core import kv_quant  # noqa: E402
-from modserve.core.interfaces import AttentionMetadata, AttentionSpec, LayerKVCache  # noqa: E402
+from modserve.core.contract import AttentionMetadata, AttentionSpec, LayerKVCache  # noqa: E402
+from modserve.core.plugin_manager import standalone_context  # noqa: E402
 from modserve.plugins.attention import triton_backend, triton_kernels  # noqa: E402
 from modserve.plugins.attention.triton_backend import TritonAttention  # noqa: E402
 
@@ -132,7 +133,7 @@ def reference(case: Case) -> torch.Tensor:
 
 def run_attention(case: Case, config=SMALL_TILES) -> tuple[torch.Tensor, TritonAttention]:
     """write_kv, then the attention kernels into a NaN-poisoned output."""
-    backend = TritonAttention(config, case.spec)
+    backend = TritonAttention(config, standalone_context(attention=case.spec))
     backend.prepare(case.meta)
     triton_kernels.write_kv(case.k, case.v, case.cache, case.meta.slot_mapping)
     out = torch.full_like(case.q, float("nan"))
@@ -251,7 +252,7 @@ def test_decode_split_k_matches_reference(dtype, int8):
 
 def test_forward_mixed_batch_writes_cache_and_attends():
     case = make_case([0, 40, 16, 0, 90], [21, 1, 6, 1, 1], heads=6, seed=5)
-    backend = TritonAttention(TritonAttention.Config(block_n=16, decode_split_tokens=32), case.spec)
+    backend = TritonAttention(TritonAttention.Config(block_n=16, decode_split_tokens=32), standalone_context(attention=case.spec))
     backend.prepare(case.meta)
     out = backend.forward(case.q, case.k, case.v, case.cache, case.meta)
     plan = case.meta.backend_state
@@ -279,12 +280,12 @@ def _spec(head_dim=64) -> AttentionSpec:
 def test_cpu_without_interpreter_explains_the_fix(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match=r"set TRITON_INTERPRET=1 .*attention: \{plugin: torch\}"):
-        TritonAttention(TritonAttention.Config(), _spec())
+        TritonAttention(TritonAttention.Config(), standalone_context(attention=_spec()))
 
 
 def test_unsupported_head_size_is_named():
     with pytest.raises(ValueError, match="head size 96; supported head sizes: 64, 128"):
-        TritonAttention(TritonAttention.Config(), _spec(head_dim=96))
+        TritonAttention(TritonAttention.Config(), standalone_context(attention=_spec(head_dim=96)))
 
 
 def test_config_rejects_bad_options():
@@ -304,4 +305,4 @@ def test_registers_without_triton_and_explains_install(monkeypatch):
     spec.loader.exec_module(module)
     cls = module.register_attention_backends()["triton"]
     with pytest.raises(RuntimeError, match="pip install triton"):
-        cls(cls.Config(), _spec())
+        cls(cls.Config(), standalone_context(attention=_spec()))

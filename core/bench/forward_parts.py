@@ -40,7 +40,7 @@ class ForwardParts:
         directly, which module hooks would not see."""
         from torch import nn
 
-        from modserve.core.models.cpu_linear import PackedLinear
+        from modserve.plugins.platforms.cpu_linear import PackedLinear
 
         targets = [(m, "linears") for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear))]
         targets.append((attention, "attention"))

@@ -24,7 +24,7 @@ from typing import Any
 
 from modserve.core.bench import datasets as ds
 from modserve.core.bench import forward_parts
-from modserve.core.hookspecs import hookimpl
+from modserve.core.contract import hookimpl
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 STEP_TIMES = ("model", "schedule", "prepare", "sample", "output")  # StepStats.<name>_time_s
@@ -123,12 +123,12 @@ def kv_bytes_per_context_token(spec, dtype_bytes: int, int8: bool = False) -> in
 
 def run(args) -> int:
     dtypes = _check_args(args)
-    from modserve.core.engine_factory import pick_device, resolve
+    from modserve.core.engine_factory import resolve
 
     resolved = resolve(args.config)
     llm = None
     if args.skip_engine:
-        spec, device = read_model_spec(resolved.source), pick_device(resolved.pipeline.device)
+        spec, device = read_model_spec(resolved.source, resolved.registry), resolved.platform.device()
     else:  # built first: its spec gives the GEMM shapes, and a GGUF's metadata is parsed once
         llm = build_engine(args, resolved)
         spec, device = llm.engine.c.spec, llm.engine.c.device
@@ -160,13 +160,14 @@ def _check_args(args) -> list[str]:
     return list(dict.fromkeys(dtypes))
 
 
-def read_model_spec(source):
+def read_model_spec(source, registry=None):
     """The model's shape without reading its weights (HF ``config.json`` or GGUF metadata)."""
+    from modserve.core.contract import BuildContext, ModelSpec
     from modserve.core.models.loader import read_spec
-    from modserve.core.models.spec import ModelSpec
+    from modserve.core.plugin_manager import default_registry
 
     if source.kind == "hf":
-        return read_spec(source)
+        return read_spec(source, BuildContext(registry or default_registry(), None))
     from modserve.core.models import gguf_reader
 
     reader = gguf_reader._open(source.path)
@@ -257,7 +258,7 @@ def _time_linear(m: int, n: int, k: int, dtype, device, repeats: int) -> float:
     import torch
     import torch.nn.functional as F
 
-    from modserve.core.models.cpu_linear import PackedLinear, can_pack
+    from modserve.plugins.platforms.cpu_linear import PackedLinear, can_pack
 
     x = torch.randn(m, k, dtype=dtype, device=device)
     w = torch.randn(n, k, dtype=dtype, device=device)

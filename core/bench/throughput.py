@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from modserve.core.bench import datasets as ds
-from modserve.core.hookspecs import hookimpl
+from modserve.core.contract import hookimpl
 
 
 def add_arguments(p) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from modserve.core.config import ConfigError
-from modserve.core.models.spec import ModelSpec
+from modserve.core.contract import ModelSpec
 
 
 @dataclass

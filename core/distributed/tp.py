@@ -21,10 +21,9 @@ from modserve.core.distributed.errors import WorkerDiedError  # noqa: F401 - re-
 from modserve.core.distributed.sharding import TPShard
 
 
-def pick_backend(name: str, device: torch.device) -> str:
-    if name == "auto":
-        return "nccl" if device.type == "cuda" else "gloo"
-    return name
+def pick_backend(name: str, platform) -> str:
+    """``parallel.backend``: ``auto`` is the platform's collective backend."""
+    return platform.collective_backend() if name == "auto" else name
 
 
 @dataclass(eq=False)
@@ -120,6 +119,6 @@ def release_free_memory() -> None:
 
 def parameter_bytes(model: nn.Module) -> int:
     """Bytes of the model's weights: parameters (a tied weight counted once) and weights
-    held pre-packed for oneDNN (:mod:`modserve.core.models.cpu_linear`)."""
+    held pre-packed for oneDNN (:mod:`modserve.plugins.platforms.cpu_linear`)."""
     packed = (b for name, b in model.named_buffers() if name.endswith(".packed"))
     return sum(t.numel() * t.element_size() for t in (*model.parameters(), *packed))

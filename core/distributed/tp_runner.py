@@ -32,7 +32,6 @@ from modserve.core.distributed import worker
 from modserve.core.distributed.errors import WorkerDiedError
 from modserve.core.distributed.kv_sync import KVCopyRecorder
 from modserve.core.distributed.tp import TPGroup, parameter_bytes, pick_backend, resident_bytes
-from modserve.core.engine_factory import pick_device
 from modserve.core.models.loader import read_spec
 from modserve.core.runner import ModelRunner, StepBatch
 
@@ -42,45 +41,41 @@ STARTUP_TIMEOUT_S = 900.0  # loading a shard may take long; a worker that dies i
 def check_pipeline(r, spec=None) -> None:
     """Refuse, before any process starts, what tensor parallelism cannot run (errors name the key)."""
     from modserve.core.config import ConfigError
-    from modserve.core.distributed import kv_sync
     from modserve.core.distributed.sharding import check_divisible
 
     p = r.pipeline
     n = p.parallel.tensor_parallel_size
     if spec is not None:
         check_divisible(spec, n)
-    kv_cls, _ = r.plugins["kv_cache"]
-    if not issubclass(kv_cls, kv_sync.paged.PagedKVBackend):
-        raise ConfigError(
-            f"kv_cache.plugin: {p.kv_cache['plugin']!r} is not supported with parallel.tensor_parallel_size {n}: "
-            "only KV backends built on `paged` have block copies the workers can mirror"
-        )
     if p.speculative and p.speculative.get("draft") is not None:
         raise ConfigError(
             "speculative.draft: a draft made of the target's own layers is not supported with "
             f"parallel.tensor_parallel_size {n} (those layers are sharded); use a draft `path` or `ngram`"
         )
-    device = pick_device(p.device)
-    if pick_backend(p.parallel.backend, device) == "nccl" and (device.type != "cuda" or torch.cuda.device_count() < n):
+    on_cuda = r.platform.device().type == "cuda"
+    if pick_backend(p.parallel.backend, r.platform) == "nccl" and (not on_cuda or torch.cuda.device_count() < n):
         raise ConfigError(
             f"parallel.backend: nccl needs {n} CUDA devices, found "
-            f"{torch.cuda.device_count() if device.type == 'cuda' else 0} (device {p.device!r}); use gloo on the CPU"
+            f"{torch.cuda.device_count() if on_cuda else 0} (device {p.device!r}); use gloo on the CPU"
         )
 
 
-def start_workers(r, device: torch.device) -> WorkerGroup:
+def start_workers(r) -> WorkerGroup:
     """Check the pipeline, then spawn ranks 1..N-1 (they begin loading their shards at once)."""
-    check_pipeline(r, read_spec(r.source) if r.source.kind == "hf" else None)
-    return WorkerGroup(r.pipeline, device)
+    from modserve.core.contract import BuildContext
+
+    ctx = BuildContext(r.registry, r.pipeline.model.max_model_len)
+    check_pipeline(r, read_spec(r.source, ctx) if r.source.kind == "hf" else None)
+    return WorkerGroup(r.pipeline, r.platform)
 
 
 class WorkerGroup:
     """Worker processes for ranks 1..N-1 plus rank 0's own :class:`TPGroup`."""
 
-    def __init__(self, pipeline, device: torch.device) -> None:
+    def __init__(self, pipeline, platform) -> None:
         par = pipeline.parallel
         self.world_size = par.tensor_parallel_size
-        self.backend = pick_backend(par.backend, device)
+        self.backend = pick_backend(par.backend, platform)
         self.timeout_s = par.timeout_s
         self.tp = TPGroup(0, self.world_size)
         self.store = dist.TCPStore(

@@ -28,47 +28,19 @@ import torch
 
 from modserve.core.distributed.kv_sync import KVReplica
 from modserve.core.distributed.tp import TPGroup, parameter_bytes, release_free_memory, resident_bytes
-from modserve.core.interfaces import AttentionMetadata, AttentionSpec, KVSpec
+from modserve.core.contract import AttentionMetadata
 from modserve.core.runner import ModelRunner, StepBatch
 
 
 def build_shard(pipeline: dict[str, Any], tp: TPGroup) -> tuple[ModelRunner, dict[str, int]]:
     """This rank's model shard, attention backend and KV shard, built as rank 0 builds its own;
     also the resident memory just before the weights were read (plugins already imported)."""
-    from modserve.core.engine_factory import pick_device, pick_dtype, resolve
-    from modserve.core.models.loader import load_model
+    from modserve.core.engine_factory import build_shard as build, resolve
 
     r = resolve(pipeline)
-    p = r.pipeline
-    device = rank_device(pick_device(p.device), tp.rank)
-    dtype = pick_dtype(p.model.dtype, device)
-    att_cls, att_cfg = r.plugins["attention"]
-    kv_cls, kv_cfg = r.plugins["kv_cache"]
-    block_size = getattr(kv_cfg, "block_size", 16)
-    n = tp.world_size
-    holder: dict[str, Any] = {}
-
-    def make_attention(spec):  # called after config and tokenizer, just before the weights
-        holder["rss_before_load"] = resident_bytes()
-        holder["attention"] = att_cls(
-            att_cfg,
-            AttentionSpec(spec.num_heads // n, spec.num_kv_heads // n, spec.head_dim, spec.head_dim**-0.5, dtype, device, block_size),
-        )
-        return holder["attention"]
-
-    loaded = load_model(r.source, make_attention, dtype, device, p.model.max_model_len, p.model.tokenizer, tp=tp, pack_weights=p.model.pack_cpu_weights, fuse_ops=p.model.fuse_cpu_ops)
-    spec = loaded.spec
-    max_model_len = p.model.max_model_len or spec.max_position_embeddings
-    kv = kv_cls(kv_cfg, KVSpec(spec.num_layers, spec.num_kv_heads // n, spec.head_dim, dtype, device, max_model_len))
-    return ModelRunner(loaded.model, kv, holder["attention"], device), holder["rss_before_load"]
-
-
-def rank_device(device: torch.device, rank: int) -> torch.device:
-    """Rank ``r`` of a CUDA engine uses ``cuda:r``; CPU ranks share the CPU."""
-    if device.type == "cuda":
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
-    return device
+    before: dict[str, Any] = {}
+    shard = build(r, tp.rank, tp, on_read=lambda: before.setdefault("rss", resident_bytes()))
+    return ModelRunner(shard.model, shard.kv, shard.attention, shard.ctx.device), before["rss"]
 
 
 def shard_stats(runner: ModelRunner, rss_before_load: dict[str, int]) -> dict[str, Any]:

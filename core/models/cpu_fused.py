@@ -8,7 +8,7 @@ by :mod:`modserve.core.native.build`). Results equal the torch ops up to float32
 (fused multiply-adds, a different summation order in the norm); in bfloat16 they round
 wherever torch's bfloat16 ops round.
 
-``model.fuse_cpu_ops`` (default true) turns it on where it can run: a CPU device, float32
+``device: {plugin: cpu, fuse_ops: true}`` (the default) turns it on where it can run: a CPU device, float32
 or bfloat16 weights and a working C++ compiler; anything else keeps the torch ops.
 """
 
@@ -47,7 +47,7 @@ def can_fuse(device: torch.device, dtype: torch.dtype) -> bool:
     try:
         load()
     except KernelUnavailable as e:
-        log.warning("model.fuse_cpu_ops: %s; using torch's unfused ops", e)
+        log.warning("device.fuse_ops: %s; using torch's unfused ops", e)
         return False
     return True
 

@@ -10,13 +10,10 @@ from dataclasses import dataclass
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
-from modserve.core.interfaces import AttentionBackend
-from modserve.core.models import cpu_fused
-from modserve.core.models.cpu_linear import can_pack, pack_linears
+from modserve.core.contract import AttentionBackend, BuildContext, CausalLM, ModelArchitecture, ModelSpec
 from modserve.core.models.gguf_reader import find_smollm2_gguf, read_gguf
-from modserve.core.models.llama import LlamaForCausalLM
-from modserve.core.models.spec import ModelSpec
 from modserve.core.tokenizer import TokenizerBundle
 
 EMBEDDED_MODELS = {"smollm2-135m-instruct": find_smollm2_gguf}
@@ -52,40 +49,51 @@ def locate(path: str) -> ModelSource:
 
 
 @dataclass
+class Checkpoint:
+    """An opened checkpoint: its architecture plugin, shape, tokenizer and (lazy) tensors."""
+
+    arch: ModelArchitecture
+    spec: ModelSpec
+    tokenizer: TokenizerBundle
+    tensors: Iterator[tuple[str, torch.Tensor]]
+
+
+@dataclass
 class LoadedModel:
     spec: ModelSpec
-    model: LlamaForCausalLM
+    model: CausalLM
     tokenizer: TokenizerBundle
 
 
-def load_model(
-    source: ModelSource,
-    make_backend: Callable[[ModelSpec], AttentionBackend],
-    dtype: torch.dtype,
-    device: torch.device,
-    max_model_len: int | None,
-    tokenizer_path: str | None = None,
-    num_layers: int | None = None,
-    tp=None,
-    pack_weights: bool = True,
-    fuse_ops: bool = True,
-) -> LoadedModel:
-    """Read config, tokenizer and weights; build the model on ``device`` in ``dtype``.
+def architecture(model_type: str | None, ctx: BuildContext, source: str) -> ModelArchitecture:
+    """The registered model plugin serving ``model_type``; an unsupported one is refused with the list."""
+    served: dict[str, type[ModelArchitecture]] = {}
+    for impl in ctx.registry.implementations("models").values():
+        for t in impl.cls.model_types:
+            served.setdefault(t, impl.cls)
+    if model_type not in served:
+        raise ValueError(f"{source}: unsupported model_type {model_type!r}; supported: {', '.join(served)}")
+    cls = served[model_type]
+    return cls(cls.Config(), ctx)
 
-    ``make_backend`` builds the attention backend once the model's shape is known. With
-    ``tp`` (a :class:`modserve.core.distributed.sharding.TPShard`) only this rank's shard
-    is built and read: safetensors slices are read straight from the file; a GGUF file is
-    dequantized whole (tensor by tensor, the full tensors freed as they are sliced).
-    ``pack_weights``: on the CPU, hold linear weights in oneDNN's layout (:mod:`cpu_linear`).
-    ``fuse_ops``: on the CPU in float32, run the elementwise ops fused (:mod:`cpu_fused`).
-    """
+
+def open_checkpoint(source: ModelSource, ctx: BuildContext, tokenizer_path: str | None = None, tp=None) -> Checkpoint:
+    """Read config and tokenizer and pick the architecture; tensors are read as they are consumed.
+
+    With ``tp`` (a :class:`modserve.core.distributed.sharding.TPShard`) only this rank's shard
+    is read: safetensors slices are read straight from the file; a GGUF file is dequantized
+    whole (tensor by tensor, the full tensors freed as they are sliced)."""
     if source.kind == "hf":
-        spec = read_spec(source)
+        cfg = _hf_config_with_generation(source.path)
+        where = os.path.join(source.path, "config.json")
+        arch = architecture(cfg.get("model_type"), ctx, where)
+        spec = arch.spec(cfg, where)
         tokenizer = TokenizerBundle.from_hf_dir(tokenizer_path or source.path, spec.eos_token_ids)
         tensors: Iterator[tuple[str, torch.Tensor]] = _safetensors(source.path, spec, tp)
     else:
-        g = read_gguf(source.path, dtype=dtype)
-        spec = ModelSpec.from_hf_config(g.config, source.path)
+        g = read_gguf(source.path, dtype=ctx.dtype)
+        arch = architecture(g.config.get("model_type"), ctx, source.path)
+        spec = arch.spec(g.config, source.path)
         tokenizer = TokenizerBundle(g.tokenizer, g.chat_template, g.bos_token, g.eos_token, list(g.eos_token_ids))
         if tokenizer_path:
             tokenizer = TokenizerBundle.from_hf_dir(tokenizer_path, g.eos_token_ids)
@@ -96,33 +104,70 @@ def load_model(
         check_divisible(spec, tp.world_size)
     spec.eos_token_ids = tokenizer.eos_token_ids or spec.eos_token_ids
     tokenizer.eos_token_ids = spec.eos_token_ids
+    return Checkpoint(arch, spec, tokenizer, tensors)
+
+
+def check_max_model_len(spec: ModelSpec, max_model_len: int | None) -> int:
+    """The engine's context length: the pipeline's, within what the model supports."""
     if max_model_len is not None and max_model_len > spec.max_position_embeddings:
         raise ValueError(
             f"model.max_model_len: {max_model_len} exceeds the model's max_position_embeddings "
             f"{spec.max_position_embeddings}"
         )
+    max_model_len = max_model_len or spec.max_position_embeddings
+    if spec.sliding_window and max_model_len > spec.sliding_window:
+        raise ValueError(
+            f"model.max_model_len: {max_model_len} exceeds the model's sliding window {spec.sliding_window}, "
+            "which modserve does not implement; set max_model_len <= the window"
+        )
+    return max_model_len
+
+
+def build_model(
+    ckpt: Checkpoint, attention: AttentionBackend, ctx: BuildContext, max_positions: int, num_layers: int | None = None, tp=None
+) -> CausalLM:
+    """Build the architecture's module on the meta device, load the tensors, move it to the
+    platform's device and dtype, and let the platform adapt it (its linear layers, fused ops)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(spec, make_backend(spec), max_model_len or spec.max_position_embeddings, num_layers, tp)
+        model = ckpt.arch.build(ckpt.spec, attention, max_positions, num_layers, tp)
     model.to_empty(device="cpu")
-    if spec.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    model.load_weights(tensors)
-    model.to_device(device, dtype)
+    model.load_weights(ckpt.tensors)
+    model.to_device(ctx.device, ctx.dtype)
     model.eval().requires_grad_(False)
-    if pack_weights and can_pack(device, dtype):
-        pack_linears(model)
-    if fuse_ops and cpu_fused.can_fuse(device, dtype):
-        model.fuse_cpu_ops()
-    return LoadedModel(spec, model, tokenizer)
+    swaps = [
+        (parent, f"{prefix}.{name}".lstrip("."), name, child)
+        for prefix, parent in model.named_modules() for name, child in parent.named_children() if type(child) is nn.Linear
+    ]
+    for parent, qualified, name, child in swaps:
+        setattr(parent, name, ctx.platform.linear(qualified, child))
+    ctx.platform.prepare_model(model)
+    return model
 
 
-def read_spec(source: ModelSource) -> ModelSpec:
+def load_model(
+    source: ModelSource, make_attention: Callable[[ModelSpec], AttentionBackend], ctx: BuildContext,
+    tokenizer_path: str | None = None, num_layers: int | None = None,
+) -> LoadedModel:
+    """Open and build in one call (a draft checkpoint beside the target)."""
+    ckpt = open_checkpoint(source, ctx, tokenizer_path)
+    max_len = check_max_model_len(ckpt.spec, ctx.max_model_len)
+    model = build_model(ckpt, make_attention(ckpt.spec), ctx, max_len, num_layers)
+    return LoadedModel(ckpt.spec, model, ckpt.tokenizer)
+
+
+def read_spec(source: ModelSource, ctx: BuildContext) -> ModelSpec:
     """An HF checkpoint's shape from its config files, without reading weights."""
-    cfg = _hf_config(source.path)
-    gen = _read_json(os.path.join(source.path, "generation_config.json"))
+    where = os.path.join(source.path, "config.json")
+    cfg = _hf_config_with_generation(source.path)
+    return architecture(cfg.get("model_type"), ctx, where).spec(cfg, where)
+
+
+def _hf_config_with_generation(path: str) -> dict:
+    cfg = _hf_config(path)
+    gen = _read_json(os.path.join(path, "generation_config.json"))
     if "eos_token_id" in gen:
         cfg = {**cfg, "eos_token_id": gen["eos_token_id"]}
-    return ModelSpec.from_hf_config(cfg, os.path.join(source.path, "config.json"))
+    return cfg
 
 
 def _hf_config(path: str) -> dict:

@@ -23,32 +23,18 @@ from modserve.core.server.lifecycle import Runner, bind
 from modserve.core.server.router import ReplicaHeaderMiddleware, Replicas, Router
 from modserve.core.server.routes import ROUTES
 from modserve.core.server.state import ServerState
-from modserve.plugins.observers.metrics import MetricsObserver
-from modserve.plugins.observers.tracing import TracingObserver, make_exporter
 
 
 def build_app(engine: AsyncEngine | Sequence[AsyncEngine]) -> Starlette:
     """The app serving ``engine`` (or several data-parallel replicas of one pipeline, routed
-    per prompt by :class:`~modserve.core.server.router.Router`); registers the metrics and
-    tracing observers on each engine.
+    per prompt by :class:`~modserve.core.server.router.Router`). Metrics and tracing are the
+    engines' observer plugins (the pipeline's ``observers``).
 
     The engine loops start with the app (ASGI lifespan) and stop with it."""
     engines = [engine] if isinstance(engine, AsyncEngine) else list(engine)
     replicated = len(engines) > 1
     first = engines[0]
-    pipeline = first.pipeline
-    obs, cfg = pipeline.observability, pipeline.server
-    metrics: list[MetricsObserver] = []
-    tracing = None
-    if obs.metrics:
-        for i, e in enumerate(engines):
-            metrics.append(MetricsObserver(e.model_name, e.max_model_len, replica=str(i) if replicated else None))
-            e.engine.c.registry.pm.register(metrics[-1])
-    exporter = make_exporter(obs.tracing)
-    if exporter is not None:
-        tracing = TracingObserver(first.model_name, exporter, batch=obs.tracing.exporter != "console")
-        for e in engines:  # one observer: request ids are unique across replicas
-            e.engine.c.registry.pm.register(tracing)
+    cfg = first.pipeline.server
 
     @asynccontextmanager
     async def lifespan(app: Starlette):
@@ -59,8 +45,7 @@ def build_app(engine: AsyncEngine | Sequence[AsyncEngine]) -> Starlette:
         finally:
             for e in engines:
                 await e.stop()
-            if tracing is not None:
-                tracing.shutdown()
+                e.engine.shutdown()  # closes the observers (tracing flushes its spans)
 
     middleware = [Middleware(AccessLogMiddleware)] if cfg.log_requests else []
     if replicated:
@@ -69,16 +54,9 @@ def build_app(engine: AsyncEngine | Sequence[AsyncEngine]) -> Starlette:
     if keys:
         middleware.append(Middleware(AuthMiddleware, keys=keys, exempt_paths=cfg.auth_exempt_paths))
     app = Starlette(routes=ROUTES, middleware=middleware, exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
-    router = Router(len(engines), _block_size(first)) if replicated else None
-    app.state.server = ServerState(
-        first, cfg, metrics[0] if metrics else None, tracing, replicas=engines, replica_metrics=metrics, router=router
-    )
+    router = Router(len(engines), first.engine.kv.block_size) if replicated else None
+    app.state.server = ServerState(first, cfg, replicas=engines, router=router)
     return app
-
-
-def _block_size(engine: AsyncEngine) -> int:
-    kv = getattr(engine.engine.c, "kv", None)
-    return getattr(kv, "block_size", None) or 16
 
 
 def build_replicas(pipeline: Any) -> list[AsyncEngine]:
@@ -89,7 +67,7 @@ def build_replicas(pipeline: Any) -> list[AsyncEngine]:
             "parallel.data_parallel_size: replicas of a tensor-parallel engine are not supported; "
             "use data_parallel_size > 1 with tensor_parallel_size 1"
         )
-    return [AsyncEngine(Engine.from_config(pipeline)) for _ in range(n)]
+    return [AsyncEngine(Engine.from_config(pipeline, replica=i if n > 1 else None)) for i in range(n)]
 
 
 def serve(

@@ -56,15 +56,15 @@ def start(
             state.replicas[idx].check_capacity(picks.count(idx) * n)
         except Exception as e:
             err = from_engine_error(e)
-            if state.replica_metrics:
-                state.replica_metrics[idx].rejected(err.code or "unknown")
+            state.replicas[idx].engine.notify("on_request_rejected", reason=err.code or "unknown")
             raise err from None
     streams = []
     for i, (prompt, sp, idx) in enumerate(zip(prompts, params, picks)):
         rid = response_id if len(prompts) == 1 else f"{response_id}-{i}"
-        if state.tracing is not None:
-            ids = [parallel_sampling.child_id(rid, j, n) for j in range(n)]
-            state.tracing.attach(ids, request.headers, operation, response_id)
+        ids = [parallel_sampling.child_id(rid, j, n) for j in range(n)]
+        state.replicas[idx].engine.notify(
+            "on_request_received", request_ids=ids, headers=dict(request.headers), operation=operation, response_id=response_id
+        )
         streams.append(
             state.replicas[idx].generate(
                 prompt.token_ids, sp, rid, priority=body.priority, cache_salt=body.cache_salt, user=body.user,

@@ -22,7 +22,7 @@ from modserve.core.server.protocol import (
     encoder,
 )
 from modserve.core.server.state import ServerState
-from modserve.plugins.observers.metrics import render_all
+from modserve.core.server.exposition import render
 
 
 def _json(obj) -> Response:
@@ -55,9 +55,10 @@ async def health(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     s = _state(request)
-    if s.metrics is None:
-        raise APIError(404, "metrics are disabled (observability.metrics: false)", code="not_found")
-    return Response(render_all(s.replica_metrics), media_type="text/plain; version=0.0.4; charset=utf-8")
+    collectors = s.metrics_collectors()
+    if not collectors:
+        raise APIError(404, "metrics are disabled (no metrics observer in the pipeline's `observers`)", code="not_found")
+    return Response(render(collectors), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 async def tokenize(request: Request) -> Response:

@@ -13,20 +13,15 @@ from modserve.core.server.errors import APIError
 from modserve.core.server.limits import Limits
 from modserve.core.server.openapi import build_openapi
 from modserve.core.server.router import Router
-from modserve.plugins.observers.metrics import MetricsObserver
-from modserve.plugins.observers.tracing import TracingObserver
 
 
 @dataclass
 class ServerState:
     engine: AsyncEngine  # replica 0: tokenizer, model facts; the only one without replicas
     config: ServerSection
-    metrics: MetricsObserver | None = None  # replica 0's
-    tracing: TracingObserver | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     limits: Limits = None  # type: ignore[assignment]  # from ``config`` unless given
     replicas: list[AsyncEngine] = None  # type: ignore[assignment]  # data-parallel engines; [engine] unless given
-    replica_metrics: list[MetricsObserver] = None  # type: ignore[assignment]  # one per replica (metrics on)
     router: Router | None = None  # picks the replica of each prompt (None: one replica)
     _openapi: bytes | None = field(default=None, repr=False)
 
@@ -35,8 +30,6 @@ class ServerState:
             self.limits = Limits.from_config(self.config)
         if self.replicas is None:
             self.replicas = [self.engine]
-        if self.replica_metrics is None:
-            self.replica_metrics = [self.metrics] if self.metrics is not None else []
 
     def pick_replica(self, token_ids: list[int], cache_salt: str | None) -> int:
         """The replica that serves this prompt (always 0 with one replica)."""
@@ -45,6 +38,10 @@ class ServerState:
         loads = [e.num_active for e in self.replicas]
         eligible = [e.dead_reason is None and not e.draining for e in self.replicas]
         return self.router.pick(token_ids, cache_salt, loads, eligible)
+
+    def metrics_collectors(self) -> list:
+        """Every replica's observers' Prometheus collectors (empty: no metrics observer)."""
+        return [c for e in self.replicas for found in e.engine.hooks.prometheus_collectors() for c in found]
 
     def openapi(self) -> bytes:
         if self._openapi is None:

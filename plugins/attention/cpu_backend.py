@@ -23,12 +23,11 @@ from typing import Annotated
 import msgspec
 import torch
 
-from modserve.core.hookspecs import hookimpl
-from modserve.core.interfaces import AttentionBackend, AttentionMetadata, AttentionSpec, LayerKVCache
+from modserve.core.contract import AttentionBackend, AttentionMetadata, AttentionSpec, BuildContext, LayerKVCache, hookimpl
 from modserve.plugins.attention import cpu_kernel_build as kernel
 from modserve.plugins.attention.torch_backend import PrefillChunk, plan_prefills, run_prefills, write_kv
 
-MODSERVE_CONTRACT = "1.0"
+MODSERVE_CONTRACT = "2.0"
 
 
 @dataclass
@@ -57,8 +56,9 @@ class CpuAttention(AttentionBackend):
         # long causal blocks).
         max_query_len: Annotated[int, msgspec.Meta(ge=1, le=4096)] | None = None
 
-    def __init__(self, config: Config, spec: AttentionSpec) -> None:
-        super().__init__(config, spec)
+    def __init__(self, config: Config, ctx: BuildContext) -> None:
+        super().__init__(config, ctx)
+        spec = self.spec
         _check_spec(spec)
         self.gqa = spec.num_heads != spec.num_kv_heads
         self.max_query_len = config.max_query_len or (4096 if kernel.tiled(spec.head_dim) else 16)

@@ -16,11 +16,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from modserve.core.hookspecs import hookimpl
-from modserve.core.interfaces import AttentionBackend, AttentionMetadata, LayerKVCache, NoOptions
+from modserve.core.contract import AttentionBackend, AttentionMetadata, LayerKVCache, NoOptions, hookimpl
 from modserve.core.kv_quant import dequantize, quantize_per_token_head
 
-MODSERVE_CONTRACT = "1.0"
+MODSERVE_CONTRACT = "2.0"
 
 
 @dataclass

@@ -13,10 +13,9 @@ from typing import Annotated, Literal
 import msgspec
 import torch
 
-from modserve.core.hookspecs import hookimpl
-from modserve.core.interfaces import AttentionBackend, AttentionMetadata, AttentionSpec, LayerKVCache
+from modserve.core.contract import AttentionBackend, AttentionMetadata, AttentionSpec, BuildContext, LayerKVCache, hookimpl
 
-MODSERVE_CONTRACT = "1.0"
+MODSERVE_CONTRACT = "2.0"
 
 
 @dataclass
@@ -44,8 +43,9 @@ class TritonAttention(AttentionBackend):
         # Context tokens per decode partition: a step uses cdiv(longest decode context, this) splits.
         decode_split_tokens: Annotated[int, msgspec.Meta(ge=16)] = 256
 
-    def __init__(self, config: Config, spec: AttentionSpec) -> None:
-        super().__init__(config, spec)
+    def __init__(self, config: Config, ctx: BuildContext) -> None:
+        super().__init__(config, ctx)
+        spec = self.spec
         self.kernels = _import_kernels(spec.device)
         _check_spec(spec, self.kernels)
         self.block_q = self.kernels.prefill_block_q(spec.num_heads, spec.num_kv_heads, config.prefill_block_m)

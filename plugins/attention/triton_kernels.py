@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from modserve.core.interfaces import AttentionMetadata, LayerKVCache
+from modserve.core.contract import AttentionMetadata, LayerKVCache
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

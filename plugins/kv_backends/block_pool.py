@@ -8,8 +8,8 @@ collision can never serve another prompt's KV.
 
 from __future__ import annotations
 
-from modserve.core.interfaces import EvictionPolicy
-from modserve.plugins.kv_backends.lru import LRUEviction
+from modserve.core.contract import EvictionPolicy
+from modserve.plugins.eviction.lru import LRUEviction
 
 
 class BlockPool:

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import msgspec
 
-from modserve.core.hookspecs import hookimpl
-from modserve.core.interfaces import KVSpec, PrefixHit
+from modserve.core.contract import BlockCopy, BuildContext, PrefixHit, hookimpl
 from modserve.core.request import Request
-from modserve.plugins.kv_backends.paged import PagedConfig, PagedKVBackend, _copy_blocks
+from modserve.plugins.kv_backends.paged import PagedConfig, PagedKVBackend
 
-MODSERVE_CONTRACT = "1.0"
+MODSERVE_CONTRACT = "2.0"
 
 
 class ContiguousConfig(PagedConfig, kw_only=True):
@@ -29,9 +28,9 @@ class ContiguousConfig(PagedConfig, kw_only=True):
 class ContiguousKVBackend(PagedKVBackend):
     Config = ContiguousConfig
 
-    def __init__(self, config: ContiguousConfig, spec: KVSpec) -> None:
-        super().__init__(msgspec.structs.replace(config, prefix_caching=False), spec)
-        self.reservation = -(-spec.max_model_len // self.block_size)  # blocks per request
+    def __init__(self, config: ContiguousConfig, ctx: BuildContext) -> None:
+        super().__init__(msgspec.structs.replace(config, prefix_caching=False), ctx)
+        self.reservation = -(-ctx.kv_spec.max_model_len // self.block_size)  # blocks per request
 
     def lookup_prefix(self, request: Request) -> PrefixHit:
         return PrefixHit()
@@ -45,7 +44,7 @@ class ContiguousKVBackend(PagedKVBackend):
             return False
         blocks = self.pool.allocate(self.reservation)
         used = -(-parent.num_computed_tokens // self.block_size)
-        _copy_blocks(self._caches, self._blocks[parent.request_id][:used], self._caches, blocks[:used])
+        self.copy_blocks(BlockCopy("device", tuple(self._blocks[parent.request_id][:used]), "device", tuple(blocks[:used])))
         self._blocks[child.request_id] = blocks
         return True
 

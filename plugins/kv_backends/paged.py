@@ -15,13 +15,11 @@ from typing import Annotated, Literal
 import msgspec
 import torch
 
-from modserve.core.config import ConfigError
-from modserve.core.hookspecs import hookimpl
-from modserve.core.interfaces import KVBackend, KVSpec, LayerKVCache, PrefixHit
+from modserve.core.contract import BlockCopy, BuildContext, KVBackend, KVSpec, LayerKVCache, PrefixHit, hookimpl
 from modserve.core.request import Request
 from modserve.plugins.kv_backends.block_pool import BlockPool
 
-MODSERVE_CONTRACT = "1.0"
+MODSERVE_CONTRACT = "2.0"
 
 
 class PagedConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -52,10 +50,11 @@ class PagedKVBackend(KVBackend):
 
     @classmethod
     def check_config(cls, config: PagedConfig, registry) -> None:
-        eviction_policy(config.eviction, registry)
+        registry.resolve("kv_cache.eviction", config.eviction)
 
-    def __init__(self, config: PagedConfig, spec: KVSpec) -> None:
-        self.config = config
+    def __init__(self, config: PagedConfig, ctx: BuildContext) -> None:
+        super().__init__(config, ctx)
+        spec = ctx.kv_spec
         self.block_size = config.block_size
         if config.num_blocks is not None:
             self.num_blocks = config.num_blocks
@@ -68,8 +67,9 @@ class PagedKVBackend(KVBackend):
                 f"{self.num_blocks * self.block_size} tokens, fewer than max_model_len {spec.max_model_len}; "
                 "raise num_blocks/memory_gb or lower model.max_model_len"
             )
-        self.pool = BlockPool(self.num_blocks, eviction_policy(config.eviction))
-        self._caches = [self._layer_cache(spec, self.num_blocks, spec.device) for _ in range(spec.num_layers)]
+        self.pool = BlockPool(self.num_blocks, ctx.registry.create("kv_cache.eviction", config.eviction, ctx))
+        self._platform = ctx.platform
+        self._caches = [self._layer_cache(spec, self.num_blocks) for _ in range(spec.num_layers)]
         self._spec = spec
         self._num_host = int(config.swap_space_gb * 2**30 // bytes_per_block(config, spec))
         self._host: list[LayerKVCache] = []  # host pool and its free list: made on the first swap-out
@@ -79,22 +79,18 @@ class PagedKVBackend(KVBackend):
         self._hashes: dict[str, list[bytes]] = {}
         self._num_published: dict[str, int] = {}
         self._hash_key = os.urandom(16)  # per deployment: block keys are not predictable
-        self.prefix_queries = 0  # tokens looked up
-        self.prefix_hits = 0  # tokens found
 
-    def _layer_cache(self, spec: KVSpec, num_blocks: int, device) -> LayerKVCache:
+    def _layer_cache(self, spec: KVSpec, num_blocks: int, host: bool = False) -> LayerKVCache:
         shape = (num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
+        alloc = self._platform.allocate_kv
         if self.config.kv_dtype == "int8":
             return LayerKVCache(
-                k=torch.zeros(shape, dtype=torch.int8, device=device),
-                v=torch.zeros(shape, dtype=torch.int8, device=device),
-                k_scale=torch.zeros(shape[:3], dtype=torch.float32, device=device),
-                v_scale=torch.zeros(shape[:3], dtype=torch.float32, device=device),
+                k=alloc(shape, torch.int8, host),
+                v=alloc(shape, torch.int8, host),
+                k_scale=alloc(shape[:3], torch.float32, host),
+                v_scale=alloc(shape[:3], torch.float32, host),
             )
-        return LayerKVCache(
-            k=torch.zeros(shape, dtype=spec.dtype, device=device),
-            v=torch.zeros(shape, dtype=spec.dtype, device=device),
-        )
+        return LayerKVCache(k=alloc(shape, spec.dtype, host), v=alloc(shape, spec.dtype, host))
 
     # ----------------------------------------------------------------- block hashes
 
@@ -128,10 +124,6 @@ class PagedKVBackend(KVBackend):
         hit.num_tokens = len(hit.block_ids) * self.block_size
         return hit
 
-    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
-        self.prefix_queries += num_tokens
-        self.prefix_hits += num_hit_tokens
-
     def allocate(self, request: Request, num_new_tokens: int, prefix_hit: PrefixHit | None = None) -> bool:
         blocks = self._blocks.get(request.request_id, [])
         hit = prefix_hit or PrefixHit()
@@ -161,7 +153,7 @@ class PagedKVBackend(KVBackend):
 
     def _copy_on_write(self, blocks: list[int], i: int) -> list[int]:
         (fresh,) = self.pool.allocate(1)
-        _copy_blocks(self._caches, [blocks[i]], self._caches, [fresh])
+        self.copy_blocks(BlockCopy("device", (blocks[i],), "device", (fresh,)))
         self.pool.free([blocks[i]])
         return blocks[:i] + [fresh] + blocks[i + 1 :]
 
@@ -192,24 +184,25 @@ class PagedKVBackend(KVBackend):
 
     def swap_out(self, request: Request) -> bool:
         if not self._host and self._num_host:
-            self._host = [self._layer_cache(self._spec, self._num_host, "cpu") for _ in self._caches]
+            self._host = [self._layer_cache(self._spec, self._num_host, host=True) for _ in self._caches]
             self._host_free = list(range(self._num_host))
         blocks = self._blocks.get(request.request_id, [])
         if len(blocks) > len(self._host_free):
             return False
         host = [self._host_free.pop() for _ in blocks]
-        _copy_blocks(self._caches, blocks, self._host, host)
+        self.copy_blocks(BlockCopy("device", tuple(blocks), "host", tuple(host)))
         self.free(request)
         self._swapped[request.request_id] = host
         return True
 
     def swap_in(self, request: Request, num_new_tokens: int) -> bool:
         host = self._swapped[request.request_id]
-        needed = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size)
+        # every swapped block comes back, even one allocated ahead of tokens not yet computed
+        needed = max(-(-(request.num_computed_tokens + num_new_tokens) // self.block_size), len(host))
         if needed > self.pool.num_free:
             return False
         blocks = self.pool.allocate(needed)
-        _copy_blocks(self._host, host, self._caches, blocks[: len(host)])
+        self.copy_blocks(BlockCopy("host", tuple(host), "device", tuple(blocks[: len(host)])))
         self._blocks[request.request_id] = blocks
         self._host_free += self._swapped.pop(request.request_id)
         return True
@@ -236,35 +229,15 @@ class PagedKVBackend(KVBackend):
     def layer_caches(self) -> list[LayerKVCache]:
         return self._caches
 
+    def host_caches(self) -> list[LayerKVCache]:
+        return self._host
+
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_cache()
-
-
-def _copy_blocks(src: list[LayerKVCache], src_ids: list[int], dst: list[LayerKVCache], dst_ids: list[int]) -> None:
-    """Copy whole blocks layer by layer (device <-> host for swapping)."""
-    if not src_ids:
-        return
-    s_idx = torch.tensor(src_ids, device=src[0].k.device)
-    d_idx = torch.tensor(dst_ids, device=dst[0].k.device)
-    for s, d in zip(src, dst):
-        for name in ("k", "v", "k_scale", "v_scale"):
-            t = getattr(s, name)
-            if t is not None:
-                getattr(d, name).index_copy_(0, d_idx, t.index_select(0, s_idx).to(d_idx.device))
-
-
-def eviction_policy(name: str, registry=None):
-    from modserve.core.plugin_manager import default_registry
-
-    policies = (registry or default_registry()).implementations("eviction_policies")
-    if name not in policies:
-        raise ConfigError(f"kv_cache.eviction: unknown eviction policy {name!r}; available: {', '.join(sorted(policies))}")
-    cls = policies[name].cls
-    return cls(cls.Config())
 
 
 @hookimpl

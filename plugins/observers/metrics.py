@@ -1,7 +1,7 @@
 """Prometheus metrics named like vLLM's (prefix ``modserve:``, label ``model_name``).
 
-With data-parallel replicas each replica's observer also carries a ``replica`` label and
-:func:`render_all` merges their registries into one exposition.
+With data-parallel replicas each replica's observer also carries a ``replica`` label; the
+server merges every observer's collectors (``prometheus_collectors``) into one exposition.
 
 Fed only by observer hooks (per request and per step, never per token), so a
 third-party plugin can export its own metrics the same way. Each observer owns a
@@ -10,17 +10,15 @@ third-party plugin can export its own metrics the same way. Each observer owns a
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from modserve.core.hookspecs import hookimpl
+from modserve.core.contract import BuildContext, NoOptions, Observer, hookimpl
 from modserve.core.request import Request
-from modserve.core.stats import StepStats
+from modserve.core.contract import StepStats
 
-MODSERVE_CONTRACT = "1.0"
+MODSERVE_CONTRACT = "2.0"
 
 # vLLM's buckets, so dashboards built for it read these the same way
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
@@ -39,10 +37,15 @@ def token_buckets(max_model_len: int) -> list[float]:
         base *= 10
 
 
-class MetricsObserver:
-    """Register on an engine's plugin manager; ``render()`` gives the exposition text."""
+class MetricsObserver(Observer):
+    """Observer ``metrics``: its ``CollectorRegistry`` is what ``GET /metrics`` exports."""
 
-    def __init__(self, model_name: str, max_model_len: int, replica: str | None = None) -> None:
+    Config = NoOptions
+
+    def __init__(self, config: NoOptions, ctx: BuildContext) -> None:
+        super().__init__(config, ctx)
+        model_name, max_model_len = ctx.model_name, ctx.max_model_len
+        replica = str(ctx.replica) if ctx.replica is not None else None
         self.registry = CollectorRegistry()
         self._model_name = model_name
         label = {"model_name": model_name}
@@ -96,13 +99,13 @@ class MetricsObserver:
             "request_generation_tokens", "Generated tokens per request.", token_buckets(max_model_len)
         )
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    @hookimpl
+    def prometheus_collectors(self) -> list[Any]:
+        return [self.registry]
 
-    def rejected(self, reason: str) -> None:
-        """A request refused before it reached the engine (``overloaded``, ``shutting_down``, ...).
-
-        Called by the server, not a hook: such a request never exists in the engine."""
+    @hookimpl
+    def on_request_rejected(self, reason: str) -> None:
+        """A request refused before it reached the engine (``overloaded``, ``shutting_down``, ...)."""
         self._rejected.labels(**self._label, reason=reason).inc()
 
     @hookimpl
@@ -140,27 +143,6 @@ class MetricsObserver:
             self.ttft.observe(m.first_token_time - m.arrival_time)
 
 
-class _Merged:
-    """A collector yielding each metric family once, with the samples of every registry."""
-
-    def __init__(self, registries: Sequence[CollectorRegistry]) -> None:
-        self.registries = registries
-
-    def collect(self):
-        families: dict[str, Any] = {}
-        for registry in self.registries:
-            for family in registry.collect():
-                if family.name in families:
-                    families[family.name].samples.extend(family.samples)
-                else:
-                    merged = copy.copy(family)
-                    merged.samples = list(family.samples)
-                    families[family.name] = merged
-        return iter(families.values())
-
-
-def render_all(observers: Sequence[MetricsObserver]) -> bytes:
-    """One exposition for several observers (the replicas'), each family's HELP/TYPE once."""
-    if len(observers) == 1:
-        return observers[0].render()
-    return generate_latest(_Merged([o.registry for o in observers]))
+@hookimpl
+def register_observers():
+    return {"metrics": MetricsObserver}

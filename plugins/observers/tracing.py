@@ -20,49 +20,66 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor, SpanExporter
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from modserve.core.config import ConfigError, TracingSection
-from modserve.core.hookspecs import hookimpl
+from typing import Literal
+
+import msgspec
+
+from modserve.core.config import ConfigError
+from modserve.core.contract import BuildContext, Observer, hookimpl
 from modserve.core.request import Request
 
-MODSERVE_CONTRACT = "1.0"
+MODSERVE_CONTRACT = "2.0"
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 
 
-def make_exporter(cfg: TracingSection) -> SpanExporter | None:
-    """The exporter the pipeline asks for; ``None`` for ``exporter: none``."""
-    if cfg.exporter == "none":
-        return None
+class TracingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    exporter: Literal["console", "otlp"] = "console"  # console: spans printed as JSON; otlp: sent over OTLP/HTTP
+    endpoint: str | None = None  # the OTLP collector's URL (default: the exporter's, or OTEL_EXPORTER_OTLP_ENDPOINT)
+
+
+def make_exporter(cfg: TracingConfig) -> SpanExporter:
+    """The exporter the observer's config asks for."""
     if cfg.exporter == "console":
         return ConsoleSpanExporter()
     try:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     except ImportError:
         raise ConfigError(
-            "observability.tracing.exporter: 'otlp' needs the package opentelemetry-exporter-otlp-proto-http "
+            "tracing.exporter: 'otlp' needs the package opentelemetry-exporter-otlp-proto-http "
             "(pip install opentelemetry-exporter-otlp-proto-http)"
         ) from None
     return OTLPSpanExporter(endpoint=cfg.endpoint) if cfg.endpoint else OTLPSpanExporter()
 
 
-class TracingObserver:
-    """Register on an engine's plugin manager; ``attach`` before submitting a request."""
+class TracingObserver(Observer):
+    """Observer ``tracing``: the caller's trace context arrives with ``on_request_received``."""
 
-    def __init__(self, model_name: str, exporter: SpanExporter, batch: bool = True) -> None:
-        self.model_name = model_name
+    Config = TracingConfig
+
+    @classmethod
+    def check_config(cls, config: TracingConfig, registry) -> None:
+        if config.exporter == "otlp":
+            make_exporter(config)  # the exporter's package must be installed
+
+    def __init__(self, config: TracingConfig, ctx: BuildContext) -> None:
+        super().__init__(config, ctx)
+        exporter, batch = make_exporter(config), config.exporter != "console"
+        self.model_name = ctx.model_name
         self.provider = TracerProvider(resource=Resource.create({"service.name": "modserve"}))
         self.provider.add_span_processor(BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter))
         self.tracer = self.provider.get_tracer("modserve")
         self._pending: dict[str, tuple[Context, dict[str, Any]]] = {}
 
-    def attach(self, request_ids: list[str], headers: Mapping[str, str], operation: str, response_id: str) -> None:
+    @hookimpl
+    def on_request_received(self, request_ids: list[str], headers: Mapping[str, str], operation: str, response_id: str) -> None:
         """Remember the caller's trace context and the API operation for these engine requests."""
         ctx = _PROPAGATOR.extract(carrier=headers)
         attrs = {"gen_ai.operation.name": operation, "gen_ai.response.id": response_id}
         for rid in request_ids:
             self._pending[rid] = (ctx, attrs)
 
-    def shutdown(self) -> None:
+    def close(self) -> None:
         self.provider.shutdown()
 
     @hookimpl
@@ -111,3 +128,8 @@ def _clock():
     """Maps the engine's ``time.monotonic`` stamps to epoch nanoseconds."""
     offset = time.time_ns() - time.monotonic_ns()
     return lambda t: int(t * 1e9) + offset
+
+
+@hookimpl
+def register_observers():
+    return {"tracing": TracingObserver}

@@ -9,21 +9,20 @@ from __future__ import annotations
 
 import torch
 
-from modserve.core.hookspecs import hookimpl
-from modserve.core.interfaces import NoOptions, Sampler, SamplerOutput
+from modserve.core.contract import BuildContext, NoOptions, Sampler, SamplerOutput, hookimpl
 from modserve.core.row_argmax import load as load_row_argmax
 from modserve.core.row_argmax import row_argmax
-from modserve.core.sampling_batch import SamplingBatch, row_uniforms
+from modserve.core.sampling_batch import SamplingBatch, inverse_cdf, row_uniforms
 
-MODSERVE_CONTRACT = "1.0"
+MODSERVE_CONTRACT = "2.0"
 
 
 class DefaultSampler(Sampler):
     Config = NoOptions
 
-    def __init__(self, config: NoOptions, vocab_size: int) -> None:
-        self.config = config
-        self.vocab_size = vocab_size
+    def __init__(self, config: NoOptions, ctx: BuildContext) -> None:
+        super().__init__(config, ctx)
+        self.vocab_size = ctx.model.vocab_size
         load_row_argmax()  # compiled at start-up (~1 s on a new machine), not on the first request
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
@@ -100,13 +99,6 @@ def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.T
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
-
-
-def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Sample one token per row by inverting the (unnormalised) CDF at ``uniforms``."""
-    cdf = probs.double().cumsum(dim=-1)
-    target = (uniforms * cdf[:, -1]).unsqueeze(1)
-    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
 @hookimpl

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from modserve.core.hookspecs import hookimpl
+from modserve.core.contract import hookimpl
 from modserve.core.scheduler_base import BaseScheduler
 
-MODSERVE_CONTRACT = "1.0"
+MODSERVE_CONTRACT = "2.0"
 
 
 class FCFSScheduler(BaseScheduler):

@@ -12,11 +12,11 @@ from typing import Annotated
 
 import msgspec
 
-from modserve.core.hookspecs import hookimpl
+from modserve.core.contract import hookimpl
 from modserve.core.request import Request
 from modserve.core.scheduler_base import BaseScheduler, SchedulerConfig
 
-MODSERVE_CONTRACT = "1.0"
+MODSERVE_CONTRACT = "2.0"
 
 
 class PriorityConfig(SchedulerConfig, kw_only=True):

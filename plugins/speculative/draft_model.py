@@ -14,15 +14,12 @@ from typing import Annotated
 import msgspec
 import torch
 
-from modserve.core.hookspecs import hookimpl
-from modserve.core.interfaces import KVSpec, Proposer, ScheduledRequest, SchedulerOutput
-from modserve.core.models.loader import load_model, locate
+from modserve.core.contract import BuildContext, KVSpec, Proposer, ScheduledRequest, SchedulerOutput, SpeculativeConfig, hookimpl
 from modserve.core.request import Request
 from modserve.core.runner import ModelRunner
-from modserve.core.speculative_base import ProposerContext, SpeculativeConfig
 from modserve.plugins.kv_backends.paged import PagedConfig, PagedKVBackend
 
-MODSERVE_CONTRACT = "1.0"
+MODSERVE_CONTRACT = "2.0"
 
 
 class DraftLayers(msgspec.Struct, forbid_unknown_fields=True):
@@ -43,23 +40,23 @@ class DraftConfig(SpeculativeConfig, kw_only=True):
 class DraftModelProposer(Proposer):
     Config = DraftConfig
 
-    def __init__(self, config: DraftConfig, ctx: ProposerContext) -> None:
-        self.config = config
+    def __init__(self, config: DraftConfig, ctx: BuildContext) -> None:
+        super().__init__(config, ctx)
+        target = ctx.target
         if config.draft is not None:
-            if config.draft.layers >= ctx.spec.num_layers:
+            if config.draft.layers >= ctx.model.num_layers:
                 raise ValueError(
-                    f"speculative.draft.layers: must be < the target's {ctx.spec.num_layers} layers, got {config.draft.layers}"
+                    f"speculative.draft.layers: must be < the target's {ctx.model.num_layers} layers, got {config.draft.layers}"
                 )
-            model, spec, num_layers = ctx.target_model, ctx.spec, config.draft.layers
+            model, spec, num_layers = target.module, ctx.model, config.draft.layers
         else:
-            loaded = load_model(locate(config.path), ctx.make_attention, ctx.dtype, ctx.device, ctx.max_model_len)
-            if loaded.tokenizer.tokenizer.get_vocab() != ctx.tokenizer.tokenizer.get_vocab():
+            loaded = target.load(config.path, None)
+            if loaded.tokenizer.tokenizer.get_vocab() != target.tokenizer.tokenizer.get_vocab():
                 raise ValueError(f"speculative.path: the draft model {config.path!r} has a different tokenizer from the target")
             model, spec, num_layers = loaded.model, loaded.spec, loaded.spec.num_layers
         kv_cfg = PagedConfig(block_size=config.block_size, num_blocks=config.num_blocks, prefix_caching=False)
-        self.kv = PagedKVBackend(
-            kv_cfg, KVSpec(num_layers, spec.num_kv_heads, spec.head_dim, ctx.dtype, ctx.device, ctx.max_model_len)
-        )
+        kv_spec = KVSpec(num_layers, spec.num_kv_heads, spec.head_dim, ctx.dtype, ctx.device, ctx.max_model_len)
+        self.kv = PagedKVBackend(kv_cfg, ctx.with_(model=spec, kv_spec=kv_spec, kv=None))
         attention = model.layers[0].self_attn.backend
         self.runner = ModelRunner(model, self.kv, attention, ctx.device)
         self._shadows: dict[str, Request] = {}  # per request: the tokens whose KV the draft holds

@@ -12,12 +12,10 @@ from typing import Annotated
 import msgspec
 import numpy as np
 
-from modserve.core.hookspecs import hookimpl
-from modserve.core.interfaces import Proposer
+from modserve.core.contract import Proposer, SpeculativeConfig, hookimpl
 from modserve.core.request import Request
-from modserve.core.speculative_base import ProposerContext, SpeculativeConfig
 
-MODSERVE_CONTRACT = "1.0"
+MODSERVE_CONTRACT = "2.0"
 
 
 class NgramConfig(SpeculativeConfig, kw_only=True):
@@ -33,9 +31,6 @@ class NgramConfig(SpeculativeConfig, kw_only=True):
 
 class NgramProposer(Proposer):
     Config = NgramConfig
-
-    def __init__(self, config: NgramConfig, context: ProposerContext | None = None) -> None:
-        self.config = config
 
     def propose(self, requests: list[Request], k: int) -> list[list[int]]:
         return [lookup(r.all_token_ids, self.config.prompt_lookup_min, self.config.prompt_lookup_max, k) for r in requests]

@@ -16,10 +16,9 @@ from __future__ import annotations
 import heapq
 import itertools
 
-from modserve.core.hookspecs import hookimpl
-from modserve.core.interfaces import EvictionPolicy, NoOptions
+from modserve.core.contract import BuildContext, EvictionPolicy, NoOptions, hookimpl
 
-MODSERVE_CONTRACT = "1.0"
+MODSERVE_CONTRACT = "2.0"
 
 
 class LFUEviction(EvictionPolicy):
@@ -27,7 +26,8 @@ class LFUEviction(EvictionPolicy):
 
     Config = NoOptions
 
-    def __init__(self, config: NoOptions | None = None) -> None:
+    def __init__(self, config: NoOptions | None = None, ctx: BuildContext | None = None) -> None:
+        super().__init__(config, ctx)
         self._uncached: dict[int, None] = {}  # insertion-ordered; popped newest first
         self._heap: list[tuple[int, int, int]] = []  # (priority, seq, block); may hold stale entries
         self._queued: dict[int, tuple[int, int]] = {}  # cached idle block -> its live (priority, seq)

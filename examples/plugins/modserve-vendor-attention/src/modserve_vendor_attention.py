@@ -13,10 +13,9 @@ import logging
 import msgspec
 import torch
 
-from modserve.core.hookspecs import hookimpl
-from modserve.core.interfaces import AttentionBackend, AttentionMetadata, AttentionSpec, LayerKVCache
+from modserve.core.contract import AttentionBackend, AttentionMetadata, BuildContext, LayerKVCache, hookimpl
 
-MODSERVE_CONTRACT = "1.0"
+MODSERVE_CONTRACT = "2.0"
 NAME = "vendor_skeleton"
 
 log = logging.getLogger("modserve_vendor_attention")
@@ -40,13 +39,13 @@ class VendorAttention(AttentionBackend):
 
     Config = VendorConfig
 
-    def __init__(self, config: VendorConfig, spec: AttentionSpec) -> None:
-        super().__init__(config, spec)
+    def __init__(self, config: VendorConfig, ctx: BuildContext) -> None:
+        super().__init__(config, ctx)  # sets self.spec: heads, head size, dtype, device, the KV backend's block size
         # DEVICE KERNEL, set-up: check this model fits the kernels (spec.head_dim, spec.dtype,
         # spec.block_size, spec.num_heads % spec.num_kv_heads == 0) on this device
-        # (spec.device), load them (e.g. ``torch.ops.load_library(...)``) and keep the ops.
+        # (spec.device, or ctx.platform for the whole device), load them (e.g. ``torch.ops.load_library(...)``) and keep the ops.
         # Raise ValueError naming the unsupported setting rather than running slowly.
-        self.fallback = _build_fallback(config.fallback, spec)
+        self.fallback = _build_fallback(config.fallback, ctx)
         self.num_prepare_calls = 0  # engine steps
         self.num_forward_calls = 0  # steps x layers
 
@@ -84,15 +83,14 @@ class VendorAttention(AttentionBackend):
         return self.fallback.forward(q, k, v, cache, meta)
 
 
-def _build_fallback(name: str, spec: AttentionSpec) -> AttentionBackend:
-    from modserve.core.plugin_manager import default_registry
-
-    backends = default_registry().implementations("attention_backends")
+def _build_fallback(name: str, ctx: BuildContext) -> AttentionBackend:
+    """The fallback backend, built through the engine's own registry with its default options."""
+    backends = ctx.registry.implementations("attention_backends")
     if name not in backends:
         available = ", ".join(sorted(backends))
         raise ValueError(f"attention.fallback: unknown attention backend {name!r}; available: {available}")
     cls = backends[name].cls
-    return cls(cls.Config(), spec)
+    return cls(cls.Config(), ctx)
 
 
 @hookimpl

@@ -1,16 +1,11 @@
-"""The model's shape, read from an HF ``config.json`` dict (GGUF metadata is mapped to one)."""
+"""The model's shape, read from an HF ``config.json`` dict (GGUF metadata is mapped to one).
+
+Model plugins return it from ``ModelArchitecture.spec``; attention, KV and samplers read it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
-
-SUPPORTED_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-}
-
 
 @dataclass
 class ModelSpec:
@@ -34,11 +29,9 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelSpec:
+        """Read a decoder-only HF config (Llama-style keys); an architecture plugin checks its own
+        ``model_type`` and settings first."""
         model_type = cfg.get("model_type")
-        if model_type not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"{source}: unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
         heads = cfg["num_attention_heads"]
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))

@@ -8,8 +8,8 @@ which took a SmolLM2 bfloat16 decode step from 66 to 79 ms. Raising the mmap thr
 to glibc's ceiling (32 MiB) and the trim threshold to 1 GiB keeps those blocks for reuse.
 
 The cost: memory freed after a peak (a long prefill, a prompt-logprobs request) stays in
-the process's RSS for the next peak instead of going back to the OS. ``model.reuse_cpu_memory:
-false`` keeps glibc's defaults. Other C libraries are left alone.
+the process's RSS for the next peak instead of going back to the OS. ``device: {plugin: cpu,
+reuse_freed_memory: false}`` keeps glibc's defaults. Other C libraries are left alone.
 """
 
 from __future__ import annotations
@@ -32,5 +32,5 @@ def keep_freed_memory() -> bool:
     libc = ctypes.CDLL(None)
     ok = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
     if not ok:
-        log.warning("model.reuse_cpu_memory: glibc refused the malloc thresholds; keeping its defaults")
+        log.warning("device.reuse_freed_memory: glibc refused the malloc thresholds; keeping its defaults")
     return ok

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) over one flat varlen batch of tokens.
+"""Model plugin ``llama``: the Llama-family decoder (Llama, Mistral, Qwen2) over one flat varlen batch.
 
 Differences between the three are config switches (q/k/v bias, tied embeddings,
 head_dim, RoPE scaling). Attention is delegated to the chosen attention backend, which
@@ -22,10 +22,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modserve.core.interfaces import AttentionBackend, AttentionMetadata, LayerKVCache
+from typing import Any
+
+from modserve.core.contract import (
+    AttentionBackend,
+    AttentionMetadata,
+    CausalLM,
+    LayerKVCache,
+    ModelArchitecture,
+    ModelSpec,
+    hookimpl,
+)
 from modserve.core.models import cpu_fused
 from modserve.core.models.rope import RotaryTable, apply_rotary
-from modserve.core.models.spec import ModelSpec
+
+MODSERVE_CONTRACT = "2.0"
 
 
 class RMSNorm(nn.Module):
@@ -35,7 +46,7 @@ class RMSNorm(nn.Module):
     adds it in place (``residual += add``), so the add and the norm can run as one kernel.
     """
 
-    fused = False  # set by LlamaForCausalLM.fuse_cpu_ops
+    fused = False  # set by LlamaForCausalLM.use_cpu_fused_ops
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -63,7 +74,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(spec.hidden_size, sum(self.split), bias=spec.qkv_bias)
         self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=False)
         self.backend = backend
-        self.fused = False  # set by LlamaForCausalLM.fuse_cpu_ops
+        self.fused = False  # set by LlamaForCausalLM.use_cpu_fused_ops
 
     def forward(self, x, cos, sin, cache: LayerKVCache, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj.forward(x)
@@ -86,7 +97,7 @@ class MLP(nn.Module):
         self.tp = tp
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * self.intermediate, bias=False)
         self.down_proj = nn.Linear(self.intermediate, spec.hidden_size, bias=False)
-        self.fused = False  # set by LlamaForCausalLM.fuse_cpu_ops
+        self.fused = False  # set by LlamaForCausalLM.use_cpu_fused_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj.forward(x)
@@ -113,7 +124,7 @@ class DecoderLayer(nn.Module):
         return self.mlp.forward(self.post_attention_layernorm.forward(residual, attn))
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     def __init__(
         self, spec: ModelSpec, backend: AttentionBackend, max_positions: int, num_layers: int | None = None, tp=None
     ):
@@ -157,11 +168,15 @@ class LlamaForCausalLM(nn.Module):
             add = layer.forward(residual, add, cos, sin, cache, meta)
         return self.norm.forward(residual, add)
 
-    def fuse_cpu_ops(self) -> None:
-        """Run norms, SiLU·mul and RoPE as the fused C++ kernels (:mod:`cpu_fused`)."""
+    def use_cpu_fused_ops(self) -> bool:
+        """Run norms, SiLU·mul and RoPE as the fused C++ kernels (:mod:`cpu_fused`) where they
+        support the device and dtype."""
+        if not cpu_fused.can_fuse(self.embed_tokens.weight.device, self.embed_tokens.weight.dtype):
+            return False
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention, MLP)):
                 module.fused = True
+        return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Float32 logits ``[R, vocab]``; under tensor parallelism only rank 0 gets them (others None).
@@ -184,6 +199,8 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up; unknown or missing names are errors."""
+        if self.spec.tie_word_embeddings:  # to_empty gave the head a storage of its own
+            self.lm_head.weight = self.embed_tokens.weight
         params = dict(self.named_parameters())
         pending: dict[str, dict[str, torch.Tensor]] = {}
         loaded: set[str] = set()
@@ -239,3 +256,21 @@ def _copy(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:
         raise ValueError(f"weight {name!r}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}")
     with torch.no_grad():
         param.copy_(tensor)
+
+
+class LlamaFamily(ModelArchitecture):
+    """Llama, Mistral and Qwen2: the differences are config switches (q/k/v bias, tied
+    embeddings, head_dim, RoPE scaling)."""
+
+    model_types = ("llama", "mistral", "qwen2")
+
+    def spec(self, hf_config: dict[str, Any], source: str) -> ModelSpec:
+        return ModelSpec.from_hf_config(hf_config, source)
+
+    def build(self, spec: ModelSpec, attention: AttentionBackend, max_positions: int, num_layers: int | None, tp: Any) -> CausalLM:
+        return LlamaForCausalLM(spec, attention, max_positions, num_layers, tp)
+
+
+@hookimpl
+def register_models():
+    return {"llama": LlamaFamily}

@@ -1,4 +1,4 @@
-"""Options every speculative proposer shares, and what a proposer is given at build time.
+"""Whether to ask the speculative proposer for drafts this step.
 
 Speculation pays only when drafts are accepted and the batch is small enough that
 verifying extra tokens is nearly free. So the engine pauses it on its own: above
@@ -8,31 +8,7 @@ the recent acceptance rate falls below ``min_acceptance_rate``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Annotated, Any
-
-import msgspec
-
-
-class SpeculativeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    num_speculative_tokens: Annotated[int, msgspec.Meta(ge=1, le=16)] = 4  # drafts per request per step
-    disable_above_batch_size: Annotated[int, msgspec.Meta(ge=1)] | None = None  # no drafts with more running requests
-    min_acceptance_rate: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0  # pause when the moving acceptance falls below
-    backoff_steps: Annotated[int, msgspec.Meta(ge=1)] = 16  # length of such a pause, in steps
-
-
-@dataclass
-class ProposerContext:
-    """The target's facts a proposer may need (a draft model loads beside the target)."""
-
-    spec: Any  # ModelSpec of the target
-    model_source: Any  # ModelSource of the target
-    target_model: Any  # the target LlamaForCausalLM (a layer-truncated draft shares its weights)
-    tokenizer: Any
-    dtype: Any
-    device: Any
-    max_model_len: int
-    make_attention: Any  # ModelSpec -> AttentionBackend
+from modserve.core.contract import SpeculativeConfig
 
 
 class SpeculationGovernor:

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from modserve.core.hookspecs import hookimpl
-from modserve.core.interfaces import EvictionPolicy, NoOptions
+from modserve.core.contract import BuildContext, EvictionPolicy, NoOptions, hookimpl
 
-MODSERVE_CONTRACT = "1.0"
+MODSERVE_CONTRACT = "2.0"
 
 
 class LRUEviction(EvictionPolicy):
@@ -15,7 +14,8 @@ class LRUEviction(EvictionPolicy):
 
     Config = NoOptions
 
-    def __init__(self, config: NoOptions | None = None) -> None:
+    def __init__(self, config: NoOptions | None = None, ctx: BuildContext | None = None) -> None:
+        super().__init__(config, ctx)
         self._queue: OrderedDict[int, None] = OrderedDict()
 
     def add(self, block: int, cached: bool) -> None:

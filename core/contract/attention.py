@@ -1,0 +1,85 @@
+"""Attention backends: write this step's K/V into the paged cache and attend over it."""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from modserve.core.contract.plugin import Plugin
+
+if TYPE_CHECKING:
+    import torch
+
+    from modserve.core.contract.build_context import BuildContext
+    from modserve.core.contract.kv import LayerKVCache
+
+
+@dataclass
+class AttentionSpec:
+    """The model's attention shape and numeric settings, given to the backend at build time."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    dtype: torch.dtype
+    device: torch.device
+    block_size: int  # the KV backend's
+    sliding_window: int | None = None  # attend only to the last N positions (None: all); refuse it if unsupported
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's flat varlen batch, built once by the runner and shared by every layer.
+
+    Request ``i`` owns query rows ``query_start_loc[i]:query_start_loc[i+1]``; those are
+    its tokens at positions ``context_lens[i] .. seq_lens[i]-1``; its KV for positions
+    ``0 .. seq_lens[i]-1`` lives in blocks ``block_tables[i]`` once this step's K/V are
+    written through ``slot_mapping``. ``*_cpu`` fields are Python lists for host-side logic.
+    """
+
+    num_tokens: int
+    query_start_loc: torch.Tensor  # [B+1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    context_lens: torch.Tensor  # [B] int32
+    slot_mapping: torch.Tensor  # [T] int64
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+    max_query_len: int
+    max_seq_len: int
+    backend_state: object = None
+
+
+class AttentionBackend(Plugin):
+    """Writes a layer's new K/V into the paged cache and computes causal attention.
+
+    ``forward`` gets ``q [T, num_heads, head_dim]``, ``k``/``v [T, num_kv_heads, head_dim]``
+    (already rotated), the layer's :class:`LayerKVCache` and the step's
+    :class:`AttentionMetadata`; it returns ``[T, num_heads, head_dim]``. Each query token
+    attends to every earlier position of its own request (cached context included) and
+    to itself. ``prepare`` is called once per step before the first layer.
+
+    Built after the KV backend: ``self.spec`` (``ctx.attention_spec()``) carries its block
+    size. Raise ``ValueError`` naming what this backend cannot run (dtype, device, head size,
+    a sliding window). Subclasses call ``super().__init__(config, ctx)``.
+    """
+
+    def __init__(self, config: Any, ctx: BuildContext) -> None:
+        super().__init__(config, ctx)
+        self.spec = ctx.attention_spec()
+
+    def prepare(self, meta: AttentionMetadata) -> None:  # noqa: B027 - optional hook
+        """Precompute per-step state (masks, index tensors) into ``meta.backend_state``."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: LayerKVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor: ...
+

@@ -1,0 +1,83 @@
+"""Platforms: the hardware an engine runs on, as one small plugin.
+
+A platform picks and describes the device, allocates KV tensors, provides the linear-layer
+implementation, names the collective backend for tensor parallelism and its default
+attention backend. ``device: auto`` in the pipeline picks the first registered platform
+whose :meth:`Platform.is_available` is true (out-of-tree platforms first, then ``cuda``,
+then ``cpu``). A vendor ships a whole platform out of tree with ``register_platforms``.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from modserve.core.contract.plugin import Plugin
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What ``modserve plugins`` and start-up logs say about the device."""
+
+    name: str  # e.g. "Intel(R) Xeon(R) ... (avx512_bf16, amx_bf16)" or "NVIDIA H100 80GB HBM3"
+    total_memory_bytes: int
+    dtypes: tuple[str, ...]  # model dtypes this device runs: "float32", "bfloat16", "float16"
+
+
+class Platform(Plugin):
+    """The hardware. Built first, with only ``ctx.registry`` and ``ctx.max_model_len`` set.
+
+    Required: :meth:`is_available`, :meth:`device`, :meth:`info`. Everything else has a
+    default that works for any device torch knows.
+    """
+
+    @classmethod
+    @abstractmethod
+    def is_available(cls) -> bool:
+        """Whether this platform can run here (``device: auto`` takes the first that can)."""
+
+    @abstractmethod
+    def device(self, rank: int = 0) -> torch.device:
+        """The torch device of tensor-parallel rank ``rank`` (set it current if the device needs that)."""
+
+    @abstractmethod
+    def info(self) -> DeviceInfo: ...
+
+    def default_dtype(self) -> str:
+        """The model dtype for ``model.dtype: auto``."""
+        return "float32"
+
+    def default_attention(self, dtype: str) -> str:
+        """The attention plugin for ``attention: {plugin: auto}``."""
+        return "torch"
+
+    def allocate_kv(self, shape: tuple[int, ...], dtype: torch.dtype, host: bool = False) -> torch.Tensor:
+        """A zeroed KV tensor on this device (``host``: in host memory, for a swap pool)."""
+        import torch
+
+        return torch.zeros(shape, dtype=dtype, device="cpu" if host else self.device())
+
+    def linear(self, name: str, layer: nn.Linear) -> nn.Module:
+        """The module that computes ``layer`` (its qualified name in the model, e.g. ``lm_head``,
+        ``layers.3.mlp.down_proj``) after its weights are loaded: ``y = x @ W.T + b``, same
+        shapes. The default keeps ``nn.Linear``; a platform may repack or quantize."""
+        return layer
+
+    def prepare_model(self, model: nn.Module) -> None:
+        """Adapt a loaded model for this device once, after :meth:`linear` (e.g. switch on fused
+        kernels through the model's declared :meth:`~modserve.core.contract.model.CausalLM.use_cpu_fused_ops`)."""
+
+    def collective_backend(self) -> str:
+        """The ``torch.distributed`` backend for tensor parallelism (``parallel.backend: auto``)."""
+        return "gloo"
+
+    def capture_graph(self, fn: Callable[..., Any], example_args: tuple) -> Callable[..., Any] | None:
+        """Optional graph capture (CUDA graphs): a replayable ``fn`` for these argument shapes, or
+        None where the platform has none. The engine does not capture yet; this is where it will."""
+        return None

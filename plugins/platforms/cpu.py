@@ -1,0 +1,103 @@
+"""Platform ``cpu``: any x86/ARM CPU torch runs on, with oneDNN-packed linear layers.
+
+What it adds over plain torch: linear weights reordered once into oneDNN's blocked layout
+(:mod:`cpu_linear`), the model's fused C++ elementwise kernels, freed step memory kept in
+the process (:mod:`cpu_memory`), and the compiled ``cpu`` paged-attention kernel as the
+default attention backend where the machine's C++ compiler can build it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import platform as host
+
+import msgspec
+import torch
+from torch import nn
+
+from modserve.core.contract import DeviceInfo, Platform, hookimpl
+from modserve.plugins.platforms.cpu_linear import PackedLinear, can_pack
+from modserve.plugins.platforms.cpu_memory import keep_freed_memory
+
+MODSERVE_CONTRACT = "2.0"
+log = logging.getLogger("modserve.platform")
+
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8", "avx_ne_convert")
+
+
+class CPUConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pack_weights: bool = True  # reorder linear weights once for oneDNN (faster matmuls)
+    fuse_ops: bool = True  # in float32 or bfloat16, run norms, SiLU·mul and RoPE as fused C++ kernels
+    reuse_freed_memory: bool = True  # glibc: keep freed step memory in the process instead of faulting it in again every step
+
+
+class CPUPlatform(Platform):
+    Config = CPUConfig
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return True
+
+    def device(self, rank: int = 0) -> torch.device:
+        return torch.device("cpu")
+
+    def info(self) -> DeviceInfo:
+        name, flags = cpu_model_and_flags()
+        isa = [f for f in ISA_FLAGS if f in flags]
+        dtypes = ("float32", "bfloat16", "float16") if _packs(torch.bfloat16) else ("float32", "float16")
+        return DeviceInfo(f"{name} ({', '.join(isa) or 'no AVX2'})", _total_memory(), dtypes)
+
+    def default_attention(self, dtype: str) -> str:
+        """The compiled ``cpu`` kernel where a C++ compiler can build it (float32/bfloat16), else ``torch``."""
+        if dtype == "float16":
+            return "torch"
+        from modserve.plugins.attention import cpu_kernel_build
+
+        try:
+            cpu_kernel_build.load()
+        except cpu_kernel_build.KernelUnavailable as e:
+            log.warning("attention auto: %s; using the torch backend", e)
+            return "torch"
+        return "cpu"
+
+    def linear(self, name: str, layer: nn.Linear) -> nn.Module:
+        if self.config.pack_weights and _packs(layer.weight.dtype):
+            return PackedLinear(layer)
+        return layer
+
+    def prepare_model(self, model: nn.Module) -> None:
+        if self.config.fuse_ops:
+            model.use_cpu_fused_ops()
+        if self.config.reuse_freed_memory:
+            keep_freed_memory()
+
+
+@functools.cache
+def _packs(dtype: torch.dtype) -> bool:
+    return can_pack(torch.device("cpu"), dtype)
+
+
+@functools.cache
+def cpu_model_and_flags() -> tuple[str, frozenset[str]]:
+    """The CPU's model name and feature flags (``/proc/cpuinfo``; the processor name elsewhere)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            fields = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)
+        fields = {k.strip(): v.strip() for k, v in fields.items()}
+        return fields.get("model name", host.processor()), frozenset(fields.get("flags", "").split())
+    except OSError:
+        return host.processor() or "unknown CPU", frozenset()
+
+
+def _total_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 0
+
+
+@hookimpl
+def register_platforms():
+    return {"cpu": CPUPlatform}
