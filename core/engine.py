@@ -26,12 +26,25 @@ from modserve.core.request import Request, RequestStatus
 from modserve.core.sample_plan import SamplePlan
 from modserve.core.sampling_batch import fresh_seed
 from modserve.core.sampling_params import SamplingParams
-from modserve.core.contract import SchedulerOutput, SchedulerStats, StepStats
+from modserve.core.contract import LogitsProcessor, SchedulerOutput, SchedulerStats, StepStats
 from modserve.core.speculation_governor import SpeculationGovernor
 from modserve.core.token_selection import Chosen, select_tokens
 
 
 log = logging.getLogger("modserve.engine")
+
+
+def claimed_fields(processors: list[LogitsProcessor]) -> dict[str, LogitsProcessor]:
+    """``{request field: processor}``; two processors claiming one field is a start-up error."""
+    claimed: dict[str, LogitsProcessor] = {}
+    for p in processors:
+        if p.request_field in claimed:
+            raise ValueError(
+                f"logits_processors: {type(claimed[p.request_field]).__name__} and {type(p).__name__} "
+                f"both claim the request field {p.request_field!r}; enable one"
+            )
+        claimed[p.request_field] = p
+    return claimed
 
 
 @contextmanager
@@ -54,7 +67,7 @@ class Engine:
         self.proposer = components.proposer
         self.governor = SpeculationGovernor(components.proposer.config) if components.proposer else None
         self.hooks = components.registry.pm.hook
-        self.processors = {p.request_field: p for p in components.logits_processors}
+        self.processors = claimed_fields(components.logits_processors)
         for observer in components.observers:
             components.registry.pm.register(observer)
         self.faults = PluginFault(components.chosen_plugins())

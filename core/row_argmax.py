@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from modserve.core.native.build import KernelUnavailable, compile_and_load
+from modserve.native.build import SOURCES, KernelUnavailable, compile_and_load
 
-SOURCE = Path(__file__).with_name("row_argmax.cpp")
+SOURCE = SOURCES / "row_argmax.cpp"
 log = logging.getLogger("modserve.sampling")
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import msgspec
 
@@ -33,9 +33,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     include_stop_str_in_output: bool = False
     speculative: bool = True  # a request may opt out of speculative decoding
     logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit (OpenAI: -100..100); a logits processor applies it
+    extra_args: dict[str, Any] | None = None  # options for third-party logits processors, one key each (vLLM's extra_args)
 
-    # Fields implemented by logits processor plugins (``LogitsProcessor.request_field``): a
-    # request setting one that no enabled processor claims is refused, never ignored.
+    # Fields implemented by logits processor plugins (``LogitsProcessor.request_field``), and
+    # each ``extra_args`` key as ``extra_args.<key>``: a request setting one that no enabled
+    # processor claims is refused, never ignored.
     PROCESSOR_FIELDS: ClassVar[tuple[str, ...]] = ("logit_bias",)
 
     def __post_init__(self) -> None:
@@ -78,8 +80,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0", self.stop_token_ids)
 
     def processor_fields(self) -> tuple[str, ...]:
-        """The logits-processor fields this request sets."""
-        return tuple(f for f in self.PROCESSOR_FIELDS if getattr(self, f) is not None)
+        """The logits-processor fields this request sets (``extra_args.<key>`` for each extra arg)."""
+        fields = tuple(f for f in self.PROCESSOR_FIELDS if getattr(self, f) is not None)
+        return fields + tuple(f"extra_args.{key}" for key in self.extra_args or ())
 
     @property
     def greedy(self) -> bool:

@@ -31,6 +31,7 @@ class Chosen:
     num_accepted: int
 
 
+@torch.inference_mode()  # the logits are the forward's inference tensors; processors change them in place
 def select_tokens(
     sampler: Sampler, logits: torch.Tensor, entries: list[SampleEntry], vocab: int,
     processors: dict[str, LogitsProcessor] | None = None,

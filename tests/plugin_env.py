@@ -16,7 +16,7 @@ Typical use, in a session fixture::
     env = install_plugins(sorted(EXAMPLES.iterdir()), tmp_path_factory.mktemp("plugins"))
     with env.activate():
         ...  # default_registry() now includes the packages' plugins
-    subprocess.run([sys.executable, "-m", "modserve.core.cli", "plugins"], env=env.env())
+    subprocess.run([sys.executable, "-m", "modserve.cli", "plugins"], env=env.env())
 """
 
 from __future__ import annotations

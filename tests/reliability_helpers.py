@@ -17,8 +17,8 @@ from modserve.core.engine import Engine
 from modserve.core.engine_factory import build_components
 from modserve.core.contract import hookimpl
 from modserve.core.plugin_manager import PluginRegistry
-from modserve.core.server.app import build_app
-from modserve.core.server.lifecycle import Runner, bind
+from modserve.server.app import build_app
+from modserve.server.lifecycle import Runner, bind
 from modserve.plugins.schedulers.fcfs import FCFSScheduler
 
 

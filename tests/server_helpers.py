@@ -1,7 +1,7 @@
 """Live servers for the server tests: a tiny random model behind uvicorn on 127.0.0.1.
 
 ``LiveServer`` runs the real app and lifecycle (``Runner``) in a background thread on a
-free port; ``server_process`` runs ``python -m modserve.core.server`` as a subprocess for
+free port; ``server_process`` runs ``python -m modserve.server`` as a subprocess for
 what needs signals. The tiny model is built once per test process.
 """
 
@@ -24,10 +24,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 from tiny_models import build_model  # noqa: E402
 
 from modserve.core.async_engine import AsyncEngine  # noqa: E402
-from modserve.core.bench.launch import launch_server, wait_ready  # noqa: E402,F401  (wait_ready: re-exported to the tests)
+from modserve.bench.launch import launch_server, wait_ready  # noqa: E402,F401  (wait_ready: re-exported to the tests)
 from modserve.core.engine import Engine  # noqa: E402
-from modserve.core.server.app import build_app  # noqa: E402
-from modserve.core.server.lifecycle import Runner, bind  # noqa: E402
+from modserve.server.app import build_app  # noqa: E402
+from modserve.server.lifecycle import Runner, bind  # noqa: E402
 
 MODEL_NAME = "tiny-llama"
 
@@ -105,8 +105,8 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 
 def server_process(tmp_path, **sections: dict[str, Any]) -> tuple[subprocess.Popen, str]:
-    """Start ``python -m modserve.core.server`` on a free port; returns it and its base URL."""
+    """Start ``python -m modserve.server`` on a free port; returns it and its base URL."""
     config = tmp_path / "pipeline.yaml"
     config.write_text(yaml.safe_dump(pipeline(**sections)))
-    proc, url, _ = launch_server(["modserve.core.server", "-c", str(config)], tmp_path / "server.log", timeout=60)
+    proc, url, _ = launch_server(["modserve.server", "-c", str(config)], tmp_path / "server.log", timeout=60)
     return proc, url

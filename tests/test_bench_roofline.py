@@ -8,8 +8,8 @@ import json
 import pytest
 import yaml
 
-from modserve.core import cli
-from modserve.core.bench.roofline import (
+from modserve import cli
+from modserve.bench.roofline import (
     kv_bytes_per_context_token,
     layer_matmul_params,
     model_flops,
@@ -116,7 +116,7 @@ def test_engine_part_with_ragged_lengths(tiny_dir, tiny_config, tmp_path, capsys
     the analytic FLOPs add up request by request and still equal the per-step count."""
     import argparse
 
-    from modserve.core.bench.throughput import make_requests
+    from modserve.bench.throughput import make_requests
 
     out = tmp_path / "roofline.json"
     argv = ["bench", "roofline", "-c", tiny_config, "--quick", "--dtypes", "float32", "--concurrency", "4",

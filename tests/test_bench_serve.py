@@ -14,8 +14,8 @@ import httpx
 import numpy as np
 import pytest
 
-from modserve.core.bench import datasets as ds
-from modserve.core.bench.metrics import (
+from modserve.bench import datasets as ds
+from modserve.bench.metrics import (
     RequestResult,
     compute_metrics,
     format_result,
@@ -24,7 +24,7 @@ from modserve.core.bench.metrics import (
     percentile_key,
     tpot_of,
 )
-from modserve.core.bench.serve import Client, arrival_offsets, join_url, main, plan_runs, request_plan
+from modserve.bench.serve import Client, arrival_offsets, join_url, main, plan_runs, request_plan
 
 # --------------------------------------------------------------------- metrics
 
@@ -396,7 +396,7 @@ def _bench_result(conc, tok_s, ttft):
 
 
 def test_comparison_report():
-    from modserve.core.bench.compare import render
+    from modserve.bench.compare import render
 
     run = _bench_result
     offline = [{"system": "modserve", "dtype": "bfloat16", "max_num_seqs": 16, "num_requests": 64, "elapsed_s": 10.0,
@@ -418,7 +418,7 @@ def test_comparison_of_alternated_rounds_pairs_each_round(tmp_path, capsys):
     """Rounds: each ratio is the median of the rounds' own ratios (a drifting machine moves both
     systems of a round together), not the ratio of the medians; a missing round file keeps the
     later rounds paired with their peers' rounds."""
-    from modserve.core.bench.compare import main
+    from modserve.bench.compare import main
 
     ours = [(300, 1000), (400, 900), (500, 800)]    # output tok/s, p99 TTFT ms, by round
     peer = [(200, 1000), (400, 1000), (1000, 400)]  # round ratios 1.5x, 1.0x, 0.5x: median 1.0x

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from modserve.core import cli
-from modserve.core.bench.compare import render
-from modserve.core.bench.throughput import make_requests, medians
+from modserve import cli
+from modserve.bench.compare import render
+from modserve.bench.throughput import make_requests, medians
 from tiny_models import build_model
 
 

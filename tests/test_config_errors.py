@@ -125,13 +125,13 @@ def test_sampling_params_errors(kwargs, message):
 
 
 def _cli(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "modserve.core.cli", *args], capture_output=True, text=True, timeout=120, env=env)
+    return subprocess.run([sys.executable, "-m", "modserve.cli", *args], capture_output=True, text=True, timeout=120, env=env)
 
 
 def test_cli_parser_does_not_import_torch():
     """Every command's parser is built at start-up (bench serve's client, validate, docs among
     them), so a bench module that imports torch at module level costs each of them ~0.7 s."""
-    code = "import sys; from modserve.core import cli; cli._parser(); print('torch' in sys.modules)"
+    code = "import sys; from modserve import cli; cli._parser(); print('torch' in sys.modules)"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False"

@@ -13,9 +13,9 @@ import msgspec
 import pytest
 import yaml
 
-from modserve.core import cli
+from modserve import cli
 from modserve.core.config import PLUGIN_SECTIONS, PipelineConfig
-from modserve.core.docs_gen import DEFAULT_OUTPUT, pipeline_reference
+from modserve.docs_gen import DEFAULT_OUTPUT, pipeline_reference
 from modserve.core.engine import Engine
 from modserve.core.engine_factory import build_components
 from modserve.core.plugin_manager import PluginRegistry, default_registry
@@ -31,7 +31,7 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 def test_committed_pipeline_reference_is_current():
     fresh = pipeline_reference()
     assert DEFAULT_OUTPUT.read_text(encoding="utf-8") == fresh, (
-        "docs/pipeline-reference.md is stale: run `python -m modserve.core.docs_gen`"
+        "docs/pipeline-reference.md is stale: run `python -m modserve.docs_gen`"
     )
 
 
@@ -133,23 +133,38 @@ def test_tutorial_plugins_run_a_pipeline(tiny_llama, capsys):
         exec(compile(code, f"plugins-tutorial.md block {i}", "exec", dont_inherit=True), module.__dict__)
         if hasattr(module, "MODSERVE_CONTRACT"):
             registry.register_module(module)
-    base = {"model": {"path": tiny_llama[0], "max_model_len": 128}, "kv_cache": {"plugin": "paged", "num_blocks": 64}}
+    base = {  # plain torch on the cpu platform: what the tutorial's minimal platform runs
+        "model": {"path": tiny_llama[0], "max_model_len": 128}, "kv_cache": {"plugin": "paged", "num_blocks": 64},
+        "device": {"plugin": "cpu", "pack_weights": False, "fuse_ops": False}, "attention": {"plugin": "torch"},
+    }
     tutorial = {
         **base,
+        "device": "minimal_cpu",
+        "attention": {"plugin": "auto"},  # the platform's default: torch
         "scheduler": {"plugin": "shortest_first", "max_num_seqs": 2},
         "kv_cache": {"plugin": "paged_watermark", "num_blocks": 64, "watermark": 0.05},
         "sampler": {"plugin": "soft_cap", "cap": 5.0},
+        "logits_processors": [{"plugin": "logit_bias"}, {"plugin": "ban_tokens"}],
         "speculative": {"plugin": "repeat_last", "num_speculative_tokens": 2},
+        "observers": [{"plugin": "metrics"}, {"plugin": "json_log"}],
     }
     prompts = [[10, 20, 30, 40, 50, 60], [70, 80], [90, 91, 92, 93]]
     want = _greedy(Engine(build_components(base)), prompts)
-    got = _greedy(Engine(build_components(tutorial, registry=registry)), prompts)
+    engine = Engine(build_components(tutorial, registry=registry))
+    assert engine.c.plugin_names["device"] == "minimal_cpu"
+    got = _greedy(engine, prompts)
     assert got == want
     assert capsys.readouterr().err.count('"finish_reason": "length"') == len(prompts)  # the observer's lines
+    banned = _greedy(engine, prompts[:1], extra_args={"ban_tokens": [want[0][0]]})
+    assert banned[0][0] != want[0][0]  # the processor really ran
+    with pytest.raises(ValueError, match="extra_args.nope: not supported by this pipeline"):
+        engine.add_request(prompts[0], SamplingParams(extra_args={"nope": 1}))
+    engine.shutdown()
 
 
-def _greedy(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
-    reqs = [engine.add_request(p, SamplingParams(max_tokens=8, ignore_eos=True, temperature=0))[0] for p in prompts]
+def _greedy(engine: Engine, prompts: list[list[int]], **params) -> list[list[int]]:
+    sp = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0, **params)
+    reqs = [engine.add_request(p, sp)[0] for p in prompts]
     while engine.has_unfinished():
         engine.step()
     return [r.output_token_ids for r in reqs]
@@ -172,7 +187,7 @@ def test_metrics_page_names_exactly_the_exported_metrics():
 
 
 def test_http_api_page_lists_every_route():
-    from modserve.core.server.routes import ROUTES
+    from modserve.server.routes import ROUTES
 
     page = (DOCS / "http-api.md").read_text(encoding="utf-8")
     for route in ROUTES:

@@ -18,7 +18,7 @@ import torch
 from plugin_env import install_plugins
 
 from modserve import LLM, SamplingParams
-from modserve.core import cli
+from modserve import cli
 from modserve.core.config import ConfigError
 from modserve.core.contract import CONTRACT_VERSION, AttentionSpec, Scheduler, hookimpl
 from modserve.core.engine_factory import resolve
@@ -48,7 +48,7 @@ def example_plugins(tmp_path_factory):
 
 
 def _cli(*args: str, env=None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "modserve.core.cli", *args]
+    cmd = [sys.executable, "-m", "modserve.cli", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
 
 

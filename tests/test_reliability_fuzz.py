@@ -280,7 +280,7 @@ def send(http: httpx.Client, url: str, path: str, body: bytes) -> httpx.Response
 def test_openapi_schema_is_generated_from_the_structs(server):
     import msgspec
 
-    from modserve.core.server import protocol
+    from modserve.server import protocol
 
     doc = httpx.get(server.url + "/openapi.json").json()
     assert doc["openapi"].startswith("3.1")

@@ -16,8 +16,8 @@ from reliability_helpers import wait_idle
 from server_helpers import LiveServer, pipeline
 
 from modserve.core.config import load_pipeline
-from modserve.core.server import app as server_app
-from modserve.core.server import auth
+from modserve.server import app as server_app
+from modserve.server import auth
 from modserve.plugins.kv_backends import paged
 from modserve.plugins.kv_backends.block_pool import BlockPool
 

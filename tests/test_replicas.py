@@ -11,10 +11,10 @@ import yaml
 from server_helpers import MODEL_NAME, ThreadedServer, parse_metrics, pipeline
 
 from modserve import LLM, SamplingParams
-from modserve.core.bench.launch import launch_server
+from modserve.bench.launch import launch_server
 from modserve.core.config import load_pipeline
-from modserve.core.server.app import build_app, build_replicas
-from modserve.core.server.router import Replicas, Router
+from modserve.server.app import build_app, build_replicas
+from modserve.server.router import Replicas, Router
 
 BLOCK = 16  # the test pipeline's kv_cache.block_size
 
@@ -158,7 +158,7 @@ def test_cli_replicas_flag_and_sigterm_drain(tmp_path):
     config = tmp_path / "pipeline.yaml"
     config.write_text(yaml.safe_dump(pipeline()))
     proc, url, line = launch_server(
-        ["modserve.core.cli", "serve", "-c", str(config), "--replicas", "2"], tmp_path / "server.log", timeout=60
+        ["modserve.cli", "serve", "-c", str(config), "--replicas", "2"], tmp_path / "server.log", timeout=60
     )
     try:
         assert "on 2 replicas" in line, (line, (tmp_path / "server.log").read_text())

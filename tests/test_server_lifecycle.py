@@ -16,8 +16,8 @@ import pytest
 import yaml
 from server_helpers import MODEL_NAME, LiveServer, pipeline, server_process
 
-from modserve.core.server.app import serve
-from modserve.core.server.lifecycle import Runner, bind
+from modserve.server.app import serve
+from modserve.server.lifecycle import Runner, bind
 
 
 def test_sigterm_drains_then_exits_zero(tmp_path):
@@ -131,8 +131,8 @@ def test_startup_failure_is_one_line(capsys, case, source, code, words):
 
 @pytest.mark.parametrize(
     "entry,port_flag",
-    [(["modserve.core.server"], False), (["modserve.core.cli", "serve"], True)],
-    ids=["python -m modserve.core.server", "modserve serve --port"],
+    [(["modserve.server"], False), (["modserve.cli", "serve"], True)],
+    ids=["python -m modserve.server", "modserve serve --port"],
 )
 def test_process_exit_status_on_startup_failure(tmp_path, entry, port_flag):
     """The pipeline is validated before anything binds: a bad one exits 2 naming the field

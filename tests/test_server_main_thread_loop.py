@@ -18,8 +18,8 @@ from starlette.applications import Starlette
 from modserve.core.async_engine import AsyncEngine
 from modserve.core.engine import Engine
 from modserve.core.contract import hookimpl
-from modserve.core.server.app import build_app
-from modserve.core.server.lifecycle import Runner, bind
+from modserve.server.app import build_app
+from modserve.server.lifecycle import Runner, bind
 
 
 class StepThreads:

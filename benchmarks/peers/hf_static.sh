@@ -22,7 +22,7 @@ if ! "$PY" -c "import transformers, accelerate" 2>/dev/null; then
 fi
 echo "hf setup took $(since "$t0") s (transformers $("$PY" -c 'import transformers; print(transformers.__version__)') in $(dirname "$(dirname "$PY")"))"
 
-pin "$SERVER_CPUS" "$PY" -m modserve.core.cli bench throughput -c "$CONFIG" --dtype "${DTYPE:-bfloat16}" \
+pin "$SERVER_CPUS" "$PY" -m modserve.cli bench throughput -c "$CONFIG" --dtype "${DTYPE:-bfloat16}" \
     --max-num-seqs "${MODSERVE_SEQS:-16,64}" --hf-batch-size "${HF_BATCH:-16}" --num-prompts "${HF_NUM_PROMPTS:-64}" \
     --input-len "${INPUT_LEN:-256}" --output-len "${OUTPUT_LEN:-128}" --range-ratio "${RANGE_RATIO:-0.5}" \
     --repeats "${REPEATS:-1}" --baseline hf --output "$OUT"

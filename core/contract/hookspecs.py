@@ -101,8 +101,8 @@ class ModserveSpec:
 
     @hookspec
     def on_request_rejected(self, reason: str) -> None:
-        """The server refused a request at admission (503): ``reason`` is ``queue_full``,
-        ``draining`` or ``engine_dead``."""
+        """The server refused a request at admission (503): ``reason`` is ``overloaded``,
+        ``shutting_down`` or ``engine_dead``."""
 
     @hookspec
     def on_request_finished(self, request: Request) -> None:

@@ -3,8 +3,10 @@ before the sampler sees them (``logit_bias`` ships; structured outputs and bad w
 the same kind).
 
 Each processor claims one :class:`~modserve.core.sampling_params.SamplingParams` field
-(``request_field``). A request that sets a field no enabled processor claims is refused
-at admission with an error naming the field: no parameter is ever silently ignored.
+(``request_field``), or one key of its ``extra_args`` (``"extra_args.<key>"``, how a
+third-party processor takes per-request options). A request that sets a field or key no
+enabled processor claims is refused at admission with an error naming it: no parameter is
+ever silently ignored. Two enabled processors claiming one field is a start-up error.
 
 Speculative decoding: every sampled row is processed, draft-verification rows included.
 Row ``j`` of a request comes with the ``j`` draft tokens that precede it, so a stateful
@@ -39,7 +41,7 @@ class LogitsRow:
 class LogitsProcessor(Plugin):
     """Built once per engine (``ctx.model`` gives ``vocab_size``); called once per step."""
 
-    request_field: ClassVar[str]  # the SamplingParams field this processor implements
+    request_field: ClassVar[str]  # the SamplingParams field it implements, or "extra_args.<key>"
 
     def check(self, params: SamplingParams) -> None:  # noqa: B027 - optional
         """Validate the request's field at admission (e.g. token ids inside the vocabulary);

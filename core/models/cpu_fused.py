@@ -4,7 +4,7 @@ Why: unfused, RMSNorm + residual add, SiLU·mul and RoPE are chains of torch ops
 stream the whole activation through memory; in a 2048-token prefill step they took about
 a fifth of the time, and in a bfloat16 decode step their ~80 small ops per layer cost more
 than the arithmetic. ``cpu_fused_ops.cpp`` does each in one pass (built once per machine
-by :mod:`modserve.core.native.build`). Results equal the torch ops up to float32 rounding
+by :mod:`modserve.native.build`). Results equal the torch ops up to float32 rounding
 (fused multiply-adds, a different summation order in the norm); in bfloat16 they round
 wherever torch's bfloat16 ops round.
 
@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from modserve.core.native.build import KernelUnavailable, compile_and_load
+from modserve.native.build import SOURCES, KernelUnavailable, compile_and_load
 
-SOURCE = Path(__file__).with_name("cpu_fused_ops.cpp")
+SOURCE = SOURCES / "cpu_fused_ops.cpp"
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 log = logging.getLogger("modserve.models")
 

@@ -1,5 +1,5 @@
 """Loads ``cpu_paged_attention.cpp`` (compiled once per machine by
-:mod:`modserve.core.native.build`) and calls it through ctypes."""
+:mod:`modserve.native.build`) and calls it through ctypes."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from modserve.core.native.build import KernelUnavailable, compile_and_load, compiler  # noqa: F401 - re-exported
+from modserve.native.build import SOURCES, KernelUnavailable, compile_and_load, compiler  # noqa: F401 - re-exported
 
-SOURCE = Path(__file__).with_name("cpu_paged_attention.cpp")
+SOURCE = SOURCES / "cpu_paged_attention.cpp"
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 
 

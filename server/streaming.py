@@ -19,7 +19,7 @@ from starlette.types import Receive, Scope, Send
 
 from modserve.core.async_engine import RequestStream
 from modserve.core.outputs import RequestOutput
-from modserve.core.server.protocol import encoder
+from modserve.server.protocol import encoder
 
 T = TypeVar("T")
 DONE = b"data: [DONE]\n\n"

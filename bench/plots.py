@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from modserve.core.bench.metrics import percentile_key
+from modserve.bench.metrics import percentile_key
 
 INSTALL_HINT = "--plot needs matplotlib: pip install 'modserve[bench]' (or: pip install 'matplotlib>=3.8')"
 

@@ -11,7 +11,7 @@ from typing import TypeVar
 import msgspec
 from starlette.requests import Request
 
-from modserve.core.server.errors import APIError, bad_request, from_decode_error
+from modserve.server.errors import APIError, bad_request, from_decode_error
 
 T = TypeVar("T")
 

@@ -18,7 +18,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-HEADERS = Path(__file__).parent  # shared headers (#include "fast_exp.h")
+SOURCES = HEADERS = Path(__file__).parent  # every kernel source and the shared headers (#include "fast_exp.h")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-fno-trapping-math", f"-I{HEADERS}"]
 
 

@@ -10,7 +10,7 @@ import hmac
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from modserve.core.server.errors import APIError
+from modserve.server.errors import APIError
 
 
 class AuthMiddleware:

@@ -49,6 +49,7 @@ class SamplingFields(Struct, kw_only=True):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = None  # prefix-cache isolation: only requests with the same salt share cached KV
+    logit_bias: dict[str, float] | None = None  # token id (as a JSON key) -> bias; the logit_bias logits processor
 
 
 class CompletionRequest(SamplingFields, kw_only=True):

@@ -1,15 +1,15 @@
-"""``python -m modserve.core.server -c pipeline.yaml [--host H] [--port P] [--replicas N]`` (what ``serve`` runs)."""
+"""``python -m modserve.server -c pipeline.yaml [--host H] [--port P] [--replicas N]`` (what ``serve`` runs)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from modserve.core.server.app import serve
+from modserve.server.app import serve
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m modserve.core.server", description="Run the OpenAI-compatible server.")
+    p = argparse.ArgumentParser(prog="python -m modserve.server", description="Run the OpenAI-compatible server.")
     p.add_argument("-c", "--config", help="pipeline YAML (default: the embedded SmolLM2 pipeline)")
     p.add_argument("--host")
     p.add_argument("--port", type=int)

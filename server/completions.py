@@ -18,13 +18,13 @@ from starlette.responses import Response
 
 from modserve.core.async_engine import RequestStream
 from modserve.core.outputs import CompletionOutput, RequestOutput
-from modserve.core.server.access_log import record
-from modserve.core.server.body import decode_body
-from modserve.core.server.errors import bad_request, from_engine_error
-from modserve.core.server.generation import Prompt, abort_all, start
-from modserve.core.server.logprobs import completion_logprobs
-from modserve.core.server.params import fit_to_prompt, sampling_params
-from modserve.core.server.protocol import (
+from modserve.server.access_log import record
+from modserve.server.body import decode_body
+from modserve.server.errors import bad_request, from_engine_error
+from modserve.server.generation import Prompt, abort_all, start
+from modserve.server.logprobs import completion_logprobs
+from modserve.server.params import fit_to_prompt, sampling_params
+from modserve.server.protocol import (
     Completion,
     CompletionChoice,
     CompletionRequest,
@@ -32,8 +32,8 @@ from modserve.core.server.protocol import (
     Usage,
     encoder,
 )
-from modserve.core.server.state import ServerState
-from modserve.core.server.streaming import (
+from modserve.server.state import ServerState
+from modserve.server.streaming import (
     DONE,
     ClientDisconnected,
     EventStream,

@@ -9,10 +9,10 @@ from starlette.requests import Request
 from modserve.core import parallel_sampling
 from modserve.core.async_engine import RequestStream
 from modserve.core.sampling_params import SamplingParams
-from modserve.core.server.access_log import record
-from modserve.core.server.errors import bad_request, from_engine_error
-from modserve.core.server.protocol import SamplingFields
-from modserve.core.server.state import ServerState
+from modserve.server.access_log import record
+from modserve.server.errors import bad_request, from_engine_error
+from modserve.server.protocol import SamplingFields
+from modserve.server.state import ServerState
 
 
 @dataclass

@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from modserve.core.bench import datasets as ds
+from modserve.bench import datasets as ds
 from modserve.core.contract import hookimpl
 
 
@@ -216,7 +216,7 @@ def run_hf(args, dtype: str, batch_size: int) -> Result:
     """HF ``generate`` with static batches on the same weights and requests."""
     import torch
 
-    from modserve.core.bench.hf_baseline import load_hf_model
+    from modserve.bench.hf_baseline import load_hf_model
 
     model = load_hf_model(args.config, getattr(torch, dtype))
     requests = make_requests(args, model.config.vocab_size)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from modserve.core.outputs import Logprob
-from modserve.core.server.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+from modserve.server.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
 
 Entry = dict[int, Logprob] | None
 

@@ -58,16 +58,16 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap each prompt as a user chat message")
     g.set_defaults(func=_cmd_generate)
 
-    from modserve.core.docs_gen import add_arguments as add_docs
+    from modserve.docs_gen import add_arguments as add_docs
 
     add_docs(sub.add_parser("docs", help="regenerate docs/pipeline-reference.md from the config structs"))
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_command")
-    from modserve.core.bench.throughput import add_arguments as add_throughput
+    from modserve.bench.throughput import add_arguments as add_throughput
 
-    from modserve.core.bench.serve import add_arguments as add_serve
-    from modserve.core.bench.roofline import add_arguments as add_roofline
+    from modserve.bench.serve import add_arguments as add_serve
+    from modserve.bench.roofline import add_arguments as add_roofline
 
     add_throughput(bsub.add_parser("throughput", help="offline throughput (all requests at once)"))
     add_serve(bsub.add_parser("serve", help="online benchmark against any OpenAI-compatible server"))
@@ -76,7 +76,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _cmd_serve(args) -> int:
-    from modserve.core.server.app import serve
+    from modserve.server.app import serve
 
     return serve(args.config, host=args.host, port=args.port, replicas=args.replicas)
 

@@ -80,7 +80,7 @@ class Router:
 
 
 class Replicas:
-    """The replicas as one engine for the server's lifecycle (:class:`~modserve.core.server.lifecycle.Runner`):
+    """The replicas as one engine for the server's lifecycle (:class:`~modserve.server.lifecycle.Runner`):
     start/stop/drain/abort cover all of them; the server dies when any one dies."""
 
     def __init__(self, engines: Sequence[AsyncEngine]) -> None:

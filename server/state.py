@@ -9,10 +9,10 @@ import msgspec
 
 from modserve.core.async_engine import AsyncEngine
 from modserve.core.config import ServerSection, api_keys
-from modserve.core.server.errors import APIError
-from modserve.core.server.limits import Limits
-from modserve.core.server.openapi import build_openapi
-from modserve.core.server.router import Router
+from modserve.server.errors import APIError
+from modserve.server.limits import Limits
+from modserve.server.openapi import build_openapi
+from modserve.server.router import Router
 
 
 @dataclass

@@ -3,7 +3,7 @@
 Streams requests (``stream_options.include_usage``) to ``--base-url`` over one asyncio + httpx
 client, with arrivals at ``--request-rate`` (Poisson, or gamma with ``--burstiness``) and/or at
 most ``--max-concurrency`` in flight, and reports the metrics of vLLM's ``vllm bench serve``
-(see :mod:`modserve.core.bench.metrics` for the exact definitions). ``--max-concurrency 16,64``
+(see :mod:`modserve.bench.metrics` for the exact definitions). ``--max-concurrency 16,64``
 or ``--request-rate 2,4,inf`` runs a sweep, one run after another against the same server.
 
 Exit status: 0 when every run completed at least one request (failed requests are counted and
@@ -11,7 +11,7 @@ reported, not fatal); 1 when a run had no successful request; 2 for bad argument
 server cannot be reached before the run (no ``--model`` and ``GET /v1/models`` fails, or every
 warm-up request fails).
 
-Also runnable as ``python -m modserve.core.bench.serve``.
+Also runnable as ``python -m modserve.bench.serve``.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from modserve.core.bench import datasets as ds
-from modserve.core.bench.metrics import (
+from modserve.bench import datasets as ds
+from modserve.bench.metrics import (
     METRICS,
     RequestResult,
     compute_metrics,
@@ -256,7 +256,7 @@ class Client:
         return body
 
     async def send(self, body: dict, req: ds.SampleRequest) -> RequestResult:
-        """Stream one request; timings per :mod:`modserve.core.bench.metrics`."""
+        """Stream one request; timings per :mod:`modserve.bench.metrics`."""
         r = RequestResult(prompt_len=req.prompt_len or 0, expected_output_len=req.output_len)
         st = time.perf_counter()
         r.start_time = st
@@ -476,7 +476,7 @@ async def _run(args) -> int:
     if args.num_warmups < 0:
         raise ValueError("--num-warmups: must be >= 0")
     if args.plot:
-        from modserve.core.bench import plots
+        from modserve.bench import plots
 
         plots.require_matplotlib()
     tokenizer = ds.load_tokenizer(args.tokenizer) if args.tokenizer else None
@@ -522,7 +522,7 @@ async def _run(args) -> int:
         with open(args.output, "w") as f:
             json.dump(runs[0] if len(runs) == 1 else runs, f, indent=1)
     if args.plot:
-        from modserve.core.bench import plots
+        from modserve.bench import plots
 
         for path in plots.plot_runs(runs, args.plot):
             print(f"wrote {path}", file=sys.stderr)

@@ -1,7 +1,7 @@
 """``GET /openapi.json``: the API as OpenAPI 3.1, its schemas generated from the msgspec structs.
 
 The request and response bodies are the very structs the handlers decode and encode
-(:mod:`modserve.core.server.protocol`), passed through ``msgspec.json.schema_components``,
+(:mod:`modserve.server.protocol`), passed through ``msgspec.json.schema_components``,
 so the published schema cannot drift from what the server accepts. Value ranges that are
 server limits (``server.max_n``, ...) or ``SamplingParams`` rules are described, not encoded:
 they are configurable and answered with a 400 naming the field.
@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from modserve.core.server import protocol as p
+from modserve.server import protocol as p
 
 _REF = "#/components/schemas/{name}"
 

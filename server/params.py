@@ -9,9 +9,9 @@ there would take every other request down with it.
 from __future__ import annotations
 
 from modserve.core.sampling_params import SamplingParams
-from modserve.core.server.errors import bad_request, from_value_error
-from modserve.core.server.protocol import SamplingFields
-from modserve.core.server.state import ServerState
+from modserve.server.errors import bad_request, from_value_error
+from modserve.server.protocol import SamplingFields
+from modserve.server.state import ServerState
 
 _INT64_MAX = 2**63 - 1
 
@@ -46,6 +46,7 @@ def sampling_params(
     bad = next((t for t in stop_ids if not 0 <= t < vocab), None)
     if bad is not None:
         raise bad_request(f"stop_token_ids: {bad} is outside the vocabulary [0, {vocab})", "stop_token_ids")
+    logit_bias = _token_keys(body.logit_bias, "logit_bias")
     if body.seed is not None and body.seed + body.n - 1 > _INT64_MAX:
         raise bad_request(f"seed: seed + n - 1 must fit in int64, got seed {body.seed}", "seed")
     optional = {
@@ -70,10 +71,22 @@ def sampling_params(
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
+            logit_bias=logit_bias,
             **{k: v for k, v in optional.items() if v is not None},
         )
     except ValueError as e:
         raise from_value_error(e) from None
+
+
+def _token_keys(mapping: dict[str, float] | None, param: str) -> dict[int, float] | None:
+    """JSON object keys are strings: ``{"7042": -100}`` -> ``{7042: -100.0}``."""
+    if mapping is None:
+        return None
+    try:
+        return {int(k): float(v) for k, v in mapping.items()}
+    except ValueError:
+        bad = next(k for k in mapping if not k.lstrip("-").isdigit())
+        raise bad_request(f"{param}: keys must be token ids, got {bad!r}", param) from None
 
 
 def fit_to_prompt(

@@ -16,18 +16,18 @@ from modserve.core.async_engine import AsyncEngine
 from modserve.core.config import ConfigError, api_keys
 from modserve.core.engine import Engine
 from modserve.core.engine_factory import resolve
-from modserve.core.server.access_log import AccessLogMiddleware
-from modserve.core.server.auth import AuthMiddleware
-from modserve.core.server.errors import EXCEPTION_HANDLERS
-from modserve.core.server.lifecycle import Runner, bind
-from modserve.core.server.router import ReplicaHeaderMiddleware, Replicas, Router
-from modserve.core.server.routes import ROUTES
-from modserve.core.server.state import ServerState
+from modserve.server.access_log import AccessLogMiddleware
+from modserve.server.auth import AuthMiddleware
+from modserve.server.errors import EXCEPTION_HANDLERS
+from modserve.server.lifecycle import Runner, bind
+from modserve.server.router import ReplicaHeaderMiddleware, Replicas, Router
+from modserve.server.routes import ROUTES
+from modserve.server.state import ServerState
 
 
 def build_app(engine: AsyncEngine | Sequence[AsyncEngine]) -> Starlette:
     """The app serving ``engine`` (or several data-parallel replicas of one pipeline, routed
-    per prompt by :class:`~modserve.core.server.router.Router`). Metrics and tracing are the
+    per prompt by :class:`~modserve.server.router.Router`). Metrics and tracing are the
     engines' observer plugins (the pipeline's ``observers``).
 
     The engine loops start with the app (ASGI lifespan) and stop with it."""

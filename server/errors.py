@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from modserve.core.async_engine import EngineDeadError, RequestAbortedError, RequestFailedError, ServerBusyError
-from modserve.core.server.protocol import ErrorBody, ErrorResponse, encoder
+from modserve.server.protocol import ErrorBody, ErrorResponse, encoder
 
 log = logging.getLogger("modserve.server")
 

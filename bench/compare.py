@@ -1,12 +1,12 @@
 """Side-by-side report of ``bench serve`` results from several servers (used by ``benchmarks/compare.sh``).
 
-    python -m modserve.core.bench.compare --out DIR \\
+    python -m modserve.bench.compare --out DIR \\
         --system modserve=modserve.json --system vllm-cpu=vllm.json [--offline offline.json] [--note TEXT]
-    python -m modserve.core.bench.compare --out DIR \\
+    python -m modserve.bench.compare --out DIR \\
         --system modserve=m.round1.json,m.round2.json --system vllm-cpu=v.round1.json,v.round2.json
 
 Writes ``DIR/comparison.md`` (a table per concurrency or rate, and the ratios of the first
-system to each other one) and the charts of :func:`modserve.core.bench.plots.plot_compare`;
+system to each other one) and the charts of :func:`modserve.bench.plots.plot_compare`;
 prints the markdown. Ratios: throughput ``first / peer`` (above 1: the first system serves
 more); tail latency ``first / peer`` (below 1: the first system is faster).
 
@@ -27,8 +27,8 @@ import statistics
 import sys
 from typing import Any
 
-from modserve.core.bench.metrics import percentile_key
-from modserve.core.bench.throughput import medians
+from modserve.bench.metrics import percentile_key
+from modserve.bench.throughput import medians
 
 
 def load_runs(path: str) -> list[dict[str, Any]]:
@@ -163,7 +163,7 @@ def render(systems: dict[str, list[Any]], offline: list[dict[str, Any]] | None =
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m modserve.core.bench.compare", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m modserve.bench.compare", description=__doc__.split("\n\n")[0])
     p.add_argument("--system", action="append", required=True, metavar="LABEL=RESULT.json[,ROUND2.json...]",
                    help="a bench serve result, or one per round, comma-separated; the first system is "
                         "compared with each other one")
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         f.write(text)
     if not args.no_plots:
         try:
-            from modserve.core.bench.plots import plot_compare
+            from modserve.bench.plots import plot_compare
 
             many = max(len(rs) for rs in systems.values()) > 1
             lines = {f"{label} round {i}" if many else label: runs

@@ -7,11 +7,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from modserve.core.server.body import decode_body
-from modserve.core.server.chat import create_chat_completion, encode_messages
-from modserve.core.server.completions import create_completion
-from modserve.core.server.errors import APIError, bad_request
-from modserve.core.server.protocol import (
+from modserve.server.body import decode_body
+from modserve.server.chat import create_chat_completion, encode_messages
+from modserve.server.completions import create_completion
+from modserve.server.errors import APIError, bad_request
+from modserve.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     HealthResponse,
@@ -21,8 +21,8 @@ from modserve.core.server.protocol import (
     TokenizeResponse,
     encoder,
 )
-from modserve.core.server.state import ServerState
-from modserve.core.server.exposition import render
+from modserve.server.state import ServerState
+from modserve.server.exposition import render
 
 
 def _json(obj) -> Response:

@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from modserve.core.bench import datasets as ds
-from modserve.core.bench import forward_parts
+from modserve.bench import datasets as ds
+from modserve.bench import forward_parts
 from modserve.core.contract import hookimpl
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -401,7 +401,7 @@ def build_engine(args, resolved):
 def run_engine(args, resolved, llm, machine: dict[str, Any]) -> dict[str, Any]:
     """Run the workload on the engine and account for every step."""
     from modserve import SamplingParams
-    from modserve.core.bench.throughput import greedy_params, make_prompts, make_requests
+    from modserve.bench.throughput import greedy_params, make_prompts, make_requests
 
     c = llm.engine.c
     spec, dtype_bytes = c.spec, c.dtype.itemsize

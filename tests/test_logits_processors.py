@@ -1,0 +1,74 @@
+"""Logits processors: ``logit_bias`` removes (-100) or forces (+100) a token, in the engine and
+over HTTP with the ``openai`` client; a field no enabled processor claims is refused."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from openai import BadRequestError
+from server_helpers import MODEL_NAME, LiveServer
+
+from modserve import LLM, SamplingParams
+
+GREEDY = dict(max_tokens=6, temperature=0, ignore_eos=True)
+PROMPTS = [[10, 20, 30, 40, 50], [60, 70, 80], list(range(100, 120))]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(model={"path": tiny_llama[0], "max_model_len": 128}, kv_cache={"plugin": "paged", "num_blocks": 64})
+
+
+def _tokens(llm, prompts, **params):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(**GREEDY, **params))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_minus_100_removes_a_token_and_plus_100_forces_one(llm):
+    plain = _tokens(llm, PROMPTS)
+    banned = plain[0][0]
+    got = _tokens(llm, PROMPTS[:1], logit_bias={banned: -100.0})[0]
+    assert banned not in got
+    forced = _tokens(llm, PROMPTS[:1], logit_bias={7: 100.0})[0]
+    assert forced == [7] * GREEDY["max_tokens"]
+
+
+def test_biased_and_plain_requests_share_a_batch(llm):
+    """Only the rows of the biased request change; its batch mates keep their tokens."""
+    plain = _tokens(llm, PROMPTS)
+    sp = [SamplingParams(**GREEDY), SamplingParams(**GREEDY, logit_bias={11: 100.0}), SamplingParams(**GREEDY)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp)
+    got = [o.outputs[0].token_ids for o in outs]
+    assert got[0] == plain[0] and got[2] == plain[2]
+    assert got[1] == [11] * GREEDY["max_tokens"]
+
+
+def test_bad_bias_names_the_field(llm):
+    with pytest.raises(ValueError, match=r"logit_bias: token id 999999 is outside the vocabulary"):
+        llm.engine.add_request(PROMPTS[0], SamplingParams(logit_bias={999999: 1.0}))
+    with pytest.raises(ValueError, match=r"logit_bias: bias 500.0 for token 3 is outside \[-100, 100\]"):
+        llm.engine.add_request(PROMPTS[0], SamplingParams(logit_bias={3: 500.0}))
+    assert not llm.engine.requests
+
+
+def test_a_pipeline_without_the_processor_refuses_the_field(tiny_llama):
+    llm = LLM(model={"path": tiny_llama[0], "max_model_len": 128}, kv_cache={"plugin": "paged", "num_blocks": 64},
+              logits_processors=[])
+    with pytest.raises(ValueError, match=r"logit_bias: not supported by this pipeline"):
+        llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(logit_bias={3: 1.0}))
+
+
+def test_logit_bias_over_http():
+    with LiveServer() as s:
+        client = s.client()
+        ask = dict(model=MODEL_NAME, prompt=[[10, 20, 30, 40]], max_tokens=4, temperature=0, logprobs=0)
+        plain = client.completions.create(**ask)
+        forced = client.completions.create(**ask, logit_bias={"7": 100})
+        text = httpx.post(f"{s.url}/detokenize", json={"model": MODEL_NAME, "tokens": [7] * 4}).json()["prompt"]
+        assert forced.choices[0].text == text != plain.choices[0].text
+        with pytest.raises(BadRequestError, match="logit_bias: keys must be token ids, got 'abc'"):
+            client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2, logit_bias={"abc": 1})
+        with pytest.raises(BadRequestError, match="logit_bias: token id 99999999 is outside the vocabulary"):
+            client.chat.completions.create(
+                model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2, logit_bias={"99999999": 1}
+            )
