@@ -5,8 +5,8 @@ touches it. The loop thread is either one this class starts or, with
 :meth:`AsyncEngine.run_loop`, the caller's: the server runs it on the process's main
 thread, where the model was loaded (see ``run_loop`` for why that is faster). The event loop submits and aborts through a thread-safe inbox and gets each
 step's outputs back through ``call_soon_threadsafe``: it never waits on model work.
-``n > 1`` fans out into child requests (:mod:`modserve.core.parallel_sampling`) whose
-outputs merge back into one stream.
+The engine emits one output per request and step (its ``n`` choices merged there), and
+each stream yields those outputs as they come.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 
-from modserve.core import parallel_sampling
 from modserve.core.engine import Engine
 from modserve.core.outputs import RequestOutput
 from modserve.core.sampling_params import SamplingParams
@@ -129,9 +128,11 @@ class AsyncEngine:
         """Thread-safe: make the loop return after its current step, aborting what is left."""
         self._inbox.put(_STOP)
 
-    def check_prompt(self, prompt_token_ids: list[int]) -> None:
-        """Raise ValueError for a prompt the engine would refuse (reads only immutable model facts)."""
-        self.engine.check_prompt(prompt_token_ids)
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError, naming the field, for a request the engine would refuse (reads only
+        what is fixed at start-up: safe from the event loop). ``generate`` does it unless told
+        the caller already has."""
+        self.engine.validate(prompt_token_ids, params)
 
     def check_capacity(self, num_seqs: int) -> None:
         """Raise unless ``num_seqs`` more sequences may wait (call before a batch of ``generate``)."""
@@ -158,18 +159,21 @@ class AsyncEngine:
         cache_salt: str | None = None,
         user: str | None = None,
         prompt: str | None = None,
+        validated: bool = False,
     ) -> RequestStream:
-        """Admit one request (raises :class:`ServerBusyError` / :class:`EngineDeadError` at once).
+        """Admit one request (raises ``ValueError`` for a bad one, :class:`ServerBusyError` /
+        :class:`EngineDeadError` at once). ``validated``: the caller ran :meth:`validate`.
 
         The caller must ``abort()`` the stream when it stops reading early, e.g. in a
         ``finally``; aborting a finished stream does nothing.
         """
+        if not validated:
+            self.validate(prompt_token_ids, params)
         self.check_capacity(params.n)
-        ids = [parallel_sampling.child_id(request_id, i, params.n) for i in range(params.n)]
-        stream = RequestStream(self, request_id, prompt, ids)
+        stream = RequestStream(self, request_id, prompt, params.n)
         self._streams.add(stream)
         self._idle.clear()
-        self._submitted += len(ids)
+        self._submitted += params.n
         self._inbox.put(_Add(stream, list(prompt_token_ids), params, priority, cache_salt, user))
         return stream
 
@@ -290,12 +294,11 @@ class AsyncEngine:
             return self.engine.abort_request(ids)
         stream = cmd.stream
         try:
-            self.engine.add_request(
+            self.engine.enqueue(  # validated in ``generate``
                 cmd.prompt_token_ids, cmd.params, request_id=stream.request_id, priority=cmd.priority,
                 cache_salt=cmd.cache_salt, user=cmd.user,
             )
-            for cid in stream.child_ids:
-                routes[cid] = stream
+            routes[stream.request_id] = stream
         except ValueError as e:
             self._call(self._dispatch, [(stream, e)])
         except Exception as e:  # a plugin raised while enqueueing (the scheduler's add_request)
@@ -304,15 +307,13 @@ class AsyncEngine:
             self._call(self._dispatch, [(stream, RequestFailedError(self._fail_admission(e, stream)))])
         finally:
             self._num_waiting = self.engine.scheduler.stats().num_waiting
-            self._consumed += len(stream.child_ids)
+            self._consumed += stream.n
         return []
 
     def _fail_admission(self, e: Exception, stream: RequestStream) -> str:
         """Fail only this request (500 naming the plugin) and drop what the engine kept of it."""
         message = self.engine.faults.describe(e, "scheduler")
-        leftovers = [cid for cid in stream.child_ids if cid in self.engine.requests]
-        if leftovers:
-            self.engine.abort_request(leftovers, reason="error", error=message)
+        self.engine.abort_request([stream.request_id], reason="error", error=message)
         return message
 
     def _send(self, outputs: list[RequestOutput], routes: dict[str, RequestStream]) -> None:
@@ -334,29 +335,26 @@ class AsyncEngine:
 
 
 class RequestStream:
-    """Async iterator over one request's outputs, its ``n`` children merged.
+    """Async iterator over one request's outputs: each holds the choices that advanced in
+    one engine step (``n > 1`` merged by the engine); the last has ``finished=True``."""
 
-    Each item holds only the choices that advanced since the previous item (their
-    ``text_delta``/``token_ids_delta`` folded together when the reader lagged); the last
-    item has ``finished=True``.
-    """
-
-    def __init__(self, owner: AsyncEngine, request_id: str, prompt: str | None, child_ids: list[str]) -> None:
+    def __init__(self, owner: AsyncEngine, request_id: str, prompt: str | None, n: int) -> None:
         self.request_id = request_id
         self.prompt = prompt
-        self.child_ids = child_ids
+        self.n = n
         self._owner = owner
-        self._index = {cid: i for i, cid in enumerate(child_ids)}
         self._queue: asyncio.Queue = asyncio.Queue()
-        self._unfinished = set(child_ids)  # as pushed by the engine
-        self._unread = set(child_ids)  # as seen by the reader
+        self._pushed_final = False  # the engine sent its last output
+        self._read_final = False  # the reader got it (or an error)
+        self._ready: list[RequestOutput] = []  # outputs of one pushed step not read yet
         self.closed = False
 
     def abort(self) -> None:
         """Stop the request in the engine (its KV blocks return within a step)."""
         if not self.closed:
             self._close()
-            self._owner._abort(sorted(self._unfinished))
+            if not self._pushed_final:
+                self._owner._abort([self.request_id])
 
     def _close(self) -> None:
         self.closed = True
@@ -366,54 +364,34 @@ class RequestStream:
         if self.closed:
             return
         self._queue.put_nowait(item)
-        if isinstance(item, BaseException):
-            self._close()
-            return
-        self._unfinished.difference_update(o.request_id for o in item if o.finished)
-        if not self._unfinished:
+        if isinstance(item, BaseException) or any(o.finished for o in item):
+            self._pushed_final = True
             self._close()
 
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        if not self._unread:
+        if self._read_final:
             raise StopAsyncIteration
-        items = [await self._queue.get()]
-        while not self._queue.empty():
-            items.append(self._queue.get_nowait())
-        latest: dict[int, RequestOutput] = {}
-        for item in items:
+        if not self._ready:
+            item = await self._queue.get()
             if isinstance(item, BaseException):
-                self._unread.clear()
+                self._read_final = True
                 raise item
-            for out in item:
-                self._check(out)
-                i = self._index[out.request_id]
-                if i in latest:
-                    _fold(latest[i], out)
-                latest[i] = out
-                if out.finished:
-                    self._unread.discard(out.request_id)
-        order = sorted(latest)
-        merged = parallel_sampling.merge(self.request_id, self.prompt, [latest[i] for i in order])
-        for completion, i in zip(merged.outputs, order):
-            completion.index = i
-        merged.finished = not self._unread
-        return merged
+            self._ready = list(item)
+        out = self._ready.pop(0)
+        out.prompt = self.prompt
+        self._check(out)
+        if out.finished:
+            self._read_final = True
+        return out
 
     def _check(self, out: RequestOutput) -> None:
-        reason = out.outputs[0].finish_reason
-        if reason == "abort":
-            self._unread.clear()
-            raise RequestAbortedError("the request was aborted: the server is shutting down")
-        if reason == "error":
-            self._unread.clear()
-            raise RequestFailedError(out.error or "the engine failed this request")
-
-
-def _fold(earlier: RequestOutput, later: RequestOutput) -> None:
-    """Prefix ``later``'s deltas with ``earlier``'s, for a reader that missed a step."""
-    a, b = earlier.outputs[0], later.outputs[0]
-    b.text_delta = a.text_delta + b.text_delta
-    b.token_ids_delta = a.token_ids_delta + b.token_ids_delta
+        for c in out.outputs:
+            if c.finish_reason == "abort":
+                self._read_final = True
+                raise RequestAbortedError("the request was aborted: the server is shutting down")
+            if c.finish_reason == "error":
+                self._read_final = True
+                raise RequestFailedError(out.error or "the engine failed this request")

@@ -20,7 +20,7 @@ from modserve.core.engine_factory import EngineComponents, build_components
 from modserve.core.fault_isolation import PluginFault, run_isolated
 from modserve.core.output_processor import OutputProcessor
 from modserve.core.outputs import RequestOutput
-from modserve.core.parallel_sampling import child_id, child_params
+from modserve.core.parallel_sampling import Parents, child_params
 from modserve.core.prompt_logprobs import record_prompt_logprobs
 from modserve.core.request import Request, RequestStatus
 from modserve.core.sample_plan import SamplePlan
@@ -75,6 +75,7 @@ class Engine:
         self.max_model_len = components.max_model_len
         self.requests: dict[str, Request] = {}
         self.outputs = OutputProcessor(components.tokenizer)
+        self.parents = Parents()  # n > 1: a request's sequences, merged back into one output
         self._forks: dict[str, list[Request]] = {}  # n > 1: leader id -> siblings forked after its prompt
         self._rng = random.Random(components.pipeline.seed)
         self._ids = itertools.count()
@@ -96,16 +97,25 @@ class Engine:
         cache_salt: str | None = None,
         user: str | None = None,
     ) -> list[Request]:
-        """Validate and enqueue a request; ``n > 1`` makes n sequences ``child_id(request_id, i, n)``.
+        """Validate and enqueue a request (``validate`` then ``enqueue``); returns its sequences."""
+        self.validate(prompt_token_ids, params)
+        return self.enqueue(prompt_token_ids, params, request_id, priority, cache_salt, user)
 
-        Only the first sequence computes the prompt; the others fork from it (sharing its
-        KV blocks) when its prompt is done. Returns the n sequences.
-        """
-        if self.dead is not None:
-            raise WorkerDiedError(self.dead)
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        self.check_prompt(prompt_token_ids)
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError, naming the field, for a request the engine cannot take: the one
+        check of prompt, stop ids and logits-processor fields. Reads only what is fixed at
+        start-up, so the server's event loop calls it before admitting a request."""
+        if not prompt_token_ids:
+            raise ValueError("prompt: must contain at least one token")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(prompt_token_ids)} tokens leave no room to generate within max_model_len "
+                f"{self.max_model_len}"
+            )
         vocab = self.c.spec.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {vocab})")
         bad = next((t for t in params.stop_token_ids if t >= vocab), None)
         if bad is not None:
             raise ValueError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
@@ -113,16 +123,31 @@ class Engine:
             if name not in self.processors:
                 raise ValueError(f"{name}: not supported by this pipeline (no logits processor for it in `logits_processors`)")
             self.processors[name].check(params)
-        kids = child_params(params)
-        ids = [child_id(request_id, i, len(kids)) for i in range(len(kids))]
-        if any(i in self.requests for i in ids):
+
+    def enqueue(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        user: str | None = None,
+    ) -> list[Request]:
+        """Queue a request that :meth:`validate` accepted. ``n > 1`` makes n sequences; only the
+        first computes the prompt, the others fork from it (sharing its KV blocks) when its
+        prompt is done. Outputs come back per request (:class:`~modserve.core.parallel_sampling.Parents`)."""
+        if self.dead is not None:
+            raise WorkerDiedError(self.dead)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
+        ids = self.parents.add(request_id, params.n)
         seqs = []
-        for cid, cp in zip(ids, kids):
+        for cid, cp in zip(ids, child_params(params)):
             if cp.seed is None:
                 cp = cp.with_changes(seed=fresh_seed(self._rng))
             eos = () if cp.ignore_eos else tuple(self.c.spec.eos_token_ids)
-            req = Request(cid, list(prompt_token_ids), cp, eos, priority, cache_salt, user)
+            req = Request(cid, list(prompt_token_ids), cp, eos, priority, cache_salt, user, parent_id=request_id)
             self.requests[cid] = req
             self.outputs.add(req)
             seqs.append(req)
@@ -133,32 +158,10 @@ class Engine:
             self.notify("on_request_added", request=req)
         return seqs
 
-    def check_prompt(self, token_ids: list[int]) -> None:
-        """Raise ValueError for a prompt the engine cannot take. Reads only fields fixed at
-        start-up, so other threads (the server's event loop) may call it."""
-        if not token_ids:
-            raise ValueError("prompt: must contain at least one token")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt: {len(token_ids)} tokens leave no room to generate within max_model_len "
-                f"{self.max_model_len}"
-            )
-        vocab = self.c.spec.vocab_size
-        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {vocab})")
-
     def abort_request(self, request_ids: list[str], reason: str = "abort", error: str | None = None) -> list[RequestOutput]:
         """Remove requests now (their blocks return to the pool) and return their final outputs.
-
-        Aborting a leader also aborts its siblings that have not forked yet."""
-        reqs = [self.requests[r] for r in request_ids if r in self.requests]
-        reqs += [s for r in reqs for s in self._forks.pop(r.request_id, ()) if s not in reqs]
-        for siblings in self._forks.values():
-            siblings[:] = [s for s in siblings if s not in reqs]
-        for req in reqs:
-            req.finish_reason, req.error = reason, error
-        return self._finish(reqs)
+        A request id stands for all its sequences; a sequence id (``id#i``) for that one."""
+        return self.parents.merge(self._abort(self.parents.sequences(request_ids), reason, error))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -193,7 +196,7 @@ class Engine:
                 sched = self.scheduler.schedule()
         except Exception as e:  # the scheduler, or the KV backend it called
             current = self.scheduler.current
-            return self._fail(e, "scheduler", [current] if current is not None else list(self.requests.values()))
+            return self.parents.merge(self._fail(e, "scheduler", [current] if current is not None else list(self.requests.values())))
         stats.num_scheduled_tokens = sched.num_tokens
         outputs: list[RequestOutput] = []
         if sched.scheduled:
@@ -202,14 +205,14 @@ class Engine:
             except WorkerDiedError as e:  # tensor parallelism: the worker group is gone for good
                 self._die(e)
             except Exception as e:  # attention or KV plugin inside the forward: the batch is lost
-                return self._fail(e, "model forward", [s.request for s in sched.scheduled])
+                return self.parents.merge(self._fail(e, "model forward", [s.request for s in sched.scheduled]))
             with timed(stats, "sample_time_s"):
                 chosen, failed = self._select(logits, plan, sched)
             with timed(stats, "output_time_s"):
                 outputs = self._update(sched, plan, chosen, stats) + failed
                 outputs += self._propose_drafts([e.request for e in plan.entries if e.request.finish_reason is None])
         self._end_step(stats, before, t0)
-        return outputs
+        return self.parents.merge(outputs)
 
     # ----------------------------------------------------------------- internals
 
@@ -351,7 +354,18 @@ class Engine:
         """Fail the requests a plugin touched when it raised; everyone else keeps going."""
         message = self.faults.describe(exc, stage)
         ids = list(dict.fromkeys(r.request_id for r in requests if r.request_id in self.requests))
-        return self.abort_request(ids, reason="error", error=message)
+        return self._abort(ids, reason="error", error=message)
+
+    def _abort(self, seq_ids: list[str], reason: str, error: str | None) -> list[RequestOutput]:
+        """Finish these sequences now (and a leader's siblings that have not forked yet); their
+        sequence outputs, for :meth:`Parents.merge`."""
+        reqs = [self.requests[r] for r in seq_ids if r in self.requests]
+        reqs += [s for r in reqs for s in self._forks.pop(r.request_id, ()) if s not in reqs]
+        for siblings in self._forks.values():
+            siblings[:] = [s for s in siblings if s not in reqs]
+        for req in reqs:
+            req.finish_reason, req.error = reason, error
+        return self._finish(reqs)
 
     def _finish(self, reqs: list[Request]) -> list[RequestOutput]:
         for req in reqs:

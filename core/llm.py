@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from modserve.core import parallel_sampling
+from modserve.core.parallel_sampling import Finals
 from modserve.core.engine import Engine
 from modserve.core.outputs import RequestOutput
 from modserve.core.sampling_params import SamplingParams
@@ -41,8 +41,8 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError(f"sampling_params: got {len(params_list)} for {len(prompts)} prompts")
         encoded = [self._encode(p) for p in prompts]
-        for token_ids, _ in encoded:
-            self.engine.check_prompt(token_ids)
+        for (token_ids, _), params in zip(encoded, params_list):  # all or nothing
+            self.engine.validate(token_ids, params)
         return self._run(encoded, params_list)
 
     def chat(
@@ -73,18 +73,19 @@ class LLM:
 
     def _run(self, encoded: list[tuple[list[int], str | None]], params_list: list[SamplingParams]) -> list[RequestOutput]:
         engine = self.engine
-        finished: dict[str, RequestOutput] = {}
-        groups: list[tuple[str, str | None, list[str]]] = []
+        finals = Finals()
+        ids: list[str] = []
         try:
-            for i, ((token_ids, text), params) in enumerate(zip(encoded, params_list)):
-                parent = f"llm-{id(self)}-{engine._step}-{i}"
-                seqs = engine.add_request(token_ids, params, request_id=parent)
-                groups.append((parent, text, [s.request_id for s in seqs]))
+            for i, ((token_ids, _), params) in enumerate(zip(encoded, params_list)):
+                ids.append(f"llm-{id(self)}-{engine._step}-{i}")
+                engine.enqueue(token_ids, params, request_id=ids[-1])
             while engine.has_unfinished():
                 for out in engine.step():
-                    if out.finished:
-                        finished[out.request_id] = out
+                    finals.add(out)
         except BaseException:
-            engine.abort_request([cid for _, _, ids in groups for cid in ids])
+            engine.abort_request(ids)
             raise
-        return [parallel_sampling.merge(parent, text, [finished[c] for c in ids]) for parent, text, ids in groups]
+        outputs = [finals.get(rid) for rid in ids]
+        for out, (_, text) in zip(outputs, encoded):
+            out.prompt = text
+        return outputs

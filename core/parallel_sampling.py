@@ -1,8 +1,10 @@
-"""``n > 1``: one request fans out into n child sequences and their outputs merge back.
+"""``n > 1`` in one place: one request fans out into n sequences, their outputs merge back.
 
-The engine computes the prompt once and forks the other children from it (they share
-its KV blocks). A seeded parent gives child i the seed ``seed + i`` (as vLLM does), so
-the n samples differ but are reproducible.
+The engine computes the prompt once and forks the other sequences from it (they share
+its KV blocks). A seeded request gives sequence i the seed ``seed + i`` (as vLLM does), so
+the n samples differ but are reproducible. The engine emits one output per request and
+step, holding the choices that advanced in that step (index 0..n-1); :class:`Finals`
+gathers the last state of every choice for a caller that wants only the end.
 """
 
 from __future__ import annotations
@@ -23,21 +25,85 @@ def child_id(parent_id: str, index: int, n: int) -> str:
     return parent_id if n == 1 else f"{parent_id}#{index}"
 
 
-def merge(parent_id: str, prompt: str | None, children: list[RequestOutput]) -> RequestOutput:
-    """Combine the children's latest outputs into one, indexed 0..n-1."""
-    outputs = []
-    for i, child in enumerate(children):
-        out = child.outputs[0]
-        out.index = i
-        outputs.append(out)
-    first = children[0]
-    return RequestOutput(
-        request_id=parent_id,
-        prompt=prompt,
-        prompt_token_ids=first.prompt_token_ids,
-        outputs=outputs,
-        finished=all(c.finished for c in children),
-        error=next((c.error for c in children if c.error), None),
-        prompt_logprobs=first.prompt_logprobs,
-        num_cached_tokens=first.num_cached_tokens,
-    )
+class Parents:
+    """Which sequences make up which request; merges the sequences' outputs per request."""
+
+    def __init__(self) -> None:
+        self._of: dict[str, tuple[str, int]] = {}  # sequence id -> (request id, choice index)
+        self._children: dict[str, list[str]] = {}  # request id -> its sequence ids
+        self._open: dict[str, set[str]] = {}  # request id -> sequences not finished yet
+
+    def add(self, parent_id: str, n: int) -> list[str]:
+        ids = [child_id(parent_id, i, n) for i in range(n)]
+        for i, cid in enumerate(ids):
+            self._of[cid] = (parent_id, i)
+        self._children[parent_id] = ids
+        self._open[parent_id] = set(ids)
+        return ids
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._children or request_id in self._of
+
+    def sequences(self, request_ids: list[str]) -> list[str]:
+        """Sequence ids of ``request_ids`` (a request id stands for all its sequences)."""
+        out: list[str] = []
+        for rid in request_ids:
+            out += self._children.get(rid, [rid])
+        return list(dict.fromkeys(out))
+
+    def merge(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Sequence outputs of one step -> one output per request, its advanced choices by
+        index; ``finished`` once every choice has finished. A sequence with two outputs in
+        one step (a token, then a plugin failure) gives one choice with both deltas."""
+        groups: dict[str, dict[str, RequestOutput]] = {}
+        for out in outputs:
+            parent, index = self._of[out.request_id]
+            out.outputs[0].index = index
+            seqs = groups.setdefault(parent, {})
+            earlier = seqs.get(out.request_id)
+            if earlier is not None:
+                a, b = earlier.outputs[0], out.outputs[0]
+                b.text_delta, b.token_ids_delta = a.text_delta + b.text_delta, a.token_ids_delta + b.token_ids_delta
+            seqs[out.request_id] = out
+            if out.finished:
+                self._open[parent].discard(out.request_id)
+        merged = []
+        for parent, seqs in groups.items():
+            outs = sorted(seqs.values(), key=lambda o: o.outputs[0].index)
+            first = outs[0]
+            finished = not self._open[parent]
+            merged.append(RequestOutput(
+                request_id=parent,
+                prompt=None,
+                prompt_token_ids=first.prompt_token_ids,
+                outputs=[o.outputs[0] for o in outs],
+                finished=finished,
+                error=next((o.error for o in outs if o.error), None),
+                prompt_logprobs=first.prompt_logprobs,
+                num_cached_tokens=first.num_cached_tokens,
+            ))
+            if finished:
+                for cid in self._children.pop(parent):
+                    del self._of[cid]
+                del self._open[parent]
+        return merged
+
+
+class Finals:
+    """The final output of each request, every choice at its last state (non-streamed results)."""
+
+    def __init__(self) -> None:
+        self._latest: dict[str, RequestOutput] = {}
+        self._choices: dict[str, dict[int, object]] = {}
+
+    def add(self, out: RequestOutput) -> None:
+        self._latest[out.request_id] = out
+        chosen = self._choices.setdefault(out.request_id, {})
+        for c in out.outputs:
+            chosen[c.index] = c
+
+    def get(self, request_id: str) -> RequestOutput:
+        final = self._latest[request_id]
+        chosen = self._choices[request_id]
+        final.outputs = [chosen[i] for i in sorted(chosen)]
+        return final

@@ -42,6 +42,7 @@ class Request:
     priority: int = 0
     cache_salt: str | None = None
     user: str | None = None
+    parent_id: str = ""  # the request this sequence belongs to (``n > 1``); its own id when n == 1
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     spec_token_ids: list[int] = field(default_factory=list)
@@ -61,6 +62,7 @@ class Request:
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
+        self.parent_id = self.parent_id or self.request_id
 
     @property
     def num_prompt_tokens(self) -> int:

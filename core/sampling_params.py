@@ -45,6 +45,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = self.logit_bias or None  # {} asks for nothing
+        self.extra_args = self.extra_args or None
         if self.top_k == -1:
             self.top_k = 0
         _check(self.n >= 1, "n", "must be >= 1", self.n)

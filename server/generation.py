@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 
-from modserve.core import parallel_sampling
 from modserve.core.async_engine import RequestStream
 from modserve.core.sampling_params import SamplingParams
 from modserve.server.access_log import record
@@ -61,14 +60,13 @@ def start(
     streams = []
     for i, (prompt, sp, idx) in enumerate(zip(prompts, params, picks)):
         rid = response_id if len(prompts) == 1 else f"{response_id}-{i}"
-        ids = [parallel_sampling.child_id(rid, j, n) for j in range(n)]
         state.replicas[idx].engine.notify(
-            "on_request_received", request_ids=ids, headers=dict(request.headers), operation=operation, response_id=response_id
+            "on_request_received", request_id=rid, headers=dict(request.headers), operation=operation, response_id=response_id
         )
         streams.append(
             state.replicas[idx].generate(
                 prompt.token_ids, sp, rid, priority=body.priority, cache_salt=body.cache_salt, user=body.user,
-                prompt=prompt.text,
+                prompt=prompt.text, validated=True,  # by fit_to_prompt, for every prompt before any was admitted
             )
         )
     return streams

@@ -1,9 +1,9 @@
 """Request fields -> ``SamplingParams``, with the server's limits and the context-length rule.
 
 Ranges that ``SamplingParams`` checks itself come back as its ``field: rule`` message
-(a 400 naming the field). Anything that would fail later inside the engine thread
-(out-of-vocabulary stop ids, seeds beyond int64) is refused here, because an exception
-there would take every other request down with it.
+(a 400 naming the field). The engine's own check of a request (``Engine.validate``: the
+prompt, stop ids, logits-processor fields) runs in ``fit_to_prompt``, for every prompt
+of a request before any is admitted; the engine does not check again.
 """
 
 from __future__ import annotations
@@ -12,9 +12,6 @@ from modserve.core.sampling_params import SamplingParams
 from modserve.server.errors import bad_request, from_value_error
 from modserve.server.protocol import SamplingFields
 from modserve.server.state import ServerState
-
-_INT64_MAX = 2**63 - 1
-
 
 def sampling_params(
     body: SamplingFields,
@@ -42,13 +39,7 @@ def sampling_params(
     max_logprobs = min(cfg.max_top_logprobs, vocab)
     if logprobs is not None and logprobs > max_logprobs:
         raise bad_request(f"{logprobs_param}: must be <= {max_logprobs}, got {logprobs}", logprobs_param)
-    stop_ids = list(body.stop_token_ids or [])
-    bad = next((t for t in stop_ids if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise bad_request(f"stop_token_ids: {bad} is outside the vocabulary [0, {vocab})", "stop_token_ids")
     logit_bias = _token_keys(body.logit_bias, "logit_bias")
-    if body.seed is not None and body.seed + body.n - 1 > _INT64_MAX:
-        raise bad_request(f"seed: seed + n - 1 must fit in int64, got seed {body.seed}", "seed")
     optional = {
         "temperature": body.temperature,
         "top_p": body.top_p,
@@ -65,7 +56,7 @@ def sampling_params(
             min_tokens=body.min_tokens,
             seed=body.seed,
             stop=stop,
-            stop_token_ids=stop_ids,
+            stop_token_ids=list(body.stop_token_ids or []),
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
@@ -110,7 +101,8 @@ def fit_to_prompt(
             "context_length_exceeded",
         )
     try:
-        state.engine.check_prompt(prompt_token_ids)
-        return params if params.max_tokens == max_tokens else params.with_changes(max_tokens=max_tokens)
+        params = params if params.max_tokens == max_tokens else params.with_changes(max_tokens=max_tokens)
+        state.engine.validate(prompt_token_ids, params)  # the engine's one check: prompt, stop ids, processor fields
     except ValueError as e:
         raise from_value_error(e) from None
+    return params

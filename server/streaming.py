@@ -19,6 +19,7 @@ from starlette.types import Receive, Scope, Send
 
 from modserve.core.async_engine import RequestStream
 from modserve.core.outputs import RequestOutput
+from modserve.core.parallel_sampling import Finals
 from modserve.server.protocol import encoder
 
 T = TypeVar("T")
@@ -102,12 +103,7 @@ async def iterate(streams: list[RequestStream], timeout_s: float | None) -> Asyn
 
 async def collect(streams: list[RequestStream], timeout_s: float | None) -> list[RequestOutput]:
     """Each stream's final output with all its choices (for non-streamed responses)."""
-    finals: list[RequestOutput | None] = [None] * len(streams)
-    choices: list[dict[int, Any]] = [{} for _ in streams]
-    async for i, out in iterate(streams, timeout_s):
-        for c in out.outputs:
-            choices[i][c.index] = c
-        finals[i] = out
-    for final, chosen in zip(finals, choices):
-        final.outputs = [chosen[k] for k in sorted(chosen)]
-    return finals
+    finals = Finals()
+    async for _, out in iterate(streams, timeout_s):
+        finals.add(out)
+    return [finals.get(s.request_id) for s in streams]

@@ -90,10 +90,11 @@ class ModserveSpec:
         ``num_blocks``, ``block_size``, ``platform`` and the chosen plugin names."""
 
     @hookspec
-    def on_request_received(self, request_ids: list[str], headers: dict[str, str], operation: str, response_id: str) -> None:
-        """The server accepted an HTTP request that becomes ``request_ids`` (``n`` sequences);
-        ``headers`` are its lower-cased HTTP headers (W3C trace context), ``operation`` the
-        endpoint (``completions``, ``chat``). Called before the requests are added."""
+    def on_request_received(self, request_id: str, headers: dict[str, str], operation: str, response_id: str) -> None:
+        """The server accepted an HTTP request that becomes engine request ``request_id`` (its
+        ``n`` sequences carry it as ``Request.parent_id``); ``headers`` are its lower-cased HTTP
+        headers (W3C trace context), ``operation`` the API operation (``text_completion``,
+        ``chat``). Called before the request is added."""
 
     @hookspec
     def on_request_added(self, request: Request) -> None:

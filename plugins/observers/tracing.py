@@ -69,22 +69,31 @@ class TracingObserver(Observer):
         self.provider = TracerProvider(resource=Resource.create({"service.name": "modserve"}))
         self.provider.add_span_processor(BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter))
         self.tracer = self.provider.get_tracer("modserve")
-        self._pending: dict[str, tuple[Context, dict[str, Any]]] = {}
+        self._pending: dict[str, tuple[Context, dict[str, Any], int]] = {}  # request id -> (context, attributes, open sequences)
 
     @hookimpl
-    def on_request_received(self, request_ids: list[str], headers: Mapping[str, str], operation: str, response_id: str) -> None:
-        """Remember the caller's trace context and the API operation for these engine requests."""
+    def on_request_received(self, request_id: str, headers: Mapping[str, str], operation: str, response_id: str) -> None:
+        """Remember the caller's trace context and the API operation for this engine request."""
         ctx = _PROPAGATOR.extract(carrier=headers)
-        attrs = {"gen_ai.operation.name": operation, "gen_ai.response.id": response_id}
-        for rid in request_ids:
-            self._pending[rid] = (ctx, attrs)
+        self._pending[request_id] = (ctx, {"gen_ai.operation.name": operation, "gen_ai.response.id": response_id}, 0)
+
+    @hookimpl
+    def on_request_added(self, request: Request) -> None:
+        """Count the request's sequences, so its context goes once the last one has finished."""
+        pending = self._pending.get(request.parent_id)
+        if pending is not None:
+            self._pending[request.parent_id] = (*pending[:2], pending[2] + 1)
 
     def close(self) -> None:
         self.provider.shutdown()
 
     @hookimpl
     def on_request_finished(self, request: Request) -> None:
-        ctx, extra = self._pending.pop(request.request_id, (None, {}))
+        ctx, extra, open_sequences = self._pending.get(request.parent_id, (None, {}, 0))
+        if open_sequences <= 1:
+            self._pending.pop(request.parent_id, None)
+        else:
+            self._pending[request.parent_id] = (ctx, extra, open_sequences - 1)
         m, sp = request.metrics, request.sampling_params
         to_ns = _clock()
         operation = extra.get("gen_ai.operation.name", "generate")
