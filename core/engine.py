@@ -377,7 +377,7 @@ class Engine:
             del self.requests[req.request_id]
             if self.proposer is not None:
                 self.proposer.release(req)
-            for name in req.sampling_params.processor_fields():
+            for name in req.processor_fields:
                 self.processors[name].release(req)
             outputs.append(self.outputs.output(req))
             self.notify("on_request_finished", request=req)

@@ -56,18 +56,27 @@ class Parents:
         index; ``finished`` once every choice has finished. A sequence with two outputs in
         one step (a token, then a plugin failure) gives one choice with both deltas."""
         groups: dict[str, dict[str, RequestOutput]] = {}
+        merged: list[RequestOutput] = []
+        singles: dict[str, int] = {}  # n == 1 requests: position in ``merged``
         for out in outputs:
             parent, index = self._of[out.request_id]
+            if parent == out.request_id:  # n == 1: the sequence is the request, passed through
+                if parent in singles:
+                    _fold(merged[singles[parent]], out)
+                    merged[singles[parent]] = out
+                else:
+                    singles[parent] = len(merged)
+                    merged.append(out)
+                if out.finished:
+                    self._forget(parent)
+                continue
             out.outputs[0].index = index
             seqs = groups.setdefault(parent, {})
-            earlier = seqs.get(out.request_id)
-            if earlier is not None:
-                a, b = earlier.outputs[0], out.outputs[0]
-                b.text_delta, b.token_ids_delta = a.text_delta + b.text_delta, a.token_ids_delta + b.token_ids_delta
+            if out.request_id in seqs:
+                _fold(seqs[out.request_id], out)
             seqs[out.request_id] = out
             if out.finished:
                 self._open[parent].discard(out.request_id)
-        merged = []
         for parent, seqs in groups.items():
             outs = sorted(seqs.values(), key=lambda o: o.outputs[0].index)
             first = outs[0]
@@ -83,10 +92,19 @@ class Parents:
                 num_cached_tokens=first.num_cached_tokens,
             ))
             if finished:
-                for cid in self._children.pop(parent):
-                    del self._of[cid]
-                del self._open[parent]
+                self._forget(parent)
         return merged
+
+    def _forget(self, parent: str) -> None:
+        for cid in self._children.pop(parent):
+            del self._of[cid]
+        del self._open[parent]
+
+
+def _fold(earlier: RequestOutput, later: RequestOutput) -> None:
+    """``later`` takes ``earlier``'s deltas in front of its own (one sequence, two outputs in a step)."""
+    a, b = earlier.outputs[0], later.outputs[0]
+    b.text_delta, b.token_ids_delta = a.text_delta + b.text_delta, a.token_ids_delta + b.token_ids_delta
 
 
 class Finals:
@@ -97,10 +115,12 @@ class Finals:
         self._choices: dict[str, dict[int, object]] = {}
 
     def add(self, out: RequestOutput) -> None:
-        self._latest[out.request_id] = out
-        chosen = self._choices.setdefault(out.request_id, {})
+        """Every choice appears finished exactly once, in its last state: keep only those."""
+        if out.finished:
+            self._latest[out.request_id] = out
         for c in out.outputs:
-            chosen[c.index] = c
+            if c.finish_reason is not None:
+                self._choices.setdefault(out.request_id, {})[c.index] = c
 
     def get(self, request_id: str) -> RequestOutput:
         final = self._latest[request_id]

@@ -43,6 +43,7 @@ class Request:
     cache_salt: str | None = None
     user: str | None = None
     parent_id: str = ""  # the request this sequence belongs to (``n > 1``); its own id when n == 1
+    processor_fields: tuple[str, ...] = ()  # the logits-processor fields its params set (computed once)
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     spec_token_ids: list[int] = field(default_factory=list)
@@ -63,6 +64,7 @@ class Request:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
         self.parent_id = self.parent_id or self.request_id
+        self.processor_fields = self.sampling_params.processor_fields()
 
     @property
     def num_prompt_tokens(self) -> int:

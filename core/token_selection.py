@@ -38,7 +38,7 @@ def select_tokens(
 ) -> list[Chosen]:
     """``logits`` has one row per entry row, in order. The logits processors named by the
     rows' requests change them first (draft-verification rows included)."""
-    if processors and any(e.request.sampling_params.processor_fields() for e in entries):
+    if processors and any(e.request.processor_fields for e in entries):
         apply_processors(processors, logits, entries)
     reqs, counters = [], []
     for e in entries:
@@ -61,7 +61,7 @@ def apply_processors(processors: dict[str, LogitsProcessor], logits: torch.Tenso
     for e in entries:
         for j in range(len(e.rows)):
             rows.append(LogitsRow(e.request, tuple(e.drafts[:j])))
-            fields.append(e.request.sampling_params.processor_fields())
+            fields.append(e.request.processor_fields)
     for name, processor in processors.items():
         which = [i for i, f in enumerate(fields) if name in f]
         if which:

@@ -64,3 +64,31 @@ def test_the_server_validates_each_prompt_once(monkeypatch):
         r = httpx.post(f"{s.url}/v1/completions", json=body)
         assert r.status_code == 200 and len(r.json()["choices"]) == 4
     assert sorted(calls) == [2, 3]  # once per prompt, not again on the engine thread
+
+
+def test_a_token_then_a_failure_in_one_step_is_one_output(tiny_llama):
+    """The proposer fails a request right after it got a token: one output, both in it."""
+    from types import ModuleType
+
+    from modserve.core.contract import hookimpl
+    from modserve.core.plugin_manager import PluginRegistry
+    from modserve.core.engine_factory import build_components
+    from modserve.plugins.speculative.ngram import NgramProposer
+
+    class Failing(NgramProposer):
+        def propose(self, requests, k):
+            raise RuntimeError("proposer fault")
+
+    module = ModuleType("failing_proposer")
+    module.MODSERVE_CONTRACT = "2.0"
+    module.register_speculative_decoders = hookimpl(lambda: {"failing": Failing})
+    registry = PluginRegistry()
+    registry.register_module(module, source="tests")
+    config = {"model": {"path": tiny_llama[0]}, "kv_cache": {"plugin": "paged", "num_blocks": 64},
+              "speculative": {"plugin": "failing"}}
+    engine = Engine(build_components(config, registry=registry))
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=4, temperature=0), request_id="x")
+    (out,) = engine.step()
+    (c,) = out.outputs
+    assert out.finished and c.finish_reason == "error" and len(c.token_ids_delta) == 1
+    assert "speculative plugin 'failing' failed" in out.error

@@ -36,6 +36,11 @@ class CPUConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class CPUPlatform(Platform):
     Config = CPUConfig
 
+    def __init__(self, config: CPUConfig, ctx) -> None:
+        super().__init__(config, ctx)
+        if config.reuse_freed_memory:  # before anything is loaded: the weights too come from the kept heap
+            keep_freed_memory()
+
     @classmethod
     def is_available(cls) -> bool:
         return True
@@ -70,8 +75,6 @@ class CPUPlatform(Platform):
     def prepare_model(self, model: nn.Module) -> None:
         if self.config.fuse_ops:
             model.use_cpu_fused_ops()
-        if self.config.reuse_freed_memory:
-            keep_freed_memory()
 
 
 @functools.cache
