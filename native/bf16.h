@@ -1,4 +1,4 @@
-// bfloat16 <-> float32 for the CPU kernels (core/native/build.py puts this directory on the
+// bfloat16 <-> float32 for the CPU kernels (native/build.py puts this directory on the
 // include path). bfloat16 is the high half of a float32; narrowing rounds to nearest even,
 // as torch's float -> bfloat16 cast does.
 #pragma once

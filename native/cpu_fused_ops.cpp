@@ -5,7 +5,7 @@
 // mul; rotate-half RoPE is neg, cat, mul, mul, add; the residual add is one more. At
 // prefill sizes that memory traffic was about a fifth of a step, and at decode sizes in
 // bfloat16 the ~80 small ops per layer (casts included) cost more than their arithmetic.
-// Built by core/native/build.py; rows are split across torch's OpenMP pool.
+// Built by native/build.py; rows are split across torch's OpenMP pool.
 //
 // bfloat16 rounds where torch's bfloat16 ops do (each op's result is a bfloat16 tensor),
 // so the fused ops give HF's bfloat16 values, not a more precise float32 chain:

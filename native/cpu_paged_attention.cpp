@@ -1,6 +1,6 @@
 // Paged attention for CPUs, read straight from the block cache (no gather copy).
 //
-// Built on first use by core/native/build.py (g++ -O3 -march=native -fopenmp, no torch
+// Built on first use by native/build.py (g++ -O3 -march=native -fopenmp, no torch
 // headers, loaded with ctypes), so it needs nothing but a C++ compiler. It shares torch's
 // libgomp, hence torch's OpenMP thread pool.
 //

@@ -1,4 +1,4 @@
-// Shared by the CPU kernels (core/native/build.py puts this directory on the include path).
+// Shared by the CPU kernels (native/build.py puts this directory on the include path).
 #pragma once
 
 #include <cmath>

@@ -3,7 +3,7 @@
 //
 // Why: torch's argmax over a [rows, vocab] float32 tensor runs row after row in scalar code
 // on the CPU: ~1 ms for 64 rows of SmolLM2's 49,152 logits, ~4 ms for 256, 2-3% of a
-// decode step spent on greedy sampling. Built by core/native/build.py.
+// decode step spent on greedy sampling. Built by native/build.py.
 #include <cmath>
 #include <cstdint>
 
