@@ -12,6 +12,7 @@ import msgspec
 from starlette.requests import Request
 
 from modserve.server.errors import APIError, bad_request, from_decode_error
+from modserve.server.fields import check_fields
 
 T = TypeVar("T")
 
@@ -20,8 +21,10 @@ def _too_large(limit: int) -> APIError:
     return APIError(413, f"request body exceeds {limit} bytes (server.max_body_bytes)", code="request_too_large")
 
 
-async def decode_body(request: Request, struct: type[T], limit: int) -> T:
-    """The body as ``struct``: 413 past ``limit`` bytes (checked while reading), 400 if malformed."""
+async def decode_body(request: Request, struct: type[T], limit: int, endpoint: str | None = None) -> T:
+    """The body as ``struct``: 413 past ``limit`` bytes (checked while reading), 400 if malformed.
+    With ``endpoint`` (``completions``, ``chat``), a field it does not support is a 400 naming it
+    (:mod:`modserve.server.fields`)."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
@@ -31,11 +34,15 @@ async def decode_body(request: Request, struct: type[T], limit: int) -> T:
         if size > limit:
             raise _too_large(limit)
         chunks.append(chunk)
+    raw = b"".join(chunks)
     try:
-        return msgspec.json.decode(b"".join(chunks), type=struct)
+        body = msgspec.json.decode(raw, type=struct)
     except msgspec.DecodeError as e:
         raise from_decode_error(e) from None
     except UnicodeDecodeError:  # msgspec raises this, not DecodeError, for bad UTF-8 inside a string
         raise bad_request("invalid JSON body: a string is not valid UTF-8", code="invalid_json") from None
     except RecursionError:  # msgspec recurses per nesting level, unknown fields included
         raise bad_request("invalid JSON body: nested too deeply", code="invalid_json") from None
+    if endpoint is not None:
+        check_fields(raw, struct, endpoint)
+    return body

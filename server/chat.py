@@ -53,7 +53,7 @@ from modserve.core.tokenizer import ChatTemplateError
 
 async def create_chat_completion(request: Request) -> Response:
     state: ServerState = request.app.state.server
-    body = await decode_body(request, ChatCompletionRequest, state.limits.max_body_bytes)
+    body = await decode_body(request, ChatCompletionRequest, state.limits.max_body_bytes, "chat")
     state.check_model(body.model)
     prompt = Prompt(await run_in_threadpool(encode_messages, body.messages, body.add_generation_prompt, state), None)
     if body.top_logprobs and not body.logprobs:

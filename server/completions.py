@@ -46,7 +46,7 @@ from modserve.server.streaming import (
 
 async def create_completion(request: Request) -> Response:
     state: ServerState = request.app.state.server
-    body = await decode_body(request, CompletionRequest, state.limits.max_body_bytes)
+    body = await decode_body(request, CompletionRequest, state.limits.max_body_bytes, "completions")
     state.check_model(body.model)
     prompts = await run_in_threadpool(_prompts, body.prompt, state)  # a long prompt must not stall the event loop
     params = sampling_params(

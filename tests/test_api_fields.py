@@ -1,0 +1,85 @@
+"""No silently ignored parameter: a known field the server does not support is a 400 naming
+it (unless its value asks for nothing), an unknown field is ignored and logged once."""
+
+from __future__ import annotations
+
+import logging
+
+import httpx
+import openai
+import pytest
+from pydantic import BaseModel
+from server_helpers import MODEL_NAME, LiveServer
+
+CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+COMPLETION = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2}
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}
+
+REFUSED = [
+    ("/v1/chat/completions", CHAT, "response_format", {"type": "json_object"}),
+    ("/v1/chat/completions", CHAT, "tools", [TOOL]),
+    ("/v1/chat/completions", CHAT, "tool_choice", "required"),
+    ("/v1/chat/completions", CHAT, "audio", {"voice": "alloy", "format": "wav"}),
+    ("/v1/chat/completions", CHAT, "modalities", ["text", "audio"]),
+    ("/v1/chat/completions", CHAT, "prediction", {"type": "content", "content": "x"}),
+    ("/v1/chat/completions", CHAT, "web_search_options", {}),  # {} asks for nothing ...
+    ("/v1/chat/completions", CHAT, "store", True),
+    ("/v1/chat/completions", CHAT, "structured_outputs", {"regex": "[a-z]+"}),
+    ("/v1/completions", COMPLETION, "best_of", 3),
+    ("/v1/completions", COMPLETION, "suffix", "tail"),
+    ("/v1/completions", COMPLETION, "guided_choice", ["a", "b"]),
+    ("/v1/completions", COMPLETION, "bad_words", ["x"]),
+    ("/v1/completions", COMPLETION, "stream_options", {"continuous_usage_stats": True}),
+]
+HARMLESS = [
+    ("/v1/chat/completions", CHAT, {"response_format": {"type": "text"}, "tool_choice": "none", "tools": [],
+                                    "modalities": ["text"], "store": False}),
+    ("/v1/completions", COMPLETION, {"best_of": 1, "suffix": None, "stream_options": None}),
+]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with LiveServer() as s:
+        yield s
+
+
+@pytest.mark.parametrize("path,base,field,value", REFUSED, ids=[f"{p.split('/')[-1]}-{f}" for p, _, f, _ in REFUSED])
+def test_a_known_unsupported_field_is_a_400_naming_it(server, path, base, field, value):
+    if value == {}:
+        value = {"search_context_size": "low"}  # ... so ask for something
+    if field == "stream_options":
+        name = "stream_options.continuous_usage_stats"
+    else:
+        name = field
+    r = httpx.post(server.url + path, json={**base, field: value})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == name and err["code"] == "unsupported_parameter"
+    assert err["message"].startswith(f"{name}: not supported by this server")
+
+
+@pytest.mark.parametrize("path,base,extra", HARMLESS, ids=["chat", "completions"])
+def test_values_that_ask_for_nothing_pass(server, path, base, extra):
+    r = httpx.post(server.url + path, json={**base, **extra})
+    assert r.status_code == 200, r.text
+
+
+def test_an_unknown_field_is_ignored_and_logged_once(server, caplog):
+    with caplog.at_level(logging.INFO, logger="modserve.server"):
+        for _ in range(2):
+            r = httpx.post(server.url + "/v1/completions", json={**COMPLETION, "x_vendor_hint": {"a": 1}})
+            assert r.status_code == 200
+    logged = [rec for rec in caplog.records if "x_vendor_hint" in rec.getMessage()]
+    assert len(logged) == 1 and "ignoring unknown request field" in logged[0].getMessage()
+
+
+def test_the_openai_sdk_gets_a_clear_error_instead_of_free_text(server):
+    class City(BaseModel):
+        name: str
+
+    client = server.client()
+    with pytest.raises(openai.BadRequestError, match="response_format: not supported by this server"):
+        client.chat.completions.parse(model=MODEL_NAME, messages=CHAT["messages"], max_tokens=4, response_format=City)
+    with pytest.raises(openai.BadRequestError, match="tools: not supported by this server"):
+        client.chat.completions.create(model=MODEL_NAME, messages=CHAT["messages"], max_tokens=4, tools=[TOOL])
