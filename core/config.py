@@ -73,7 +73,9 @@ class PipelineConfig(_Section):
     kv_cache: dict[str, Any] = msgspec.field(default_factory=lambda: {"plugin": "paged"})
     attention: dict[str, Any] = msgspec.field(default_factory=lambda: {"plugin": "auto"})  # auto: the platform's default
     sampler: dict[str, Any] = msgspec.field(default_factory=lambda: {"plugin": "default"})
-    logits_processors: list[dict[str, Any]] = msgspec.field(default_factory=lambda: [{"plugin": "logit_bias"}])  # per-request biases and constraints
+    logits_processors: list[dict[str, Any]] = msgspec.field(  # per-request biases and constraints
+        default_factory=lambda: [{"plugin": "logit_bias"}, {"plugin": "structured_outputs"}]
+    )
     speculative: dict[str, Any] | None = None  # null: no speculative decoding
     observers: list[dict[str, Any]] = msgspec.field(default_factory=lambda: [{"plugin": "metrics"}])  # metrics, tracing, third-party loggers
     server: ServerSection = msgspec.field(default_factory=ServerSection)

@@ -161,7 +161,7 @@ def build_shard(r: ResolvedPipeline, rank: int = 0, tp=None, model_name: str = "
     spec = ckpt.spec
     max_model_len = check_max_model_len(spec, p.model.max_model_len)
     kv_spec = KVSpec(spec.num_layers, spec.num_kv_heads // shards, spec.head_dim, ctx.dtype, device, max_model_len)
-    ctx = ctx.with_(model=spec, max_model_len=max_model_len, kv_spec=kv_spec)
+    ctx = ctx.with_(model=spec, tokenizer=ckpt.tokenizer, max_model_len=max_model_len, kv_spec=kv_spec)
     kv = r.build("kv_cache", ctx)
     ctx = ctx.with_(kv=kv)
     attention = r.build("attention", ctx)

@@ -37,6 +37,7 @@ BUILTIN_PLUGIN_MODULES = (  # registered by module name, as pytest registers its
     "modserve.plugins.attention.triton_backend",
     "modserve.plugins.samplers.default",
     "modserve.plugins.logits_processors.logit_bias",
+    "modserve.plugins.logits_processors.structured_outputs",
     "modserve.plugins.speculative.ngram",
     "modserve.plugins.speculative.draft_model",
     "modserve.plugins.observers.metrics",

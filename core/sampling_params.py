@@ -7,6 +7,30 @@ from typing import Any, ClassVar
 import msgspec
 
 
+class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
+    """vLLM's ``structured_outputs``: the output must match exactly one of these."""
+
+    json: dict[str, Any] | str | None = None  # a JSON schema (an object, or its JSON text)
+    regex: str | None = None
+    choice: list[str] | None = None  # one of these strings
+    grammar: str | None = None  # a Lark grammar, or GBNF (llama.cpp's EBNF, written with ``::=``)
+    json_object: bool = False  # any JSON object (``response_format: {"type": "json_object"}``)
+
+    def __post_init__(self) -> None:
+        given = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(
+                f"structured_outputs: give exactly one of json, regex, choice, grammar, json_object; got {', '.join(given) or 'none'}"
+            )
+        if self.choice is not None and not self.choice:
+            raise ValueError("structured_outputs.choice: must list at least one string")
+
+    @property
+    def kind(self) -> str:
+        return next(n for n in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, n) not in (None, False))
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """How to pick each next token and when to stop.
 
@@ -33,12 +57,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     include_stop_str_in_output: bool = False
     speculative: bool = True  # a request may opt out of speculative decoding
     logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit (OpenAI: -100..100); a logits processor applies it
+    structured_outputs: StructuredOutputs | None = None  # JSON schema, regex, choice or grammar the output must match
     extra_args: dict[str, Any] | None = None  # options for third-party logits processors, one key each (vLLM's extra_args)
 
     # Fields implemented by logits processor plugins (``LogitsProcessor.request_field``), and
     # each ``extra_args`` key as ``extra_args.<key>``: a request setting one that no enabled
     # processor claims is refused, never ignored.
-    PROCESSOR_FIELDS: ClassVar[tuple[str, ...]] = ("logit_bias",)
+    PROCESSOR_FIELDS: ClassVar[tuple[str, ...]] = ("logit_bias", "structured_outputs")
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -33,12 +33,7 @@ def _is(*harmless: Any) -> Callable[[Any], bool]:
 
 # field -> (why it is refused, the values that ask for nothing and pass)
 _COMMON: dict[str, tuple[str, Callable[[Any], bool]]] = {
-    "structured_outputs": ("structured outputs are not implemented yet", _absent),
-    "guided_json": ("structured outputs are not implemented yet", _absent),
-    "guided_regex": ("structured outputs are not implemented yet", _absent),
-    "guided_choice": ("structured outputs are not implemented yet", _absent),
-    "guided_grammar": ("structured outputs are not implemented yet", _absent),
-    "guided_decoding_backend": ("structured outputs are not implemented yet", _absent),
+    "guided_decoding_backend": ("", lambda value: True),  # a backend hint: llguidance serves every constraint
     "bad_words": ("bad_words is not implemented yet", _absent),
     "allowed_token_ids": ("allowed_token_ids is not implemented yet", _absent),
     "use_beam_search": ("beam search is not implemented", _absent),
@@ -58,7 +53,6 @@ UNSUPPORTED: dict[str, dict[str, tuple[str, Callable[[Any], bool]]]] = {
     },
     "chat": {
         **_COMMON,
-        "response_format": ("structured outputs are not implemented yet", lambda v: _absent(v) or v == {"type": "text"}),
         "tools": ("tool calling is not implemented yet", _absent),
         "tool_choice": ("tool calling is not implemented yet", _is("none")),
         "functions": ("function calling is not implemented yet", _absent),

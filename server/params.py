@@ -8,7 +8,8 @@ of a request before any is admitted; the engine does not check again.
 
 from __future__ import annotations
 
-from modserve.core.sampling_params import SamplingParams
+from modserve.core.config import convert
+from modserve.core.sampling_params import SamplingParams, StructuredOutputs
 from modserve.server.errors import bad_request, from_value_error
 from modserve.server.protocol import SamplingFields
 from modserve.server.state import ServerState
@@ -40,6 +41,7 @@ def sampling_params(
     if logprobs is not None and logprobs > max_logprobs:
         raise bad_request(f"{logprobs_param}: must be <= {max_logprobs}, got {logprobs}", logprobs_param)
     logit_bias = _token_keys(body.logit_bias, "logit_bias")
+    constraint = structured_outputs(body)
     optional = {
         "temperature": body.temperature,
         "top_p": body.top_p,
@@ -63,10 +65,42 @@ def sampling_params(
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
             logit_bias=logit_bias,
+            structured_outputs=constraint,
             **{k: v for k, v in optional.items() if v is not None},
         )
     except ValueError as e:
         raise from_value_error(e) from None
+
+
+def structured_outputs(body: SamplingFields) -> StructuredOutputs | None:
+    """The one output constraint a request asks for: ``response_format`` (chat), vLLM's
+    ``structured_outputs``, or its older ``guided_*`` fields; 400 naming the field if it
+    asks for more than one or one is malformed."""
+    found: list[tuple[str, StructuredOutputs]] = []
+    fmt = getattr(body, "response_format", None)
+    if fmt is not None and fmt.type != "text":
+        if fmt.type == "json_object":
+            found.append(("response_format", StructuredOutputs(json_object=True)))
+        elif fmt.json_schema is None or fmt.json_schema.schema is None:
+            raise bad_request("response_format.json_schema.schema: required for type json_schema", "response_format")
+        else:
+            found.append(("response_format", StructuredOutputs(json=fmt.json_schema.schema)))
+    if body.structured_outputs is not None:
+        try:
+            found.append(("structured_outputs", convert(body.structured_outputs, StructuredOutputs, prefix="structured_outputs")))
+        except ValueError as e:
+            raise from_value_error(e) from None
+    for kind in ("json", "regex", "choice", "grammar"):
+        value = getattr(body, f"guided_{kind}")
+        if value is not None:
+            try:
+                found.append((f"guided_{kind}", StructuredOutputs(**{kind: value})))
+            except ValueError as e:
+                raise bad_request(f"guided_{kind}: {str(e).split(': ', 1)[-1]}", f"guided_{kind}") from None
+    if len(found) > 1:
+        names = ", ".join(name for name, _ in found)
+        raise bad_request(f"{found[1][0]}: one output constraint per request, got {names}", found[1][0])
+    return found[0][1] if found else None
 
 
 def _token_keys(mapping: dict[str, float] | None, param: str) -> dict[int, float] | None:

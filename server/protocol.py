@@ -8,7 +8,7 @@ here.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
@@ -50,6 +50,11 @@ class SamplingFields(Struct, kw_only=True):
     skip_special_tokens: bool = True
     cache_salt: str | None = None  # prefix-cache isolation: only requests with the same salt share cached KV
     logit_bias: dict[str, float] | None = None  # token id (as a JSON key) -> bias; the logit_bias logits processor
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: {json | regex | choice | grammar | json_object}
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older names for the same constraints
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -71,6 +76,18 @@ class ChatMessage(Struct, kw_only=True):
     name: str | None = None
 
 
+class JsonSchemaFormat(Struct, kw_only=True):
+    name: str = "response"
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None  # the output always conforms: it is decoded under the schema's grammar
+
+
+class ResponseFormat(Struct, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: list[ChatMessage]
     max_tokens: PositiveInt | None = None
@@ -78,6 +95,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     logprobs: bool = False
     top_logprobs: NonNegInt | None = None
     add_generation_prompt: bool = True
+    response_format: ResponseFormat | None = None
 
 
 class TokenizeRequest(Struct, kw_only=True):

@@ -9,7 +9,7 @@ kind may rely on; a field marked "later" is ``None`` while that kind is built.
 |---|---|---|---|---|---|
 | registry, max_model_len | yes | yes | yes | yes | yes |
 | platform, device, dtype | later | yes | yes | yes | yes |
-| model, kv_spec | later | yes | yes | yes | yes |
+| model, tokenizer, kv_spec | later | yes | yes | yes | yes |
 | kv | later | later | yes | yes | yes |
 | target | later | later | later | later | yes |
 """
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from modserve.core.contract.model_spec import ModelSpec
     from modserve.core.contract.platform import Platform
     from modserve.core.contract.speculative import TargetModel
+    from modserve.core.tokenizer import TokenizerBundle
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class BuildContext:
     device: torch.device | None = None
     dtype: torch.dtype | None = None
     model: ModelSpec | None = None  # the architecture's shape (full, not sharded)
+    tokenizer: TokenizerBundle | None = None  # the checkpoint's tokenizer (set with ``model``)
     kv_spec: KVSpec | None = None  # what the KV backend must hold (this rank's KV heads)
     kv: KVBackend | None = None  # the built KV backend (its ``block_size`` is attention's)
     target: TargetModel | None = None  # the loaded target model, for speculative proposers
