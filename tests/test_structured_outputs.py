@@ -180,3 +180,12 @@ def test_every_constraint_over_http(smol_server):
     assert r.status_code == 400 and "one output constraint per request" in r.json()["error"]["message"]
     r = httpx.post(url, json={**ask, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}})
     assert r.status_code == 400 and "response_format.json_schema.schema: required" in r.json()["error"]["message"]
+
+
+def test_ignore_eos_runs_on_after_the_constraint_is_complete(llm):
+    """The grammar ends; the mask then allows only EOS, and ignore_eos keeps sampling it."""
+    sp = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, structured_outputs=StructuredOutputs(choice=["ab"]))
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], sp)[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 20
+    eos = llm.engine.c.spec.eos_token_ids[0]
+    assert out.token_ids[-1] == eos and llm.tokenizer.decode([t for t in out.token_ids if t != eos]) == "ab"

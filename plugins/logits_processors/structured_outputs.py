@@ -20,6 +20,7 @@ this project keeps as a test-only oracle; llguidance builds its tokenizer from t
 from __future__ import annotations
 
 import json
+import os
 from collections import OrderedDict
 from typing import Annotated
 
@@ -37,7 +38,7 @@ MODSERVE_CONTRACT = "2.0"
 
 class StructuredOutputsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_cached_grammars: Annotated[int, msgspec.Meta(ge=1)] = 256  # compiled constraints kept (LRU)
-    threads: Annotated[int, msgspec.Meta(ge=1)] = 1  # llguidance threads filling a step's masks
+    threads: Annotated[int, msgspec.Meta(ge=1)] | None = None  # llguidance threads filling a step's masks (default: one per core; the forward is not running then)
     json_whitespace: bool = False  # let JSON outputs put whitespace between tokens (a model may pad until max_tokens)
 
 
@@ -83,10 +84,12 @@ class StructuredOutputsProcessor(LogitsProcessor):
         # llguidance writes masks as wide as its own vocabulary (it may hold tokens the model's
         # embedding lacks): size every row by it, or a row's tail lands in the next one
         self.mask_words = (self.tokenizer.vocab_size + 31) // 32
-        self.executor = llguidance.LLExecutor(num_threads=config.threads)
+        self.executor = llguidance.LLExecutor(num_threads=config.threads or os.cpu_count() or 1)
         self._templates: OrderedDict[bytes, llguidance.LLMatcher] = OrderedDict()
         self._live: dict[str, list] = {}  # sequence id -> [matcher, output tokens it has consumed]
-        self._shifts = torch.arange(32, dtype=torch.int32)
+        # byte -> its 8 bits, least significant first: a mask row's bytes index it straight into
+        # one bool per token (half the time of shifting and masking 32-bit words)
+        self._bits = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool()
 
     def check(self, params: SamplingParams) -> None:
         self._template(params.structured_outputs)
@@ -111,6 +114,11 @@ class StructuredOutputsProcessor(LogitsProcessor):
             live = self._live[request.request_id] = [self._template(request.sampling_params.structured_outputs).deep_copy(), 0]
         matcher, consumed = live
         new = request.output_token_ids[consumed:]
+        if matcher.is_stopped():  # complete: its mask allows only EOS, which ignore_eos keeps sampling
+            new = []
+        else:  # tokens up to the grammar's end, then EOS tokens once it stopped
+            accepted = matcher.try_consume_tokens(new)
+            new = [t for t in new[accepted:] if not matcher.is_stopped()]
         if new and not matcher.consume_tokens(new):
             raise ValueError(f"structured_outputs: the output left the constraint: {matcher.get_error()}")
         live[1] = len(request.output_token_ids)
@@ -139,15 +147,16 @@ class StructuredOutputsProcessor(LogitsProcessor):
             self.executor.unsafe_compute_mask_ptr(plain, ptr, row_bytes, len(rows))
         if drafted:  # fills len(drafts) + 1 rows per request, from its first row
             self.executor.unsafe_compute_mask_ptr_with_draft_token(drafted, ptr, row_bytes, len(rows))
-        allowed = ((masks.unsqueeze(-1) >> self._shifts) & 1).view(len(rows), -1).bool()
+        allowed = self._bits[masks.view(torch.uint8).long()].view(len(rows), -1)
         width = logits.shape[1]
         if allowed.shape[1] < width:  # logits past the tokenizer's vocabulary are never allowed
             allowed = torch.cat([allowed, allowed.new_zeros(len(rows), width - allowed.shape[1])], dim=1)
-        allowed = allowed[:, :width]
-        index = torch.tensor(which, device=logits.device)
-        constrained = logits.index_select(0, index)
-        constrained.masked_fill_(~allowed.to(logits.device), float("-inf"))
-        logits.index_copy_(0, index, constrained)
+        forbidden = ~allowed[:, :width].to(logits.device)
+        if which[-1] - which[0] == len(which) - 1:  # consecutive rows (the usual case): in place
+            logits[which[0] : which[-1] + 1].masked_fill_(forbidden, float("-inf"))
+        else:
+            index = torch.tensor(which, device=logits.device)
+            logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(forbidden, float("-inf")))
 
     def release(self, request: Request) -> None:
         self._live.pop(request.request_id, None)
