@@ -150,10 +150,12 @@ class _View:
         usage = None if include_usage else UNSET
         generated = cached = 0
         texts: dict[int, str] | None = {} if self.state.config.log_prompts else None
+        roles = [ChatChunkChoice(i, Delta(role="assistant", content="")) for i in range(self.body.n)]
         try:
-            roles = [ChatChunkChoice(i, Delta(role="assistant", content="")) for i in range(self.body.n)]
-            yield self.chunk(roles, usage)
             async for _, out in iterate([stream], self.state.limits.request_timeout_s):
+                if roles:  # with the first token, as vLLM sends it: a client's TTFT is the model's
+                    yield self.chunk(roles, usage)
+                    roles = []
                 cached = max(cached, out.num_cached_tokens)
                 choices = []
                 for c in out.outputs:

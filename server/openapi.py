@@ -90,12 +90,21 @@ def build_openapi(model_name: str, auth: bool, exempt_paths: list[str]) -> dict[
     structs = [
         p.CompletionRequest, p.Completion, p.ChatCompletionRequest, p.ChatCompletion, p.ChatCompletionChunk,
         p.TokenizeRequest, p.TokenizeResponse, p.DetokenizeRequest, p.DetokenizeResponse, p.ModelList,
-        p.HealthResponse, p.ErrorResponse,
+        p.HealthResponse, p.ErrorResponse, p.ModelCard, p.TokenizerInfo,
     ]
     _, components = msgspec.json.schema_components(structs, ref_template=_REF)
     gen_errors = ("400", "401", "404", "413", "500", "503", "504")
     paths: dict[str, Any] = {
         "/v1/models": {"get": {"summary": "The served model", "responses": {"200": _json("ModelList"), **_errors("401")}}},
+        "/v1/models/{model_id}": {
+            "get": {
+                "summary": "The served model's card (404 for another id)",
+                "parameters": [{"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "responses": {"200": _json("ModelCard"), **_errors("401", "404")},
+            }
+        },
+        "/tokenizer_info": {"get": {"summary": "The tokenizer's chat template and special tokens",
+                                    "responses": {"200": _json("TokenizerInfo"), **_errors("401")}}},
         "/v1/completions": _post(
             "Text completion", "CompletionRequest", _generation("Completion", "Completion"), gen_errors
         ),

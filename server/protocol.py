@@ -217,6 +217,19 @@ class ModelCard(Struct):
     owned_by: str = "modserve"
 
 
+class TokenizerInfo(Struct):
+    """``GET /tokenizer_info``: what lm-evaluation-harness reads to render chats itself."""
+
+    tokenizer_class: str
+    vocab_size: int
+    model_max_length: int
+    chat_template: str | None
+    bos_token: str | None
+    eos_token: str | None
+    eos_token_id: int | None
+    pad_token: str | None = None
+
+
 class ModelList(Struct):
     data: list[ModelCard]
     object: Literal["list"] = "list"

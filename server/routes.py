@@ -19,6 +19,7 @@ from modserve.server.protocol import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    TokenizerInfo,
     encoder,
 )
 from modserve.server.state import ServerState
@@ -36,6 +37,28 @@ def _state(request: Request) -> ServerState:
 async def list_models(request: Request) -> Response:
     s = _state(request)
     return _json(ModelList([ModelCard(s.model_name, s.created, s.engine.max_model_len)]))
+
+
+async def retrieve_model(request: Request) -> Response:
+    """``GET /v1/models/{id}``: the served model's card, 404 for any other id."""
+    s = _state(request)
+    s.check_model(request.path_params["model_id"])
+    return _json(ModelCard(s.model_name, s.created, s.engine.max_model_len))
+
+
+async def tokenizer_info(request: Request) -> Response:
+    s = _state(request)
+    tok = s.engine.tokenizer
+    eos_ids = tok.eos_token_ids
+    return _json(TokenizerInfo(
+        tokenizer_class="PreTrainedTokenizerFast",
+        vocab_size=s.engine.vocab_size,
+        model_max_length=s.engine.max_model_len,
+        chat_template=tok.chat_template,
+        bos_token=tok.bos_token,
+        eos_token=tok.eos_token,
+        eos_token_id=eos_ids[0] if eos_ids else None,
+    ))
 
 
 async def health(request: Request) -> Response:
@@ -92,6 +115,8 @@ async def openapi(request: Request) -> Response:
 
 ROUTES = [
     Route("/v1/models", list_models, methods=["GET"]),
+    Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]),
+    Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
     Route("/v1/completions", create_completion, methods=["POST"]),
     Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
     Route("/health", health, methods=["GET"]),

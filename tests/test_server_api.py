@@ -183,3 +183,16 @@ def test_echo_stream_equals_whole(client):
         assert [x for c in chunks for x in getattr(c.logprobs, field)] == getattr(whole.logprobs, field)
     streamed = [x for c in chunks for x in c.logprobs.token_logprobs]
     assert streamed[0] is None and streamed[1:] == pytest.approx(whole.logprobs.token_logprobs[1:], abs=1e-5)
+
+
+def test_model_card_and_tokenizer_info():
+    with LiveServer() as s:
+        client = s.client()
+        assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+        missing = httpx.get(f"{s.url}/v1/models/other-model")
+        assert missing.status_code == 404 and MODEL_NAME in missing.json()["error"]["message"]
+        info = httpx.get(f"{s.url}/tokenizer_info").json()
+        engine = s.app.state.server.engine
+        assert info["eos_token_id"] == engine.tokenizer.eos_token_ids[0]
+        assert info["chat_template"] == engine.tokenizer.chat_template and info["chat_template"]
+        assert info["vocab_size"] == engine.vocab_size and info["model_max_length"] == engine.max_model_len
