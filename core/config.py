@@ -74,7 +74,7 @@ class PipelineConfig(_Section):
     attention: dict[str, Any] = msgspec.field(default_factory=lambda: {"plugin": "auto"})  # auto: the platform's default
     sampler: dict[str, Any] = msgspec.field(default_factory=lambda: {"plugin": "default"})
     logits_processors: list[dict[str, Any]] = msgspec.field(  # per-request biases and constraints
-        default_factory=lambda: [{"plugin": "logit_bias"}, {"plugin": "structured_outputs"}]
+        default_factory=lambda: [{"plugin": p} for p in ("logit_bias", "structured_outputs", "bad_words", "allowed_token_ids")]
     )
     speculative: dict[str, Any] | None = None  # null: no speculative decoding
     observers: list[dict[str, Any]] = msgspec.field(default_factory=lambda: [{"plugin": "metrics"}])  # metrics, tracing, third-party loggers

@@ -38,6 +38,7 @@ BUILTIN_PLUGIN_MODULES = (  # registered by module name, as pytest registers its
     "modserve.plugins.samplers.default",
     "modserve.plugins.logits_processors.logit_bias",
     "modserve.plugins.logits_processors.structured_outputs",
+    "modserve.plugins.logits_processors.token_filters",
     "modserve.plugins.speculative.ngram",
     "modserve.plugins.speculative.draft_model",
     "modserve.plugins.observers.metrics",

@@ -58,12 +58,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     speculative: bool = True  # a request may opt out of speculative decoding
     logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit (OpenAI: -100..100); a logits processor applies it
     structured_outputs: StructuredOutputs | None = None  # JSON schema, regex, choice or grammar the output must match
+    bad_words: list[str] | None = None  # words never generated (vLLM's): a word's last token is banned after its other tokens
+    allowed_token_ids: list[int] | None = None  # only these tokens may be generated
     extra_args: dict[str, Any] | None = None  # options for third-party logits processors, one key each (vLLM's extra_args)
 
     # Fields implemented by logits processor plugins (``LogitsProcessor.request_field``), and
     # each ``extra_args`` key as ``extra_args.<key>``: a request setting one that no enabled
     # processor claims is refused, never ignored.
-    PROCESSOR_FIELDS: ClassVar[tuple[str, ...]] = ("logit_bias", "structured_outputs")
+    PROCESSOR_FIELDS: ClassVar[tuple[str, ...]] = ("logit_bias", "structured_outputs", "bad_words", "allowed_token_ids")
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -71,6 +73,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = self.logit_bias or None  # {} asks for nothing
+        self.bad_words = [w for w in self.bad_words or [] if w] or None
         self.extra_args = self.extra_args or None
         if self.top_k == -1:
             self.top_k = 0

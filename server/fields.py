@@ -34,8 +34,6 @@ def _is(*harmless: Any) -> Callable[[Any], bool]:
 # field -> (why it is refused, the values that ask for nothing and pass)
 _COMMON: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "guided_decoding_backend": ("", lambda value: True),  # a backend hint: llguidance serves every constraint
-    "bad_words": ("bad_words is not implemented yet", _absent),
-    "allowed_token_ids": ("allowed_token_ids is not implemented yet", _absent),
     "use_beam_search": ("beam search is not implemented", _absent),
     "length_penalty": ("beam search is not implemented", _is(1, 1.0)),
     "truncate_prompt_tokens": ("prompt truncation is not implemented; shorten the prompt", _absent),

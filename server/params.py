@@ -66,6 +66,8 @@ def sampling_params(
             include_stop_str_in_output=body.include_stop_str_in_output,
             logit_bias=logit_bias,
             structured_outputs=constraint,
+            bad_words=body.bad_words,
+            allowed_token_ids=body.allowed_token_ids,
             **{k: v for k, v in optional.items() if v is not None},
         )
     except ValueError as e:

@@ -55,6 +55,8 @@ class SamplingFields(Struct, kw_only=True):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    bad_words: list[str] | None = None  # vLLM's token filters (logits processors bad_words, allowed_token_ids)
+    allowed_token_ids: list[int] | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):

@@ -24,7 +24,6 @@ REFUSED = [
     ("/v1/chat/completions", CHAT, "store", True),
     ("/v1/completions", COMPLETION, "best_of", 3),
     ("/v1/completions", COMPLETION, "suffix", "tail"),
-    ("/v1/completions", COMPLETION, "bad_words", ["x"]),
     ("/v1/completions", COMPLETION, "stream_options", {"continuous_usage_stats": True}),
 ]
 HARMLESS = [

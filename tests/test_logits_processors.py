@@ -1,5 +1,6 @@
-"""Logits processors: ``logit_bias`` removes (-100) or forces (+100) a token, in the engine and
-over HTTP with the ``openai`` client; a field no enabled processor claims is refused."""
+"""Logits processors: ``logit_bias`` removes (-100) or forces (+100) a token, ``bad_words`` never
+appear, ``allowed_token_ids`` are the only tokens, in the engine and over HTTP with the ``openai``
+client; a field no enabled processor claims is refused."""
 
 from __future__ import annotations
 
@@ -72,3 +73,36 @@ def test_logit_bias_over_http():
             client.chat.completions.create(
                 model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2, logit_bias={"99999999": 1}
             )
+
+
+def _contains(seq: list[int], sub: list[int]) -> bool:
+    return any(seq[i : i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
+
+
+def test_bad_words_never_appear(llm):
+    plain = _tokens(llm, PROMPTS[:1])[0]
+    tok = llm.tokenizer.tokenizer
+    words = [tok.decode([plain[0]]), tok.decode(plain[1:3])]  # a one-token word and a longer one
+    got = _tokens(llm, PROMPTS[:1], bad_words=words)[0]
+    assert got != plain
+    for word in words:
+        for text in (word, " " + word.lstrip()):
+            ids = tok.encode(text, add_special_tokens=False).ids
+            assert ids and not _contains(got, ids), (word, ids, got)
+
+
+def test_allowed_token_ids_are_the_only_tokens(llm):
+    allowed = [7, 11, 13]
+    got = _tokens(llm, PROMPTS, allowed_token_ids=allowed)
+    assert all(set(t) <= set(allowed) for t in got)
+    with pytest.raises(ValueError, match=r"allowed_token_ids: token id 99999 is outside the vocabulary"):
+        llm.engine.add_request(PROMPTS[0], SamplingParams(allowed_token_ids=[99999]))
+
+
+def test_token_filters_over_http():
+    with LiveServer() as s:
+        client = s.client()
+        r = client.completions.create(model=MODEL_NAME, prompt=[[10, 20, 30]], max_tokens=6, temperature=0,
+                                      extra_body={"allowed_token_ids": [7], "bad_words": ["zzz"]})
+        text = httpx.post(f"{s.url}/detokenize", json={"model": MODEL_NAME, "tokens": [7] * 6}).json()["prompt"]
+        assert r.choices[0].text == text
