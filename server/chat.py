@@ -147,6 +147,7 @@ class _View:
 
     async def events(self, stream: RequestStream, request: Request) -> AsyncIterator[bytes]:
         include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
+        continuous = include_usage and self.body.stream_options.continuous_usage_stats
         usage = None if include_usage else UNSET
         generated = cached = 0
         texts: dict[int, str] | None = {} if self.state.config.log_prompts else None
@@ -167,7 +168,7 @@ class _View:
                         texts[c.index] = texts.get(c.index, "") + c.text_delta
                     choices.append(ChatChunkChoice(c.index, delta, self.logprobs(c, True), c.finish_reason))
                 if choices:
-                    yield self.chunk(choices, usage)
+                    yield self.chunk(choices, self.usage(generated, cached) if continuous else usage)
             if include_usage:
                 yield self.chunk([], self.usage(generated, cached))
         except Exception as e:

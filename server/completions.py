@@ -28,6 +28,7 @@ from modserve.server.protocol import (
     Completion,
     CompletionChoice,
     CompletionRequest,
+    PromptLogprob,
     PromptTokensDetails,
     Usage,
     encoder,
@@ -51,7 +52,7 @@ async def create_completion(request: Request) -> Response:
     prompts = await run_in_threadpool(_prompts, body.prompt, state)  # a long prompt must not stall the event loop
     params = sampling_params(
         body, state, max_tokens=body.max_tokens, logprobs=body.logprobs, logprobs_param="logprobs",
-        prompt_logprobs=body.logprobs if body.echo else None,
+        prompt_logprobs=_prompt_logprobs(body),
     )
     per_prompt = [fit_to_prompt(params, p.token_ids, state, "prompt") for p in prompts]
     response_id = f"cmpl-{uuid.uuid4().hex}"
@@ -73,6 +74,12 @@ async def create_completion(request: Request) -> Response:
     if state.config.log_prompts:
         rec.output = [c.text for c in completion.choices]
     return Response(encoder.encode(completion), media_type="application/json")
+
+
+def _prompt_logprobs(body: CompletionRequest) -> int | None:
+    """Prompt logprobs the engine computes: ``echo`` with ``logprobs`` and vLLM's ``prompt_logprobs``."""
+    wanted = [n for n in (body.logprobs if body.echo else None, body.prompt_logprobs) if n is not None]
+    return max(wanted) if wanted else None
 
 
 def _prompts(prompt: str | list, state: ServerState) -> list[Prompt]:
@@ -122,7 +129,23 @@ class _View:
         logprobs = None
         if self.body.logprobs is not None:
             logprobs = completion_logprobs(entries, token_ids, self.tokenizer.token_text, offset)
-        return CompletionChoice(i * self.body.n + c.index, text, logprobs, c.finish_reason, c.stop_reason)
+        choice = CompletionChoice(i * self.body.n + c.index, text, logprobs, c.finish_reason, c.stop_reason)
+        if self.body.prompt_logprobs is not None and first:
+            choice.prompt_logprobs = self.prompt_logprobs(out)
+        return choice
+
+    def prompt_logprobs(self, out: RequestOutput) -> list[dict[str, PromptLogprob] | None]:
+        """Per prompt token: the token's own logprob and the ``prompt_logprobs`` most likely."""
+        n, rows = self.body.prompt_logprobs, []
+        for token_id, entry in zip(out.prompt_token_ids, out.prompt_logprobs or []):
+            if entry is None:
+                rows.append(None)
+                continue
+            keep = sorted(entry.values(), key=lambda lp: -lp.logprob)[:n]
+            if token_id in entry and entry[token_id] not in keep:
+                keep.append(entry[token_id])
+            rows.append({str(lp.token_id): PromptLogprob(lp.logprob, lp.token) for lp in keep})
+        return rows
 
     def usage(self, generated: int, cached: int) -> Usage:
         prompt = sum(len(p.token_ids) for p in self.prompts)
@@ -135,6 +158,7 @@ class _View:
 
     async def events(self, streams: list[RequestStream], request: Request) -> AsyncIterator[bytes]:
         include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
+        continuous = include_usage and self.body.stream_options.continuous_usage_stats
         sent: dict[int, int] = {}  # choice -> characters of logprob tokens sent so far
         generated = 0
         cached: dict[int, int] = {}  # prompt -> its prefix-cache hit (known from its first output on)
@@ -153,7 +177,8 @@ class _View:
                     sent[key] = sent.get(key, 0) + (sum(map(len, choice.logprobs.tokens)) if choice.logprobs else 0)
                     if texts is not None:
                         texts[key] = texts.get(key, "") + choice.text
-                    yield sse(self.completion([choice], None if include_usage else UNSET))
+                    usage = self.usage(generated, sum(cached.values())) if continuous else (None if include_usage else UNSET)
+                    yield sse(self.completion([choice], usage))
             if include_usage:
                 yield sse(self.completion([], self.usage(generated, sum(cached.values()))))
         except Exception as e:

@@ -39,7 +39,6 @@ _COMMON: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "truncate_prompt_tokens": ("prompt truncation is not implemented; shorten the prompt", _absent),
     "return_tokens_as_token_ids": ("token-id output is not implemented", _absent),
     "vllm_xargs": ("extra sampling arguments are not accepted over HTTP", _absent),
-    "stream_options.continuous_usage_stats": ("continuous usage stats are not implemented yet", _absent),
 }
 
 UNSUPPORTED: dict[str, dict[str, tuple[str, Callable[[Any], bool]]]] = {
@@ -47,7 +46,6 @@ UNSUPPORTED: dict[str, dict[str, tuple[str, Callable[[Any], bool]]]] = {
         **_COMMON,
         "best_of": ("best_of is not implemented (n samples are all returned)", _is(1)),
         "suffix": ("insertion (suffix) is not implemented", _absent),
-        "prompt_logprobs": ("prompt_logprobs on completions is not implemented yet; use echo with logprobs", _absent),
     },
     "chat": {
         **_COMMON,
@@ -89,7 +87,7 @@ def check_fields(raw: bytes, struct: type, endpoint: str) -> None:
             options = _value(value)
             if isinstance(options, dict):
                 for key, inner in options.items():
-                    _check(f"stream_options.{key}", inner, refused, endpoint, known={"include_usage"})
+                    _check(f"stream_options.{key}", inner, refused, endpoint, known={"include_usage", "continuous_usage_stats"})
             continue
         _check(name, value, refused, endpoint, known=implemented)
 

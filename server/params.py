@@ -40,6 +40,15 @@ def sampling_params(
     max_logprobs = min(cfg.max_top_logprobs, vocab)
     if logprobs is not None and logprobs > max_logprobs:
         raise bad_request(f"{logprobs_param}: must be <= {max_logprobs}, got {logprobs}", logprobs_param)
+    asked = getattr(body, "prompt_logprobs", None)
+    if asked is not None and asked > max_logprobs:
+        raise bad_request(f"prompt_logprobs: must be <= {max_logprobs}, got {asked}", "prompt_logprobs")
+    options = body.stream_options
+    if options is not None and options.continuous_usage_stats and not options.include_usage:
+        raise bad_request(
+            "stream_options.continuous_usage_stats: needs stream_options.include_usage: true",
+            "stream_options.continuous_usage_stats",
+        )
     logit_bias = _token_keys(body.logit_bias, "logit_bias")
     constraint = structured_outputs(body)
     optional = {

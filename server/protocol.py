@@ -23,6 +23,7 @@ Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 
 class StreamOptions(Struct, kw_only=True):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
 class SamplingFields(Struct, kw_only=True):
@@ -65,6 +66,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
     max_tokens: PositiveInt | None = 16
     logprobs: NonNegInt | None = None
     echo: bool = False
+    prompt_logprobs: NonNegInt | None = None  # vLLM's: top-N logprobs of every prompt token, in the choice
 
 
 class ContentPart(Struct, kw_only=True):
@@ -134,12 +136,19 @@ class CompletionLogprobs(Struct):
     top_logprobs: list[dict[str, float] | None]
 
 
+class PromptLogprob(Struct):
+    logprob: float
+    decoded_token: str | None = None
+
+
 class CompletionChoice(Struct):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM's: per prompt token (the first null), token id (as a key) -> its logprob, chosen and top-N
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | UnsetType = UNSET
 
 
 class Completion(Struct):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import json
+
 import httpx
 import pytest
 from server_helpers import MODEL_NAME, LiveServer, pipeline
@@ -196,3 +198,38 @@ def test_model_card_and_tokenizer_info():
         assert info["eos_token_id"] == engine.tokenizer.eos_token_ids[0]
         assert info["chat_template"] == engine.tokenizer.chat_template and info["chat_template"]
         assert info["vocab_size"] == engine.vocab_size and info["model_max_length"] == engine.max_model_len
+
+
+def test_prompt_logprobs_on_completions():
+    with LiveServer() as s:
+        body = {"model": MODEL_NAME, "prompt": [[10, 20, 30, 40]], "max_tokens": 2, "prompt_logprobs": 2}
+        choice = httpx.post(f"{s.url}/v1/completions", json=body).json()["choices"][0]
+        rows = choice["prompt_logprobs"]
+        assert len(rows) == 4 and rows[0] is None
+        for token, row in zip([20, 30, 40], rows[1:]):
+            assert str(token) in row and 2 <= len(row) <= 3  # the top 2, and the prompt's own token
+            assert all(v["logprob"] <= 0 for v in row.values())
+        echo = {"model": MODEL_NAME, "prompt": [[10, 20, 30, 40]], "max_tokens": 2, "echo": True, "logprobs": 1}
+        echoed = httpx.post(f"{s.url}/v1/completions", json=echo).json()["choices"][0]["logprobs"]["token_logprobs"]
+        assert [round(r[str(t)]["logprob"], 4) for t, r in zip([20, 30, 40], rows[1:])] == [round(x, 4) for x in echoed[1:4]]
+        too_many = httpx.post(f"{s.url}/v1/completions", json={**body, "prompt_logprobs": 999})
+        assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_continuous_usage_stats():
+    with LiveServer() as s:
+        body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 5, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        with httpx.stream("POST", f"{s.url}/v1/completions", json=body) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        content = [e for e in events if e["choices"]]
+        assert content and all(e["usage"] is not None for e in content)
+        counts = [e["usage"]["completion_tokens"] for e in content]
+        assert counts == sorted(counts) and counts[-1] == 5 and events[-1]["usage"]["completion_tokens"] == 5
+        chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        with httpx.stream("POST", f"{s.url}/v1/chat/completions", json=chat) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert all(e["usage"] is not None for e in events if e["choices"] and e["choices"][0]["delta"].get("content"))
+        alone = httpx.post(f"{s.url}/v1/completions", json={**body, "stream_options": {"continuous_usage_stats": True}})
+        assert alone.status_code == 400 and "needs stream_options.include_usage" in alone.json()["error"]["message"]
