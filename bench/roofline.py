@@ -126,6 +126,7 @@ def run(args) -> int:
     from modserve.core.engine_factory import resolve
 
     resolved = resolve(args.config)
+    print_platform(resolved)
     llm = None
     if args.skip_engine:
         spec, device = read_model_spec(resolved.source, resolved.registry), resolved.platform.device()
@@ -285,6 +286,17 @@ def _measure_bandwidth(device, nbytes: int, repeats: int) -> dict[str, Any]:
         "read_gb_s": size / read / 1e9,
         "copy_gb_s": 2 * size / copy / 1e9,  # read + write
     }
+
+
+def print_platform(resolved) -> None:
+    """What the platform found (device, ISA) and what it chose for the pipeline's ``auto`` settings."""
+    import torch
+
+    info = resolved.platform.info()
+    p = resolved.pipeline
+    dtype = resolved.dtype + (" (model.dtype auto)" if p.model.dtype == "auto" else "")
+    print(f"Platform: {resolved.plugin_name('device')} on {info.name}; dtypes {', '.join(info.dtypes)}")
+    print(f"Chose: dtype {dtype}, attention {p.attention['plugin']}, {torch.get_num_threads()} torch threads")
 
 
 def print_machine(m: dict[str, Any]) -> None:

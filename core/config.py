@@ -31,7 +31,7 @@ class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class ModelSection(_Section):
     path: str = "smollm2-135m-instruct"  # HF directory, .gguf file, or an embedded model name
     name: str | None = None  # served model name; defaults to the path's last component
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"  # weights and activations; auto: the platform's choice (bf16 on CUDA, fp32 on CPU)
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"  # weights and activations; auto: the platform's choice (bf16 on CUDA; on the CPU bf16 where it is native, AMX-BF16 or AVX512_BF16, else fp32)
     max_model_len: Annotated[int, msgspec.Meta(ge=2)] | None = None  # prompt + output tokens; default: the model's max_position_embeddings
     tokenizer: str | None = None  # an HF directory, if not beside the weights
 

@@ -143,6 +143,12 @@ def test_skip_engine_measures_the_machine_only(tiny_config, tmp_path, capsys):
     assert cli.main(argv) == 0, capsys.readouterr().err
     printed = capsys.readouterr().out
     assert "Matmul GFLOP/s" in printed and "Memory bandwidth" in printed and "Engine:" not in printed
+    platform = next(line for line in printed.splitlines() if line.startswith("Platform: cpu on "))
+    assert "Chose: dtype " in printed and ", attention " in printed
+    from modserve.plugins.platforms.cpu import cpu_model_and_flags
+
+    name, flags = cpu_model_and_flags()
+    assert name in platform and all(f in platform for f in ("avx2", "amx_bf16") if f in flags)
     result = json.loads(out.read_text())
     assert result["engine"] is None
     m = result["machine"]

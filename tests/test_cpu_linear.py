@@ -93,3 +93,18 @@ def test_engine_packs_unless_told_not_to_and_outputs_agree(tiny_llama):
         outs = llm.generate([[3, 4, 5, 6], [9] * 30], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
         tokens[pack] = [o.outputs[0].token_ids for o in outs]
     assert tokens[True] == tokens[False]
+
+
+@pytest.mark.parametrize("flags,packs,want", [
+    ({"avx2", "fma"}, True, "float32"),  # bfloat16 emulated: about 3x slower than float32
+    ({"avx2", "avx512f", "avx512_bf16"}, True, "bfloat16"),
+    ({"avx2", "avx512f", "amx_bf16", "amx_int8"}, True, "bfloat16"),
+    ({"avx512_bf16"}, False, "float32"),  # oneDNN cannot pack it here
+])
+def test_auto_dtype_follows_the_cpus_native_bfloat16(monkeypatch, flags, packs, want):
+    from modserve.core.plugin_manager import standalone_context
+    from modserve.plugins.platforms import cpu
+
+    monkeypatch.setattr(cpu, "cpu_model_and_flags", lambda: ("a CPU", frozenset(flags)))
+    monkeypatch.setattr(cpu, "_packs", lambda dtype: packs)
+    assert standalone_context().platform.default_dtype() == want
