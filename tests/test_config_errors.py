@@ -155,3 +155,16 @@ def test_cli_validate_and_plugins(tmp_path):
     data = json.loads(_cli("plugins", "--json").stdout)
     assert data["contract"] == "2.0"
     assert {"fcfs", "priority", "static"} <= {p["name"] for p in data["plugins"]["schedulers"]}
+
+
+def test_cuda_without_a_gpu_is_a_config_error_for_validate_and_serve(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    path = tmp_path / "cuda.yaml"
+    path.write_text("model: {path: smollm2-135m-instruct}\ndevice: cuda\nserver: {port: 0}\n")
+    for args in (["validate", "-c", str(path)], ["serve", "-c", str(path)]):
+        r = _cli(*args)
+        assert r.returncode == 2, (args, r.stderr)
+        assert "device: 'cuda' requested but torch sees no CUDA device" in r.stderr

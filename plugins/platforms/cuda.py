@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from modserve.core.config import ConfigError
 from modserve.core.contract import DeviceInfo, NoOptions, Platform, hookimpl
 
 MODSERVE_CONTRACT = "2.0"
@@ -15,7 +16,7 @@ class CUDAPlatform(Platform):
     def __init__(self, config: NoOptions, ctx) -> None:
         super().__init__(config, ctx)
         if not self.is_available():
-            raise ValueError("device: 'cuda' requested but torch sees no CUDA device; use 'cpu' or 'auto'")
+            raise ConfigError("device: 'cuda' requested but torch sees no CUDA device; use 'cpu' or 'auto'")
 
     @classmethod
     def is_available(cls) -> bool:
