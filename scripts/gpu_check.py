@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from modserve.core.contract import hookimpl
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from tiny_models import build_model  # noqa: E402 - the test suite's tiny checkpoints
+from tiny_models import build_model, hf_greedy, prompts  # noqa: E402 - the test suite's checkpoints and oracle
 
 GREEDY_TOKENS = 12
 
@@ -39,25 +39,10 @@ class Result:
     seconds: float = 0.0
 
 
-def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    import torch
-
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
-def prompts(count: int, seed: int, vocab: int) -> list[list[int]]:
-    import random
-
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(rng.randrange(5, 60))] for _ in range(count)]
-
-
 class Checks:
     def __init__(self, device: str, model_dir: str, hf) -> None:
         self.device, self.path, self.hf = device, model_dir, hf
-        self.ps = prompts(6, seed=1, vocab=hf.config.vocab_size)
+        self.ps = prompts(hf.config.vocab_size, count=6, seed=1)
         self._want = None
 
     @property

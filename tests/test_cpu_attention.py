@@ -15,7 +15,7 @@ from modserve.plugins.attention import cpu_kernel_build
 from modserve.plugins.attention.cpu_backend import CpuAttention
 from modserve.plugins.attention.torch_backend import TorchAttention
 
-from test_parity_hf import hf_greedy, prompts
+from tiny_models import hf_greedy, prompts
 from tiny_models import build_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

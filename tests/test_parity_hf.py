@@ -2,28 +2,13 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from modserve import LLM, SamplingParams
+from tiny_models import hf_greedy, prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-
-
-def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = hf.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0,
-        )
-    return out[0, len(prompt):].tolist()
-
-
-def prompts(vocab: int, count: int = 12, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(rng.randrange(1, 70))] for _ in range(count)]
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])

@@ -24,8 +24,7 @@ from modserve.core.config import ConfigError
 from modserve.core.distributed import WorkerDiedError
 from modserve.core.distributed.sharding import TPShard, plan, take
 from modserve.core.contract import ModelSpec
-from test_parity_hf import hf_greedy, prompts
-from tiny_models import build_model
+from tiny_models import build_model, hf_greedy, prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 # max_num_batched_tokens 64 chunks every prompt longer than that; 24 blocks of 16 tokens for

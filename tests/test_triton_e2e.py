@@ -24,7 +24,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from test_parity_hf import hf_greedy  # noqa: E402
+from tiny_models import hf_greedy  # noqa: E402
 from tiny_models import build_model  # noqa: E402
 
 from modserve import LLM, SamplingParams  # noqa: E402

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -81,3 +82,19 @@ def build_model(path: str, arch: str = "llama", seed: int = 0, **overrides):
                 p.normal_(0, 0.1) if p.shape[0] != cfg.hidden_size else p.fill_(1.0)
     model.save_pretrained(path)
     return model.eval()
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    """The oracle: HF ``generate``'s greedy tokens, exactly ``n`` of them (EOS does not stop it)."""
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0,
+        )
+    return out[0, len(prompt):].tolist()
+
+
+def prompts(vocab: int, count: int = 12, seed: int = 0) -> list[list[int]]:
+    """Random token prompts of 1-69 tokens (no special tokens: ids below 3 are left out)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randrange(1, 70))] for _ in range(count)]
