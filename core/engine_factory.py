@@ -210,10 +210,9 @@ def _build(r: ResolvedPipeline, workers, replica: int | None) -> EngineComponent
     proposer = None
     if "speculative" in r.plugins:
 
-        def load(path: str | None, num_layers: int | None) -> LoadedModel:
-            """A draft beside the target: ``path`` None means the target's own file."""
-            source = r.source if path is None else locate(path)
-            return load_model(source, make_attention, ctx, num_layers=num_layers)
+        def load(path: str) -> LoadedModel:
+            """A draft checkpoint beside the target, on its platform, dtype and context length."""
+            return load_model(locate(path), make_attention, ctx)
 
         def make_attention(spec: ModelSpec):
             return r.build("attention", ctx.with_(model=spec, shards=1))  # a draft is not sharded

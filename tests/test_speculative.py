@@ -131,3 +131,15 @@ def test_greedy_verification_accepts_exactly_the_argmax_prefix():
     assert ch.tokens == [1, 2] and ch.num_accepted == 1
     (ch,) = select_tokens(sampler, logits, [SampleEntry(req, [0, 1, 2], drafts=[1, 2])], 4)
     assert ch.tokens == [1, 2, 0] and ch.num_accepted == 2
+
+
+def test_draft_checkpoint_loaded_beside_the_target(tiny_llama):
+    """``speculative.path``: a draft read from its own checkpoint (here the target's, so every
+    draft matches) on the target's platform and dtype; outputs equal the target's alone."""
+    ps = repetitive_prompts(4, seed=5)
+    ref, _, _ = generate(tiny_llama[0], ps, GREEDY)
+    draft = {"plugin": "draft_model", "num_speculative_tokens": 3, "path": tiny_llama[0]}
+    got, llm, log = generate(tiny_llama[0], ps, GREEDY, speculative=draft)
+    assert got == ref
+    assert log.drafted > 0 and log.accepted == log.drafted
+    assert llm.engine.proposer.runner.model is not llm.engine.c.runner.model

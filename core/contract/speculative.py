@@ -34,7 +34,7 @@ class TargetModel:
 
     module: object  # the target CausalLM
     tokenizer: object  # modserve.core.tokenizer.TokenizerBundle
-    load: Callable[[str, int | None], object]  # (path or None for the target, num_layers) -> LoadedModel
+    load: Callable[[str], object]  # a draft checkpoint's path -> LoadedModel, built like the target
     make_attention: Callable[[ModelSpec], AttentionBackend]
 
 

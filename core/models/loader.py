@@ -145,13 +145,12 @@ def build_model(
 
 
 def load_model(
-    source: ModelSource, make_attention: Callable[[ModelSpec], AttentionBackend], ctx: BuildContext,
-    tokenizer_path: str | None = None, num_layers: int | None = None,
+    source: ModelSource, make_attention: Callable[[ModelSpec], AttentionBackend], ctx: BuildContext
 ) -> LoadedModel:
     """Open and build in one call (a draft checkpoint beside the target)."""
-    ckpt = open_checkpoint(source, ctx, tokenizer_path)
+    ckpt = open_checkpoint(source, ctx)
     max_len = check_max_model_len(ckpt.spec, ctx.max_model_len)
-    model = build_model(ckpt, make_attention(ckpt.spec), ctx, max_len, num_layers)
+    model = build_model(ckpt, make_attention(ckpt.spec), ctx, max_len)
     return LoadedModel(ckpt.spec, model, ckpt.tokenizer)
 
 

@@ -50,7 +50,7 @@ class DraftModelProposer(Proposer):
                 )
             model, spec, num_layers = target.module, ctx.model, config.draft.layers
         else:
-            loaded = target.load(config.path, None)
+            loaded = target.load(config.path)
             if loaded.tokenizer.tokenizer.get_vocab() != target.tokenizer.tokenizer.get_vocab():
                 raise ValueError(f"speculative.path: the draft model {config.path!r} has a different tokenizer from the target")
             model, spec, num_layers = loaded.model, loaded.spec, loaded.spec.num_layers
