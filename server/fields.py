@@ -33,7 +33,8 @@ def _is(*harmless: Any) -> Callable[[Any], bool]:
 
 # field -> (why it is refused, the values that ask for nothing and pass)
 _COMMON: dict[str, tuple[str, Callable[[Any], bool]]] = {
-    "guided_decoding_backend": ("", lambda value: True),  # a backend hint: llguidance serves every constraint
+    "guided_decoding_backend": ("only llguidance serves constraints here ('auto', 'guidance' or 'llguidance')",
+                                _is("auto", "guidance", "llguidance")),
     "use_beam_search": ("beam search is not implemented", _absent),
     "length_penalty": ("beam search is not implemented", _is(1, 1.0)),
     "truncate_prompt_tokens": ("prompt truncation is not implemented; shorten the prompt", _absent),

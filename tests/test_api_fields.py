@@ -23,12 +23,14 @@ REFUSED = [
     ("/v1/chat/completions", CHAT, "web_search_options", {}),  # {} asks for nothing ...
     ("/v1/chat/completions", CHAT, "store", True),
     ("/v1/completions", COMPLETION, "best_of", 3),
+    ("/v1/completions", COMPLETION, "guided_decoding_backend", "xgrammar"),  # would not be what runs
     ("/v1/completions", COMPLETION, "suffix", "tail"),
 ]
 HARMLESS = [
     ("/v1/chat/completions", CHAT, {"response_format": {"type": "text"}, "tool_choice": "none", "tools": [],
                                     "modalities": ["text"], "store": False}),
-    ("/v1/completions", COMPLETION, {"best_of": 1, "suffix": None, "use_beam_search": False}),
+    ("/v1/completions", COMPLETION, {"best_of": 1, "suffix": None, "use_beam_search": False,
+                                     "guided_decoding_backend": "guidance"}),
 ]
 
 
