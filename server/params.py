@@ -94,6 +94,11 @@ def structured_outputs(body: SamplingFields) -> StructuredOutputs | None:
             found.append(("response_format", StructuredOutputs(json_object=True)))
         elif fmt.json_schema is None or fmt.json_schema.schema is None:
             raise bad_request("response_format.json_schema.schema: required for type json_schema", "response_format")
+        elif fmt.json_schema.description:  # OpenAI shows it to the model; the grammar cannot
+            raise bad_request(
+                "response_format.json_schema.description: not supported by this server: describe the format in the messages",
+                "response_format",
+            )
         else:
             found.append(("response_format", StructuredOutputs(json=fmt.json_schema.schema)))
     if body.structured_outputs is not None:

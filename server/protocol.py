@@ -83,7 +83,7 @@ class ChatMessage(Struct, kw_only=True):
 class JsonSchemaFormat(Struct, kw_only=True):
     name: str = "response"
     schema: dict[str, Any] | None = None
-    description: str | None = None
+    description: str | None = None  # refused when set (it would not reach the model)
     strict: bool | None = None  # the output always conforms: it is decoded under the schema's grammar
 
 

@@ -180,6 +180,10 @@ def test_every_constraint_over_http(smol_server):
     assert r.status_code == 400 and "one output constraint per request" in r.json()["error"]["message"]
     r = httpx.post(url, json={**ask, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}})
     assert r.status_code == 400 and "response_format.json_schema.schema: required" in r.json()["error"]["message"]
+    described = {"name": "x", "schema": SCHEMA, "description": "a size"}
+    r = httpx.post(url, json={**ask, "response_format": {"type": "json_schema", "json_schema": described}})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"].startswith("response_format.json_schema.description: not supported by this server")
 
 
 def test_ignore_eos_runs_on_after_the_constraint_is_complete(llm):
