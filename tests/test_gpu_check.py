@@ -48,3 +48,4 @@ def test_a_raising_check_fails_alone(monkeypatch):
     ])
     assert [(r.name, r.status) for r in results] == [("boom", "FAIL"), ("wrong", "FAIL"), ("fine", "pass"), ("later", "skip")]
     assert results[0].detail == "ZeroDivisionError: division by zero"
+

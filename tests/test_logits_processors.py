@@ -106,3 +106,17 @@ def test_token_filters_over_http():
                                       extra_body={"allowed_token_ids": [7], "bad_words": ["zzz"]})
         text = httpx.post(f"{s.url}/detokenize", json={"model": MODEL_NAME, "tokens": [7] * 6}).json()["prompt"]
         assert r.choices[0].text == text
+
+
+def test_filter_inputs_name_their_field(llm):
+    with pytest.raises(ValueError, match=r"^allowed_token_ids: must list at least one token id$"):
+        llm.engine.add_request(PROMPTS[0], SamplingParams(allowed_token_ids=[]))
+    with pytest.raises(ValueError, match=r"^bad_words: at most 512 words, got 513$"):
+        llm.engine.add_request(PROMPTS[0], SamplingParams(bad_words=[f"w{i}" for i in range(513)]))
+    assert not llm.engine.requests
+
+
+def test_two_processors_claiming_one_field_is_a_start_up_error(tiny_llama):
+    with pytest.raises(ValueError, match=r"logits_processors: LogitBias and LogitBias both claim the request field 'logit_bias'; enable one"):
+        LLM(model={"path": tiny_llama[0], "max_model_len": 128}, kv_cache={"plugin": "paged", "num_blocks": 64},
+            logits_processors=[{"plugin": "logit_bias"}, {"plugin": "logit_bias"}])
