@@ -76,6 +76,8 @@ class AsyncEngine:
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.c.spec.vocab_size
         self.tokenizer = engine.tokenizer
+        self.tool_parser = engine.c.tool_parser  # output parsers the server applies (None: not configured)
+        self.reasoning_parser = engine.c.reasoning_parser
         self.max_waiting_requests = max_waiting_requests or self.pipeline.server.max_waiting_requests
         self._burst_gap_s = self.pipeline.server.burst_window_ms / 1000
         self.draining = False

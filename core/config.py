@@ -77,6 +77,8 @@ class PipelineConfig(_Section):
         default_factory=lambda: [{"plugin": p} for p in ("logit_bias", "structured_outputs", "bad_words", "allowed_token_ids")]
     )
     speculative: dict[str, Any] | None = None  # null: no speculative decoding
+    tool_parser: str | dict[str, Any] | None = "hermes"  # reads tool calls from the output (tool_choice auto); null: auto is refused
+    reasoning_parser: str | dict[str, Any] | None = None  # splits thinking into reasoning_content (e.g. think); null: none
     observers: list[dict[str, Any]] = msgspec.field(default_factory=lambda: [{"plugin": "metrics"}])  # metrics, tracing, third-party loggers
     server: ServerSection = msgspec.field(default_factory=ServerSection)
     parallel: ParallelSection = msgspec.field(default_factory=ParallelSection)
@@ -90,6 +92,8 @@ PLUGIN_SECTIONS = {  # pipeline key -> plugin kind
     "sampler": "samplers",
     "logits_processors": "logits_processors",
     "speculative": "speculative_decoders",
+    "tool_parser": "tool_parsers",
+    "reasoning_parser": "reasoning_parsers",
     "observers": "observers",
 }
 NESTED_PLUGIN_KEYS = {"kv_cache.eviction": "eviction_policies"}  # a plugin named inside another's options

@@ -2,7 +2,8 @@
 
 Order (each step fills the :class:`~modserve.core.contract.BuildContext` the next reads):
 platform -> model spec -> KV backend -> attention (with the KV backend's block size) ->
-model -> scheduler -> sampler -> logits processors -> proposer -> observers.
+model -> scheduler -> sampler -> logits processors -> proposer -> output parsers (tool calls,
+reasoning; the server reads them) -> observers.
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ from modserve.core.contract import (
     Observer,
     Platform,
     Proposer,
+    ReasoningParser,
     Sampler,
     Scheduler,
     TargetModel,
+    ToolParser,
 )
 from modserve.core.models.loader import (
     LoadedModel,
@@ -45,7 +48,7 @@ from modserve.core.tokenizer import TokenizerBundle
 log = logging.getLogger("modserve.engine")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SINGLE_SECTIONS = ("scheduler", "kv_cache", "attention", "sampler", "speculative")
+SINGLE_SECTIONS = ("scheduler", "kv_cache", "attention", "sampler", "speculative", "tool_parser", "reasoning_parser")
 LIST_SECTIONS = ("logits_processors", "observers")
 
 
@@ -117,6 +120,8 @@ class EngineComponents:
     attention: Any
     runner: ModelRunner
     proposer: Proposer | None = None
+    tool_parser: ToolParser | None = None  # read by the server, not the engine
+    reasoning_parser: ReasoningParser | None = None
     logits_processors: list[LogitsProcessor] = field(default_factory=list)
     observers: list[Observer] = field(default_factory=list)
     plugin_names: dict[str, str] = field(default_factory=dict)  # pipeline key -> plugin name
@@ -219,6 +224,8 @@ def _build(r: ResolvedPipeline, workers, replica: int | None) -> EngineComponent
 
         target = TargetModel(shard.model, shard.tokenizer, load, make_attention)
         proposer = r.build("speculative", ctx.with_(target=target))
+    tool_parser = r.build("tool_parser", ctx) if "tool_parser" in r.plugins else None
+    reasoning_parser = r.build("reasoning_parser", ctx) if "reasoning_parser" in r.plugins else None
     observers = [r.build(key, ctx) for key in r.entries("observers")]
     names = {key: r.plugin_name(key) for key in ("device", *r.plugins)}
     return EngineComponents(
@@ -237,6 +244,8 @@ def _build(r: ResolvedPipeline, workers, replica: int | None) -> EngineComponent
         attention=shard.attention,
         runner=runner,
         proposer=proposer,
+        tool_parser=tool_parser,
+        reasoning_parser=reasoning_parser,
         logits_processors=processors,
         observers=observers,
         plugin_names=names,

@@ -13,7 +13,6 @@ from __future__ import annotations
 import ctypes
 import logging
 from functools import lru_cache
-from pathlib import Path
 
 import torch
 

@@ -147,11 +147,15 @@ def test_tutorial_plugins_run_a_pipeline(tiny_llama, capsys):
         "logits_processors": [{"plugin": "logit_bias"}, {"plugin": "ban_tokens"}],
         "speculative": {"plugin": "repeat_last", "num_speculative_tokens": 2},
         "observers": [{"plugin": "metrics"}, {"plugin": "json_log"}],
+        "tool_parser": "mistral_json",
     }
     prompts = [[10, 20, 30, 40, 50, 60], [70, 80], [90, 91, 92, 93]]
     want = _greedy(Engine(build_components(base)), prompts)
     engine = Engine(build_components(tutorial, registry=registry))
     assert engine.c.plugin_names["device"] == "minimal_cpu"
+    parsed = engine.c.tool_parser.parse('Sure.[TOOL_CALLS][{"name": "f", "arguments": {"x": 1}}]', True)
+    assert (parsed.content, [(c.name, c.arguments) for c in parsed.calls]) == ("Sure.", [("f", '{"x": 1}')])
+    assert engine.c.tool_parser.parse("Sure.[TOOL_CA", False).content == "Sure."
     got = _greedy(engine, prompts)
     assert got == want
     assert capsys.readouterr().err.count('"finish_reason": "length"') == len(prompts)  # the observer's lines

@@ -9,7 +9,8 @@ Kinds (registration hook -> interface): ``register_platforms`` -> :class:`Platfo
 ``register_kv_backends`` -> :class:`KVBackend`, ``register_eviction_policies`` ->
 :class:`EvictionPolicy`, ``register_attention_backends`` -> :class:`AttentionBackend`,
 ``register_samplers`` -> :class:`Sampler`, ``register_logits_processors`` ->
-:class:`LogitsProcessor`, ``register_speculative_decoders`` -> :class:`Proposer`,
+:class:`LogitsProcessor`, ``register_speculative_decoders`` -> :class:`Proposer`, ``register_tool_parsers`` ->
+:class:`ToolParser`, ``register_reasoning_parsers`` -> :class:`ReasoningParser`,
 ``register_observers`` -> :class:`Observer`. Every class is built as ``cls(config, ctx)``.
 """
 
@@ -32,10 +33,12 @@ from modserve.core.contract.model_spec import ModelSpec
 from modserve.core.contract.observer import Observer
 from modserve.core.contract.platform import DeviceInfo, Platform
 from modserve.core.contract.plugin import NoOptions, Plugin
+from modserve.core.contract.reasoning_parser import ReasoningParser
 from modserve.core.contract.sampler import Sampler, SamplerOutput
 from modserve.core.contract.scheduler import ScheduledRequest, Scheduler, SchedulerOutput, SchedulerStats
 from modserve.core.contract.speculative import Proposer, SpeculativeConfig, TargetModel
 from modserve.core.contract.stats import StepStats
+from modserve.core.contract.tool_parser import ToolCall, ToolParse, ToolParser
 
 # the registration hook of kind K is register_K
 KINDS: dict[str, type] = {  # kind -> interface
@@ -48,6 +51,8 @@ KINDS: dict[str, type] = {  # kind -> interface
     "samplers": Sampler,
     "logits_processors": LogitsProcessor,
     "speculative_decoders": Proposer,
+    "tool_parsers": ToolParser,
+    "reasoning_parsers": ReasoningParser,
     "observers": Observer,
 }
 
@@ -56,8 +61,8 @@ __all__ = [
     "AttentionBackend", "AttentionMetadata", "AttentionSpec", "BlockCopy", "BuildContext", "CausalLM",
     "DeviceInfo", "EvictionPolicy", "KVBackend", "KVSpec", "KVStats", "LayerKVCache", "LogitsProcessor",
     "LogitsRow", "ModelArchitecture", "ModelSpec", "NoOptions", "Observer", "Platform", "Plugin", "PrefixHit",
-    "Proposer", "Sampler", "SamplerOutput", "ScheduledRequest", "Scheduler", "SchedulerOutput",
-    "SchedulerStats", "SpeculativeConfig", "StepStats", "TargetModel", "copy_layer_blocks", "hookimpl", "hookspec",
+    "Proposer", "ReasoningParser", "Sampler", "SamplerOutput", "ScheduledRequest", "Scheduler", "SchedulerOutput",
+    "SchedulerStats", "SpeculativeConfig", "StepStats", "TargetModel", "ToolCall", "ToolParse", "ToolParser", "copy_layer_blocks", "hookimpl", "hookspec",
 ]
 
 

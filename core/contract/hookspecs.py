@@ -79,6 +79,14 @@ class ModserveSpec:
         """:class:`~modserve.core.contract.speculative.Proposer` classes (``speculative:``)."""
 
     @hookspec
+    def register_tool_parsers(self) -> dict[str, type]:
+        """:class:`~modserve.core.contract.tool_parser.ToolParser` classes (``tool_parser:``)."""
+
+    @hookspec
+    def register_reasoning_parsers(self) -> dict[str, type]:
+        """:class:`~modserve.core.contract.reasoning_parser.ReasoningParser` classes (``reasoning_parser:``)."""
+
+    @hookspec
     def register_observers(self) -> dict[str, type]:
         """:class:`~modserve.core.contract.observer.Observer` classes (``observers:``)."""
 

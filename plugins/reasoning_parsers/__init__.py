@@ -1,0 +1,1 @@
+"""Reasoning parsers (``reasoning_parser:``): ``<think>...</think>`` thinking before the answer."""
