@@ -13,6 +13,7 @@ from functools import cached_property
 from typing import Any
 
 import jinja2
+import jinja2.meta
 import jinja2.sandbox
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
@@ -62,22 +63,41 @@ class TokenizerBundle:
         """The text a single token decodes to (for logprob entries)."""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None, **template_kwargs: Any,
+    ) -> str:
+        """Render as HF does: ``tools`` (OpenAI function dicts) and any extra template
+        variables (``chat_template_kwargs``, e.g. Qwen3's ``enable_thinking``) are passed through."""
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template; use the completions API instead")
         try:
             return _compile(self.chat_template).render(
+                **template_kwargs,
                 messages=messages,
+                tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
             )
-        except jinja2.TemplateError as e:
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as e:
             raise ChatTemplateError(f"chat template failed: {e}") from None
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None, **template_kwargs: Any,
+    ) -> list[int]:
         """Chat templates carry their own special tokens, so none are added here (as vLLM does)."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, **template_kwargs)
+        return self.encode(text, add_special_tokens=False)
+
+    @cached_property
+    def template_variables(self) -> frozenset[str]:
+        """The variables the chat template reads (``tools`` among them if it renders tools)."""
+        if not self.chat_template:
+            return frozenset()
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment()
+        return frozenset(jinja2.meta.find_undeclared_variables(env.parse(self.chat_template)))
 
     def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer, skip_special_tokens)

@@ -22,13 +22,12 @@ from modserve.server.access_log import record
 from modserve.server.body import decode_body
 from modserve.server.errors import bad_request, from_engine_error
 from modserve.server.generation import Prompt, abort_all, start
-from modserve.server.logprobs import completion_logprobs
+from modserve.server.logprobs import completion_logprobs, prompt_logprob_rows
 from modserve.server.params import fit_to_prompt, sampling_params
 from modserve.server.protocol import (
     Completion,
     CompletionChoice,
     CompletionRequest,
-    PromptLogprob,
     PromptTokensDetails,
     Usage,
     encoder,
@@ -131,21 +130,8 @@ class _View:
             logprobs = completion_logprobs(entries, token_ids, self.tokenizer.token_text, offset)
         choice = CompletionChoice(i * self.body.n + c.index, text, logprobs, c.finish_reason, c.stop_reason)
         if self.body.prompt_logprobs is not None and first:
-            choice.prompt_logprobs = self.prompt_logprobs(out)
+            choice.prompt_logprobs = prompt_logprob_rows(out, self.body.prompt_logprobs)
         return choice
-
-    def prompt_logprobs(self, out: RequestOutput) -> list[dict[str, PromptLogprob] | None]:
-        """Per prompt token: the token's own logprob and the ``prompt_logprobs`` most likely."""
-        n, rows = self.body.prompt_logprobs, []
-        for token_id, entry in zip(out.prompt_token_ids, out.prompt_logprobs or []):
-            if entry is None:
-                rows.append(None)
-                continue
-            keep = sorted(entry.values(), key=lambda lp: -lp.logprob)[:n]
-            if token_id in entry and entry[token_id] not in keep:
-                keep.append(entry[token_id])
-            rows.append({str(lp.token_id): PromptLogprob(lp.logprob, lp.token) for lp in keep})
-        return rows
 
     def usage(self, generated: int, cached: int) -> Usage:
         prompt = sum(len(p.token_ids) for p in self.prompts)

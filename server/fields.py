@@ -3,7 +3,7 @@
 - **implemented**: a field of the endpoint's request struct (:mod:`modserve.server.protocol`);
 - **known, not supported**: a field of OpenAI's or vLLM's API that changes what the answer
   must be and that this server does not implement yet: a 400 naming the field, unless its
-  value asks for nothing (``tool_choice: "none"``, ``response_format: {"type": "text"}``,
+  value asks for nothing (``function_call: "none"``, ``response_format: {"type": "text"}``,
   ``best_of: 1``, an empty list);
 - **unknown**: ignored for client compatibility (as vLLM does) and logged once per name.
 
@@ -50,10 +50,8 @@ UNSUPPORTED: dict[str, dict[str, tuple[str, Callable[[Any], bool]]]] = {
     },
     "chat": {
         **_COMMON,
-        "tools": ("tool calling is not implemented yet", _absent),
-        "tool_choice": ("tool calling is not implemented yet", _is("none")),
-        "functions": ("function calling is not implemented yet", _absent),
-        "function_call": ("function calling is not implemented yet", _is("none")),
+        "functions": ("the deprecated functions API is not implemented: use tools", _absent),
+        "function_call": ("the deprecated functions API is not implemented: use tool_choice", _is("none")),
         "audio": ("audio output is not supported", _absent),
         "modalities": ("only text output is supported", lambda v: _absent(v) or v == ["text"]),
         "prediction": ("predicted outputs are not supported", _absent),
@@ -62,11 +60,22 @@ UNSUPPORTED: dict[str, dict[str, tuple[str, Callable[[Any], bool]]]] = {
         "verbosity": ("verbosity controls are not supported", _absent),
         "store": ("this server stores nothing (store: true)", _absent),
         "chat_template": ("a request's own chat template is not accepted", _absent),
-        "chat_template_kwargs": ("chat template arguments are not accepted yet", _absent),
         "documents": ("documents for the chat template are not accepted", _absent),
         "continue_final_message": ("continuing the final message is not implemented", _absent),
         "echo": ("echo on chat is not implemented", _absent),
-        "prompt_logprobs": ("prompt_logprobs is not implemented yet", _absent),
+    },
+    "responses": {
+        "previous_response_id": ("this server stores no responses; send the whole conversation as input", _absent),
+        "store": ("this server stores nothing (store: true)", _absent),
+        "conversation": ("this server stores no conversations; send the whole conversation as input", _absent),
+        "background": ("background responses are not supported", _absent),
+        "include": ("no extra output data (include) is supported", _absent),
+        "reasoning": ("reasoning controls are not supported", lambda v: _absent(v) or (isinstance(v, dict) and all(x is None for x in v.values()))),
+        "truncation": ("only truncation 'disabled' is supported", _is("disabled")),
+        "max_tool_calls": ("max_tool_calls is not supported", _absent),
+        "top_logprobs": ("logprobs are not supported on responses; use chat completions", _is(0)),
+        "prompt": ("stored prompt templates are not supported", _absent),
+        "service_tier": ("service tiers are not supported", _is("auto", "default")),
     },
 }
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from modserve.core.outputs import Logprob
-from modserve.server.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+from modserve.core.outputs import Logprob, RequestOutput
+from modserve.server.protocol import ChatLogprobs, CompletionLogprobs, PromptLogprob, TokenLogprob, TopLogprob
 
 Entry = dict[int, Logprob] | None
 
@@ -42,6 +42,21 @@ def chat_logprobs(
         text = _text(entry[tok], token_text)
         content.append(TokenLogprob(text, entry[tok].logprob, list(text.encode()), top))
     return ChatLogprobs(content)
+
+
+def prompt_logprob_rows(out: RequestOutput, n: int) -> list[dict[str, PromptLogprob] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token (the first ``None``), the token's own
+    logprob and the ``n`` most likely, keyed by token id."""
+    rows: list[dict[str, PromptLogprob] | None] = []
+    for token_id, entry in zip(out.prompt_token_ids, out.prompt_logprobs or []):
+        if entry is None:
+            rows.append(None)
+            continue
+        keep = sorted(entry.values(), key=lambda lp: -lp.logprob)[:n]
+        if token_id in entry and entry[token_id] not in keep:
+            keep.append(entry[token_id])
+        rows.append({str(lp.token_id): PromptLogprob(lp.logprob, lp.token) for lp in keep})
+    return rows
 
 
 def _top_by_text(entry: dict[int, Logprob], token_text: Callable[[int], str]) -> dict[str, float]:

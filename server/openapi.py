@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 
 from modserve.server import protocol as p
+from modserve.server import responses_protocol as r
 
 _REF = "#/components/schemas/{name}"
 
@@ -60,28 +61,27 @@ def _post(summary: str, request: str, response: dict[str, Any], errors: tuple[st
     }
 
 
-def _generation(ref: str, chunk: str) -> dict[str, Any]:
+def _generation(ref: str, chunk: str, typed_events: bool = False) -> dict[str, Any]:
     """200 for a generation endpoint: JSON, or with ``stream: true`` server-sent events.
 
     As OpenAPI 3.1 tools read it, an event stream's ``schema`` describes one event: its
-    ``data`` is a ``chunk`` (or, after a failure, an ErrorResponse) as JSON, or ``[DONE]``."""
+    ``data`` is a ``chunk`` (or, after a failure, an ErrorResponse) as JSON, or ``[DONE]``.
+    ``typed_events`` (the Responses API): each event also has ``event: <type>``, an error is
+    an ``error`` event, and there is no ``[DONE]``."""
     out = _json(ref)
-    payload = {"anyOf": [{"$ref": _REF.format(name=chunk)}, {"$ref": _REF.format(name="ErrorResponse")}]}
+    if typed_events:
+        data: dict[str, Any] = {"type": "string", "contentMediaType": "application/json",
+                                "contentSchema": {"$ref": _REF.format(name=chunk)}}
+        description = f"One event `event: <type>` + `data: <{chunk} JSON>`; the last is response.completed, " \
+                      "response.incomplete or error"
+    else:
+        payload = {"anyOf": [{"$ref": _REF.format(name=chunk)}, {"$ref": _REF.format(name="ErrorResponse")}]}
+        data = {"anyOf": [{"const": "[DONE]"},
+                          {"type": "string", "contentMediaType": "application/json", "contentSchema": payload}]}
+        description = f"One event `data: <{chunk} JSON>`; an error after the stream started arrives as " \
+                      "`data: <ErrorResponse JSON>`; the stream ends with `data: [DONE]`"
     out["content"]["text/event-stream"] = {
-        "schema": {
-            "type": "object",
-            "description": f"One event `data: <{chunk} JSON>`; an error after the stream started arrives as "
-            "`data: <ErrorResponse JSON>`; the stream ends with `data: [DONE]`",
-            "required": ["data"],
-            "properties": {
-                "data": {
-                    "anyOf": [
-                        {"const": "[DONE]"},
-                        {"type": "string", "contentMediaType": "application/json", "contentSchema": payload},
-                    ]
-                }
-            },
-        }
+        "schema": {"type": "object", "description": description, "required": ["data"], "properties": {"data": data}}
     }
     return out
 
@@ -91,6 +91,7 @@ def build_openapi(model_name: str, auth: bool, exempt_paths: list[str]) -> dict[
         p.CompletionRequest, p.Completion, p.ChatCompletionRequest, p.ChatCompletion, p.ChatCompletionChunk,
         p.TokenizeRequest, p.TokenizeResponse, p.DetokenizeRequest, p.DetokenizeResponse, p.ModelList,
         p.HealthResponse, p.ErrorResponse, p.ModelCard, p.TokenizerInfo,
+        r.ResponsesRequest, r.ResponseObject, r.ResponseEvent,
     ]
     _, components = msgspec.json.schema_components(structs, ref_template=_REF)
     gen_errors = ("400", "401", "404", "413", "500", "503", "504")
@@ -111,6 +112,10 @@ def build_openapi(model_name: str, auth: bool, exempt_paths: list[str]) -> dict[
         "/v1/chat/completions": _post(
             "Chat completion", "ChatCompletionRequest", _generation("ChatCompletion", "ChatCompletionChunk"),
             gen_errors,
+        ),
+        "/v1/responses": _post(
+            "Responses API (stateless: store false)", "ResponsesRequest",
+            _generation("ResponseObject", "ResponseEvent", typed_events=True), gen_errors,
         ),
         "/tokenize": _post("Tokenize a prompt or messages", "TokenizeRequest", _json("TokenizeResponse"),
                            ("400", "401", "404", "413")),

@@ -22,6 +22,7 @@ def sampling_params(
     logprobs: int | None,
     logprobs_param: str,
     prompt_logprobs: int | None = None,
+    tool_constraint: StructuredOutputs | None = None,
 ) -> SamplingParams:
     cfg, vocab = state.limits, state.engine.vocab_size
     max_output = cfg.max_output_tokens
@@ -50,7 +51,7 @@ def sampling_params(
             "stream_options.continuous_usage_stats",
         )
     logit_bias = _token_keys(body.logit_bias, "logit_bias")
-    constraint = structured_outputs(body)
+    constraint = structured_outputs(body, tool_constraint)
     optional = {
         "temperature": body.temperature,
         "top_p": body.top_p,
@@ -83,11 +84,11 @@ def sampling_params(
         raise from_value_error(e) from None
 
 
-def structured_outputs(body: SamplingFields) -> StructuredOutputs | None:
-    """The one output constraint a request asks for: ``response_format`` (chat), vLLM's
-    ``structured_outputs``, or its older ``guided_*`` fields; 400 naming the field if it
-    asks for more than one or one is malformed."""
-    found: list[tuple[str, StructuredOutputs]] = []
+def structured_outputs(body: SamplingFields, tool_constraint: StructuredOutputs | None = None) -> StructuredOutputs | None:
+    """The one output constraint a request asks for: ``tool_choice`` required or named (chat),
+    ``response_format`` (chat), vLLM's ``structured_outputs``, or its older ``guided_*``
+    fields; 400 naming the field if it asks for more than one or one is malformed."""
+    found: list[tuple[str, StructuredOutputs]] = [("tool_choice", tool_constraint)] if tool_constraint else []
     fmt = getattr(body, "response_format", None)
     if fmt is not None and fmt.type != "text":
         if fmt.type == "json_object":

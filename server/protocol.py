@@ -74,10 +74,46 @@ class ContentPart(Struct, kw_only=True):
     text: str | None = None
 
 
+class FunctionCallIn(Struct, kw_only=True):
+    name: str
+    arguments: str  # a JSON object's text
+
+
+class ToolCallIn(Struct, kw_only=True):
+    """An earlier assistant turn's tool call, sent back in the conversation."""
+
+    function: FunctionCallIn
+    id: str | None = None
+    type: Literal["function"] = "function"
+
+
 class ChatMessage(Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # role assistant
+    tool_call_id: str | None = None  # role tool: the call this message answers
+
+
+class FunctionDef(Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # arguments always match `parameters` (enforced with tool_choice required or named)
+
+
+class ToolDef(Struct, kw_only=True):
+    type: str  # only "function" is supported (400 otherwise)
+    function: FunctionDef | None = None
+
+
+class NamedFunction(Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(Struct, kw_only=True):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class JsonSchemaFormat(Struct, kw_only=True):
@@ -100,6 +136,11 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     top_logprobs: NonNegInt | None = None
     add_generation_prompt: bool = True
     response_format: ResponseFormat | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: auto with tools
+    parallel_tool_calls: bool = True  # false: at most one call per answer
+    chat_template_kwargs: dict[str, Any] | None = None  # extra chat-template variables (e.g. enable_thinking)
+    prompt_logprobs: NonNegInt | None = None  # vLLM's: top-N logprobs of every prompt token, in the response
 
 
 class TokenizeRequest(Struct, kw_only=True):
@@ -177,9 +218,22 @@ class ChatLogprobs(Struct):
     content: list[TokenLogprob]
 
 
+class FunctionCall(Struct):
+    name: str
+    arguments: str  # a JSON object's text
+
+
+class ToolCallOut(Struct):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
 class AssistantMessage(Struct):
-    content: str
+    content: str | None  # null when the answer is only tool calls
     role: str = "assistant"
+    tool_calls: list[ToolCallOut] | UnsetType = UNSET
+    reasoning_content: str | UnsetType = UNSET  # with a reasoning parser: the thinking before the answer
 
 
 class ChatChoice(Struct):
@@ -190,6 +244,21 @@ class ChatChoice(Struct):
     stop_reason: int | str | None = None
 
 
+class FunctionDelta(Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(Struct, omit_defaults=True):
+    """One streamed piece of a tool call: the first carries ``id``, ``type`` and the name;
+    the ``arguments`` of all pieces of one ``index`` concatenate to the call's arguments."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: FunctionDelta | None = None
+
+
 class ChatCompletion(Struct):
     id: str
     created: int
@@ -197,11 +266,15 @@ class ChatCompletion(Struct):
     choices: list[ChatChoice]
     usage: Usage
     object: str = "chat.completion"
+    # vLLM's: per prompt token (the first null), token id (as a key) -> its logprob, chosen and top-N
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | UnsetType = UNSET
 
 
 class Delta(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(Struct):
@@ -218,6 +291,7 @@ class ChatCompletionChunk(Struct):
     choices: list[ChatChunkChoice]
     object: str = "chat.completion.chunk"
     usage: Usage | None | UnsetType = UNSET
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | UnsetType = UNSET  # on the first chunk
 
 
 class ModelCard(Struct):

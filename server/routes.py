@@ -10,6 +10,7 @@ from starlette.routing import Route
 from modserve.server.body import decode_body
 from modserve.server.chat import create_chat_completion, encode_messages
 from modserve.server.completions import create_completion
+from modserve.server.responses import create_response
 from modserve.server.errors import APIError, bad_request
 from modserve.server.protocol import (
     DetokenizeRequest,
@@ -119,6 +120,7 @@ ROUTES = [
     Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
     Route("/v1/completions", create_completion, methods=["POST"]),
     Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
+    Route("/v1/responses", create_response, methods=["POST"]),
     Route("/health", health, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),
     Route("/tokenize", tokenize, methods=["POST"]),

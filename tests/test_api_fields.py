@@ -12,11 +12,12 @@ from server_helpers import MODEL_NAME, LiveServer
 
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 COMPLETION = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2}
-TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}
+RESPONSE = {"model": MODEL_NAME, "input": "hi", "max_output_tokens": 2}
+FUNCTION = {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}
 
 REFUSED = [
-    ("/v1/chat/completions", CHAT, "tools", [TOOL]),
-    ("/v1/chat/completions", CHAT, "tool_choice", "required"),
+    ("/v1/chat/completions", CHAT, "functions", [FUNCTION]),
+    ("/v1/chat/completions", CHAT, "function_call", "auto"),
     ("/v1/chat/completions", CHAT, "audio", {"voice": "alloy", "format": "wav"}),
     ("/v1/chat/completions", CHAT, "modalities", ["text", "audio"]),
     ("/v1/chat/completions", CHAT, "prediction", {"type": "content", "content": "x"}),
@@ -25,12 +26,22 @@ REFUSED = [
     ("/v1/completions", COMPLETION, "best_of", 3),
     ("/v1/completions", COMPLETION, "guided_decoding_backend", "xgrammar"),  # would not be what runs
     ("/v1/completions", COMPLETION, "suffix", "tail"),
+    ("/v1/responses", RESPONSE, "previous_response_id", "resp_123"),
+    ("/v1/responses", RESPONSE, "store", True),
+    ("/v1/responses", RESPONSE, "conversation", "conv_1"),
+    ("/v1/responses", RESPONSE, "background", True),
+    ("/v1/responses", RESPONSE, "include", ["message.output_text.logprobs"]),
+    ("/v1/responses", RESPONSE, "reasoning", {"effort": "high"}),
+    ("/v1/responses", RESPONSE, "truncation", "auto"),
+    ("/v1/responses", RESPONSE, "top_logprobs", 3),
 ]
 HARMLESS = [
     ("/v1/chat/completions", CHAT, {"response_format": {"type": "text"}, "tool_choice": "none", "tools": [],
                                     "modalities": ["text"], "store": False}),
     ("/v1/completions", COMPLETION, {"best_of": 1, "suffix": None, "use_beam_search": False,
                                      "guided_decoding_backend": "guidance"}),
+    ("/v1/responses", RESPONSE, {"store": False, "truncation": "disabled", "reasoning": {"effort": None},
+                                 "include": [], "previous_response_id": None}),
 ]
 
 
@@ -52,7 +63,7 @@ def test_a_known_unsupported_field_is_a_400_naming_it(server, path, base, field,
     assert err["message"].startswith(f"{name}: not supported by this server")
 
 
-@pytest.mark.parametrize("path,base,extra", HARMLESS, ids=["chat", "completions"])
+@pytest.mark.parametrize("path,base,extra", HARMLESS, ids=["chat", "completions", "responses"])
 def test_values_that_ask_for_nothing_pass(server, path, base, extra):
     r = httpx.post(server.url + path, json={**base, **extra})
     assert r.status_code == 200, r.text
@@ -67,7 +78,9 @@ def test_an_unknown_field_is_ignored_and_logged_once(server, caplog):
     assert len(logged) == 1 and "ignoring unknown request field" in logged[0].getMessage()
 
 
-def test_the_openai_sdk_gets_a_clear_error_instead_of_an_ignored_tool(server):
+def test_the_openai_sdk_gets_a_clear_error_instead_of_an_ignored_field(server):
     client = server.client()
-    with pytest.raises(openai.BadRequestError, match="tools: not supported by this server"):
-        client.chat.completions.create(model=MODEL_NAME, messages=CHAT["messages"], max_tokens=4, tools=[TOOL])
+    with pytest.raises(openai.BadRequestError, match="functions: not supported by this server: the deprecated functions API"):
+        client.chat.completions.create(model=MODEL_NAME, messages=CHAT["messages"], max_tokens=4, functions=[FUNCTION])
+    with pytest.raises(openai.BadRequestError, match="previous_response_id: not supported by this server"):
+        client.responses.create(model=MODEL_NAME, input="hi", previous_response_id="resp_1")
