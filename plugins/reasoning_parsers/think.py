@@ -13,7 +13,7 @@ import msgspec
 from modserve.core.contract import ReasoningParser, hookimpl
 from modserve.core.contract.parsing import partial_suffix
 
-MODSERVE_CONTRACT = "2.0"
+MODSERVE_CONTRACT = "2.1"
 
 
 class ThinkConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -13,7 +13,7 @@ from modserve.core.contract import ToolCall, ToolParse, ToolParser, hookimpl
 from modserve.core.contract.parsing import call_from, decode_prefix
 from modserve.plugins.tool_parsers.json_calls import call_json, tools_json
 
-MODSERVE_CONTRACT = "2.0"
+MODSERVE_CONTRACT = "2.1"
 
 TAG = "<|python_tag|>"
 
