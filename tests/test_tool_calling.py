@@ -171,7 +171,7 @@ def test_chat_prompt_logprobs(server):
     assert all("prompt_logprobs" not in (c.model_extra or {}) for c in streamed[1:])
 
 
-def test_a_reasoning_parser_fills_reasoning_content():
+def test_a_reasoning_parser_fills_reasoning_content_and_reasoning_items():
     """``think`` with ``starts_in_reasoning`` (a template that opens the block in the prompt) and
     ``.`` as the end marker, so SmolLM2's first sentence is its "reasoning"."""
     with LiveServer(model={"path": "smollm2-135m-instruct", "name": MODEL, "max_model_len": 512},
@@ -190,3 +190,11 @@ def test_a_reasoning_parser_fills_reasoning_content():
         assert streamed == {"reasoning_content": thinking, "content": answer}
         constrained = client.chat.completions.create(**kwargs, extra_body={"structured_outputs": {"choice": ["Paris."]}})
         assert constrained.choices[0].message.content == "Paris."  # a grammar leaves no thinking to split off
+        r = client.responses.create(model=MODEL, input=kwargs["messages"][0]["content"], max_output_tokens=40, temperature=0)
+        assert [item.type for item in r.output] == ["reasoning", "message"]
+        assert (r.output[0].content[0].text, r.output_text) == (thinking, answer)
+        assert 0 < r.usage.output_tokens_details.reasoning_tokens < r.usage.output_tokens
+        events = list(client.responses.create(model=MODEL, input=kwargs["messages"][0]["content"], max_output_tokens=40,
+                                              temperature=0, stream=True))
+        assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thinking
+        assert [e.item.type for e in events if e.type == "response.output_item.done"] == ["reasoning", "message"]
