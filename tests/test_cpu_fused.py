@@ -14,7 +14,7 @@ from modserve import LLM, SamplingParams
 from modserve.core.config import ConfigError
 from modserve.core.engine_factory import resolve
 from modserve.core.models import cpu_fused
-from modserve.plugins.models.llama import MLP, Attention, RMSNorm
+from modserve.plugins.models.layers import MLP, Attention, RMSNorm
 from modserve.core.models.rope import apply_rotary
 
 pytestmark = pytest.mark.skipif(not cpu_fused.can_fuse("cpu", torch.float32), reason="no C++ compiler")

@@ -1,4 +1,4 @@
-"""Tiny random Llama / Mistral / Qwen2 checkpoints with a real byte-level BPE tokenizer.
+"""Tiny random checkpoints of every served architecture with a real byte-level BPE tokenizer.
 
 Built offline with ``transformers`` config classes and ``save_pretrained``; the HF model
 object is returned too, as the reference oracle.
@@ -70,6 +70,27 @@ def build_model(path: str, arch: str = "llama", seed: int = 0, **overrides):
     elif arch == "qwen2":
         cfg = transformers.Qwen2Config(**{**common, "tie_word_embeddings": False, **overrides})
         cls = transformers.Qwen2ForCausalLM
+    elif arch == "qwen3":
+        cfg = transformers.Qwen3Config(**{**common, "head_dim": 32, "tie_word_embeddings": True, **overrides})
+        cls = transformers.Qwen3ForCausalLM
+    elif arch == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(**{**common, "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
+                                             "moe_intermediate_size": 48, "mlp_only_layers": [1], "norm_topk_prob": True,
+                                             **overrides})
+        cls = transformers.Qwen3MoeForCausalLM
+    elif arch == "mixtral":
+        cfg = transformers.MixtralConfig(**{**common, "num_local_experts": 4, "num_experts_per_tok": 2, **overrides})
+        cls = transformers.MixtralForCausalLM
+    elif arch == "olmo2":
+        cfg = transformers.Olmo2Config(**{**common, **overrides})
+        cls = transformers.Olmo2ForCausalLM
+    elif arch == "phi3":
+        cfg = transformers.Phi3Config(**{**common, "pad_token_id": 0, "original_max_position_embeddings": 128,
+                                         "partial_rotary_factor": 0.75,
+                                         "rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                                                          "long_factor": [2.0, 3.0, 4.0, 6.0, 8.0, 12.0]},
+                                         **overrides})
+        cls = transformers.Phi3ForCausalLM
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
@@ -80,6 +101,8 @@ def build_model(path: str, arch: str = "llama", seed: int = 0, **overrides):
                 p.normal_(0, 0.15)
             elif p.dim() == 1 and arch == "qwen2":
                 p.normal_(0, 0.1) if p.shape[0] != cfg.hidden_size else p.fill_(1.0)
+            elif p.dim() == 1 and arch in ("qwen3", "qwen3_moe", "olmo2"):  # the q/k and post norms: not all ones
+                p.uniform_(0.5, 1.5)
     model.save_pretrained(path)
     return model.eval()
 

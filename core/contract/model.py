@@ -29,6 +29,11 @@ class ModelArchitecture(Plugin):
         """The model's shape from an HF ``config.json`` dict; raise ``ValueError`` naming
         ``source`` and the unsupported setting."""
 
+    def supports_tensor_parallel(self, spec: ModelSpec) -> bool:
+        """Whether the core's Megatron-style sharding of q/k/v, o, gate/up and down projections
+        serves this model (``parallel.tensor_parallel_size > 1`` is refused otherwise)."""
+        return True
+
     @abstractmethod
     def build(
         self, spec: ModelSpec, attention: AttentionBackend, max_positions: int, num_layers: int | None, tp: Any

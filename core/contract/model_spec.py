@@ -8,6 +8,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 @dataclass
+class MoESpec:
+    """A mixture-of-experts MLP: each token goes to its ``top_k`` experts of ``num_experts``."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one expert
+    norm_topk_prob: bool  # renormalise the chosen experts' router weights to sum to 1
+    dense_layers: tuple[int, ...] = ()  # layers with a plain MLP instead (Qwen3-MoE's mlp_only_layers)
+
+
+@dataclass
 class ModelSpec:
     model_type: str
     vocab_size: int
@@ -26,6 +37,8 @@ class ModelSpec:
     sliding_window: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
+    rotary_dim: int | None = None  # channels of each head that rotate (None: all of head_dim)
+    moe: MoESpec | None = None  # a mixture-of-experts MLP (None: dense)
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelSpec:
@@ -35,11 +48,17 @@ class ModelSpec:
         heads = cfg["num_attention_heads"]
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+        partial = float(rope.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "llama3", "linear"):
-            raise ValueError(f"{source}: unsupported rope type {rope_type!r}; supported: default, llama3, linear")
+        if rope_type not in ("default", "llama3", "linear", "longrope"):
+            raise ValueError(f"{source}: unsupported rope type {rope_type!r}; supported: default, llama3, linear, longrope")
+        if rope_type == "longrope":  # Phi-3: the factor follows from the context lengths unless given
+            original = rope.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"]
+            rope["original_max_position_embeddings"] = original
+            rope.setdefault("factor", cfg.get("max_position_embeddings", original) / original)
         eos = cfg.get("eos_token_id")
-        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type == "mistral") else None
+        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type in ("mistral", "phi3")) else None
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -48,7 +67,7 @@ class ModelSpec:
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
             rope_scaling={**rope, "rope_type": rope_type} if rope_type != "default" else None,
@@ -58,4 +77,5 @@ class ModelSpec:
             sliding_window=sliding,
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
             bos_token_id=cfg.get("bos_token_id"),
+            rotary_dim=int(head_dim * partial) if partial < 1.0 else None,
         )

@@ -14,6 +14,7 @@ from torch import nn
 
 from modserve.core.contract import AttentionBackend, BuildContext, CausalLM, ModelArchitecture, ModelSpec
 from modserve.core.models.gguf_reader import find_smollm2_gguf, read_gguf
+from modserve.core.config import ConfigError
 from modserve.core.tokenizer import TokenizerBundle
 
 EMBEDDED_MODELS = {"smollm2-135m-instruct": find_smollm2_gguf}
@@ -87,6 +88,13 @@ def open_checkpoint(source: ModelSource, ctx: BuildContext, tokenizer_path: str 
         cfg = _hf_config_with_generation(source.path)
         where = os.path.join(source.path, "config.json")
         arch = architecture(cfg.get("model_type"), ctx, where)
+        method = (cfg.get("quantization_config") or {}).get("quant_method")
+        if method is not None:
+            raise ValueError(
+                f"{where}: pre-quantized checkpoints ({method}) are not supported; supported: unquantized "
+                "safetensors (float32, bfloat16, float16) or GGUF; quantize at load with the platform's "
+                "quantization option (see `modserve models`)"
+            )
         spec = arch.spec(cfg, where)
         tokenizer = TokenizerBundle.from_hf_dir(tokenizer_path or source.path, spec.eos_token_ids)
         tensors: Iterator[tuple[str, torch.Tensor]] = _safetensors(source.path, spec, tp)
@@ -101,6 +109,10 @@ def open_checkpoint(source: ModelSource, ctx: BuildContext, tokenizer_path: str 
     if tp is not None:
         from modserve.core.distributed.sharding import check_divisible
 
+        if not arch.supports_tensor_parallel(spec):
+            raise ConfigError(
+                f"parallel.tensor_parallel_size: {spec.model_type} models cannot be sharded yet; use tensor_parallel_size 1"
+            )
         check_divisible(spec, tp.world_size)
     spec.eos_token_ids = tokenizer.eos_token_ids or spec.eos_token_ids
     tokenizer.eos_token_ids = spec.eos_token_ids
