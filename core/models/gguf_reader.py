@@ -21,7 +21,8 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# GGUF general.architecture -> HF model_type (a llama file with experts is Mixtral)
+_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "olmo2": "olmo2"}
 
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_TENSORS = {
@@ -34,7 +35,13 @@ _LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",  # OLMo 2's norms of the sublayer outputs
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "ffn_gate_inp": "mlp.gate",  # the experts' router
 }
+_EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}  # [E, out, in]
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)")
 
 # How llama.cpp splits text before BPE, by `tokenizer.ggml.pre`. SmolLM/StarCoder isolate every digit
@@ -77,7 +84,8 @@ def find_smollm2_gguf() -> str:
 
 
 def read_gguf(path: str, dtype: torch.dtype = torch.float32) -> GGUFModel:
-    """Dequantize every tensor of a Llama-family GGUF and rebuild its config and tokenizer."""
+    """Dequantize every tensor of a GGUF (Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, OLMo 2)
+    and rebuild its config and tokenizer."""
     reader = _open(path)
     meta = {name: field.contents() for name, field in reader.fields.items()}
     arch = meta.get("general.architecture")
@@ -85,7 +93,9 @@ def read_gguf(path: str, dtype: torch.dtype = torch.float32) -> GGUFModel:
         raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHITECTURES)}")
     config = _config(meta, arch, {tensor.name for tensor in reader.tensors}, path)
     tokenizer = build_tokenizer(meta)  # before the slow part, so an unsupported tokenizer fails fast
-    tensors = {_hf_name(tensor.name, path): _load_tensor(tensor, arch, config, dtype) for tensor in reader.tensors}
+    tensors = {}
+    for tensor in reader.tensors:
+        tensors.update(_hf_tensors(tensor, arch, config, dtype, path))
     config["vocab_size"] = tensors["model.embed_tokens.weight"].shape[0]
     tokens = meta["tokenizer.ggml.tokens"]
     bos_id, eos_ids = meta.get("tokenizer.ggml.bos_token_id"), _eos_ids(meta)
@@ -126,9 +136,10 @@ def _config(meta: dict[str, Any], arch: str, tensor_names: set[str], path: str) 
     heads = key("attention.head_count")
     hidden = key("embedding_length")
     eos_ids = _eos_ids(meta)
+    experts = meta.get(f"{arch}.expert_count")
+    model_type = "mixtral" if arch == "llama" and experts else _ARCHITECTURES[arch]
     config = {
-        "architectures": [_ARCHITECTURES[arch]],
-        "model_type": arch,
+        "model_type": model_type,
         "hidden_size": hidden,
         "intermediate_size": key("feed_forward_length"),
         "num_hidden_layers": key("block_count"),
@@ -143,6 +154,12 @@ def _config(meta: dict[str, Any], arch: str, tensor_names: set[str], path: str) 
         "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else eos_ids or None,
         "attention_bias": "blk.0.attn_q.bias" in tensor_names,
     }
+    if experts:
+        count_key = "num_local_experts" if model_type == "mixtral" else "num_experts"
+        config.update({count_key: experts, "num_experts_per_tok": key("expert_used_count")})
+        if model_type == "qwen3_moe":  # llama.cpp renormalises the chosen experts' weights unless told not to
+            config["moe_intermediate_size"] = key("expert_feed_forward_length")
+            config["norm_topk_prob"] = bool(meta.get(f"{arch}.expert_weights_norm", True))
     rope_scaling = _rope_scaling(meta, arch)
     if rope_scaling:
         config["rope_scaling"] = rope_scaling
@@ -177,6 +194,18 @@ def _hf_name(gguf_name: str, path: str) -> str:
     if match and match[2] in _LAYER_TENSORS:
         return f"model.layers.{match[1]}.{_LAYER_TENSORS[match[2]]}.{kind}"
     raise ValueError(f"{path}: unsupported GGUF tensor {gguf_name!r}")
+
+
+def _hf_tensors(tensor: ReaderTensor, arch: str, config: dict[str, Any], dtype: torch.dtype, path: str):
+    """The HF-named tensors one GGUF tensor holds: itself, or one per expert for a stacked
+    ``blk.N.ffn_*_exps`` tensor (views of one dequantized array)."""
+    module, _, kind = tensor.name.rpartition(".")
+    match = _LAYER_TENSOR.fullmatch(module)
+    if match and match[2] in _EXPERT_TENSORS:
+        stacked = _load_tensor(tensor, arch, config, dtype)
+        proj = _EXPERT_TENSORS[match[2]]
+        return {f"model.layers.{match[1]}.mlp.experts.{e}.{proj}.{kind}": stacked[e] for e in range(stacked.shape[0])}
+    return {_hf_name(tensor.name, path): _load_tensor(tensor, arch, config, dtype)}
 
 
 def _load_tensor(tensor: ReaderTensor, arch: str, config: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:

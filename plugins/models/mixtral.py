@@ -13,7 +13,7 @@ from modserve.plugins.models.moe import SparseMoE, expert_route
 
 MODSERVE_CONTRACT = "2.1"
 
-_PROJ = {"w1": "gate", "w3": "up", "w2": "down"}
+_PROJ = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}  # HF, GGUF
 
 
 class MixtralForCausalLM(DecoderLM):
