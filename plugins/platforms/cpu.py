@@ -12,6 +12,7 @@ import functools
 import logging
 import os
 import platform as host
+from typing import Literal
 
 import msgspec
 import torch
@@ -20,6 +21,7 @@ from torch import nn
 from modserve.core.contract import DeviceInfo, Platform, hookimpl
 from modserve.plugins.platforms.cpu_linear import PackedLinear, can_pack
 from modserve.plugins.platforms.cpu_memory import keep_freed_memory
+from modserve.plugins.platforms.cpu_quant import quantize_linear
 
 MODSERVE_CONTRACT = "2.0"
 log = logging.getLogger("modserve.platform")
@@ -31,6 +33,9 @@ class CPUConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pack_weights: bool = True  # reorder linear weights once for oneDNN (faster matmuls)
     fuse_ops: bool = True  # in float32 or bfloat16, run norms, SiLU·mul and RoPE as fused C++ kernels
     reuse_freed_memory: bool = True  # glibc: keep freed step memory in the process instead of faulting it in again every step
+    quantization: Literal["none", "int8", "w8a8", "int4"] = "none"  # linear weights: int8 weight-only, int8 weights and activations (per token), or int4 weight-only groups (docs/quantization.md)
+    int4_group_size: Literal[32, 64, 128, 256] = 128  # int4: inputs per scale/zero group; a layer whose in_features it does not divide takes the largest smaller size that does
+    quantize_lm_head: bool = False  # quantize the LM head too (a tied head gets its own quantized copy; the embedding stays as loaded)
 
 
 class CPUPlatform(Platform):
@@ -76,6 +81,8 @@ class CPUPlatform(Platform):
         return "cpu"
 
     def linear(self, name: str, layer: nn.Linear) -> nn.Module:
+        if self.config.quantization != "none" and (name != "lm_head" or self.config.quantize_lm_head):
+            return quantize_linear(self.config.quantization, name, layer, self.config.int4_group_size)
         if self.config.pack_weights and _packs(layer.weight.dtype):
             return PackedLinear(layer)
         return layer

@@ -1,0 +1,267 @@
+"""Weight-quantized linear layers for the ``cpu`` platform (``device: {plugin: cpu, quantization: ...}``).
+
+Three schemes, one small module each, built from a loaded ``nn.Linear`` (weights already in
+the model dtype) by :func:`quantize_linear`. Every module computes ``y = x @ W.T + b`` for
+``x`` of shape ``[..., in]`` (the model passes flat ``[T, in]`` token rows; ``T`` may be 0),
+returns the input's dtype, and holds only its quantized tensors and the bias: the float
+weight is not referenced, so it is freed once the model drops the ``nn.Linear``.
+
+- ``int8`` (:class:`Int8WeightOnlyLinear`): int8 weights, one symmetric scale per output
+  channel, ``torch._weight_int8pack_mm`` (dequantizes inside the kernel, activations stay
+  float). Half of bfloat16's weight memory, a quarter of float32's.
+- ``w8a8`` (:class:`W8A8Linear`): int8 weights per output channel and int8 activations,
+  quantized per token (each row's absmax) at every call; int8 x int8 products with int32
+  accumulation through oneDNN (``torch.ops.onednn.qlinear_pointwise`` on weights reordered
+  once by ``onednn.qlinear_prepack``: VNNI / AMX-INT8 where the CPU has them), the per-row
+  activation scale applied to the output afterwards.
+- ``int4`` (:class:`Int4WeightOnlyLinear`): 4-bit weights, asymmetric (a scale and a zero
+  per group of ``group_size`` inputs of each output channel), torch's CPU int4 kernels
+  ``torch._convert_weight_to_int4pack_for_cpu`` / ``torch._weight_int4pack_mm_for_cpu``.
+  A quarter of bfloat16's weight memory (plus the group scales).
+
+Why these ops. Micro-timing, machine busy (torch 2.13 CPU wheel, 2 cores of a Xeon with
+AMX-INT8/AVX512-VNNI, other jobs running; best of 10-40 calls in one process: relative
+figures for choosing, not reported results). One [T, 576] x [576 -> 1536] product (a
+SmolLM2 MLP shape), T = 1 / 16 / 64 / 256 rows, whole modules, microseconds:
+
+    bfloat16: PackedLinear (AMX-BF16)  41 /   30 /    60 /    148
+              int8 (int8pack_mm)       28 /  170 /   644 /   2648
+              w8a8 (oneDNN)            64 /   89 /   129 /    337   (the _int_mm variant: 78 / 100 / 136 / 440)
+              int4 (group 64)          27 /  158 /   595 /   2410
+    float32:  PackedLinear             77 /  108 /   324 /   1048
+              int8                    247 / 3596 / 14463 /  57457
+              w8a8                     64 /   75 /   117 /    314
+              int4                    658 / 10383 / 41416 / 164902
+
+- W8A8. ``torch._int_mm`` runs on the CPU (exact int32, any row count) but takes the int8
+  weight as a plain matrix each call: 48 / 42 / 192 us for the bare GEMM at T = 16 / 64 /
+  256, against 27 / 40 / 77 us for ``onednn.qlinear_pointwise`` on a weight prepacked once,
+  which is also what PyTorch inductor's x86 quantizer lowers int8 linears to (kept, AMX-INT8
+  capable). Its limit: the activation scale is one number per call (oneDNN refuses a per-row
+  ``x_scale``: "act scale/zp size should be 1"). So the GEMM runs with ``x_scale = 1`` and
+  the per-channel weight scales fused, writing the model dtype, and the per-row scales
+  multiply the output in place; with a single row (one request decoding) its scale and the
+  bias go into the call itself. The activation quantization is plain torch (absmax,
+  multiply, round, cast: 23 / 39 / 82 us, as long as the GEMM or longer) and the largest
+  part of the cost; vLLM's CPU backend has its own compiled fused quantize kernel and
+  oneDNN matmul handler for this, which torch does not expose. torchao is not used: it is
+  not installed here, and its CPU int8 dynamic-activation path lowers to this same oneDNN op
+  (through inductor), a dependency for the same kernel. Net: W8A8 beats float32 by 1.2-3.3x
+  and halves bfloat16's weight memory, but is 1.5-3x slower than AMX bfloat16 at these
+  small shapes.
+- int8 weight-only: ``_weight_int8pack_mm`` (torch's int8 weight-only kernel, float
+  activations; the one the design names). A matrix-vector product reading half the bytes, it beats
+  bfloat16 at one row (a single request decoding) and loses badly from 16 rows on; with
+  float32 activations this build runs a far slower path. It saves memory, not time.
+- int4: ``_weight_int4pack_mm_for_cpu``, torch's group-wise int4 weight-only CPU kernel.
+  Same shape of trade as int8: fastest at one row, slow in batches, very slow in float32.
+
+oneDNN builds and keeps a primitive per input shape (0.35 MB each: a ``qlinear_pointwise``
+called with every row count from 1 to 1000 grew RSS by 370 MB), so W8A8 pads its int8 rows
+to :func:`~modserve.plugins.platforms.cpu_linear.row_chunks`' fixed set of sizes, as
+:class:`~modserve.plugins.platforms.cpu_linear.PackedLinear` does. The two ATen kernels
+build nothing per shape and take the rows as they come.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from modserve.core.config import ConfigError
+from modserve.plugins.platforms.cpu_linear import _CHUNK_SIZES, _padded, row_chunks
+
+log = logging.getLogger("modserve.platform")
+
+SCHEMES = ("none", "int8", "w8a8", "int4")
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu accepts
+INT4_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu packs output channels in 16s
+
+
+def quantize_per_channel_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output row: ``(q [N, K] int8 in [-127, 127], scale [N] float32)``, ``w ≈ q * scale``."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)
+    return (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale
+
+
+def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic symmetric int8 per row (token): ``(q [M, K] int8, scale [M, 1] float32)``, ``x ≈ q * scale``.
+
+    ``|x * 127 / absmax| <= 127`` up to float rounding, so no clamp; an all-zero row gets the
+    smallest positive scale and quantizes to zeros."""
+    absmax = x.abs().amax(dim=-1, keepdim=True).float().clamp_(min=torch.finfo(torch.float32).tiny)
+    q = (x * (127.0 / absmax)).round_().to(torch.int8)
+    return q, absmax.mul_(1.0 / 127.0)
+
+
+class Int8WeightOnlyLinear(nn.Module):
+    """``y = x @ (q * scale).T + b``: int8 weights, a symmetric scale per output channel,
+    dequantized inside ``torch._weight_int8pack_mm`` (float activations, float accumulation).
+
+    The kernel takes the scales in the activations' dtype; they are kept in the layer's."""
+
+    def __init__(self, layer: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+        q, scale = quantize_per_channel_int8(layer.weight)
+        self.register_buffer("qweight", q, False)
+        self.register_buffer("scale", scale.to(layer.weight.dtype), False)
+        self.bias = layer.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] == 0:
+            return x.new_empty(*x.shape[:-1], self.out_features)
+        scale = self.scale if self.scale.dtype == x.dtype else self.scale.to(x.dtype)
+        out = torch._weight_int8pack_mm(rows.contiguous(), self.qweight, scale)
+        if self.bias is not None:
+            out.add_(self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+@functools.cache
+def onednn_int8_available() -> bool:
+    """Whether this torch build and CPU run oneDNN's int8 linear (x86 with mkldnn; probed once)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        packed = torch.ops.onednn.qlinear_prepack(torch.ones(16, 16, dtype=torch.int8), None)
+        out = torch.ops.onednn.qlinear_pointwise.default(torch.ones(4, 16, dtype=torch.int8), 1.0, 0, packed, torch.ones(16), torch.zeros(16, dtype=torch.long),
+                       None, 1.0, 0, torch.float32, "none", [], "")
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+    return bool((out == 16).all())
+
+
+class W8A8Linear(nn.Module):
+    """``y = (s_x * q_x) @ (q_w * s_w).T + b``: int8 weights (a symmetric scale per output
+    channel) times int8 activations (a symmetric scale per row, computed at every call),
+    int32 accumulation.
+
+    oneDNN (``onednn.qlinear_pointwise``, weights prepacked once) where this torch can, else
+    ``torch._int_mm`` (a plain int8 matrix product) with the scales applied in float32.
+    """
+
+    def __init__(self, layer: nn.Linear, use_onednn: bool | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+        q, scale = quantize_per_channel_int8(layer.weight)
+        self.onednn = onednn_int8_available() if use_onednn is None else use_onednn
+        if self.onednn:  # the op is looked up here: a torch build without it still imports this module
+            self._qlinear = torch.ops.onednn.qlinear_pointwise.default
+            self.register_buffer("packed", torch.ops.onednn.qlinear_prepack(q, None), False)
+            self.register_buffer("zero_points", torch.zeros(self.out_features, dtype=torch.long), False)
+        else:
+            self.register_buffer("qweight_t", q.t(), False)  # [K, N], column-major: _int_mm's mat2
+        self.register_buffer("scale", scale, False)  # float32: oneDNN's weight scales are float32
+        self.bias = layer.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        m = rows.shape[0]
+        if m == 0:
+            return x.new_empty(*x.shape[:-1], self.out_features)
+        q, row_scale = quantize_rows_int8(rows)
+        if not self.onednn:
+            out = torch._int_mm(q, self.qweight_t).float().mul_(row_scale).mul_(self.scale).to(x.dtype)
+        elif m == 1:  # one token: its scale is the tensor's, so the scale and the bias fuse into the call
+            out = self._gemm(q, row_scale.item(), self.bias, x.dtype)
+        else:
+            parts = [self._gemm(q[start : start + size], 1.0, None, x.dtype) for start, size in row_chunks(m)]
+            out = (parts[0] if len(parts) == 1 else torch.cat(parts)).mul_(row_scale.to(x.dtype))
+        if self.bias is not None and not (self.onednn and m == 1):
+            out.add_(self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def _gemm(self, q: torch.Tensor, x_scale: float, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """One oneDNN call, the rows padded with zeros to a size from the fixed set (module doc)."""
+        rows = q.shape[0]
+        if rows != 1 and rows not in _CHUNK_SIZES:  # one row (a lone decode step) is one more shape, not padded to 4
+            q = F.pad(q, (0, 0, 0, _padded(rows) - rows))
+        out = self._qlinear(q, x_scale, 0, self.packed, self.scale, self.zero_points, bias, 1.0, 0, dtype, "none", [], "")
+        return out[:rows]
+
+    def extra_repr(self) -> str:
+        kernel = "onednn" if self.onednn else "int_mm"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, kernel={kernel}"
+
+
+def int4_group_size(name: str, in_features: int, out_features: int, wanted: int) -> int:
+    """The group size for one layer: ``wanted``, or the largest smaller supported size that
+    divides ``in_features`` (SmolLM2's 576 takes 64 where 128 is asked); a config error naming
+    the layer where none does, or where the kernel cannot pack ``out_features``."""
+    if out_features % INT4_N_MULTIPLE:
+        raise ConfigError(
+            f"device.quantization: int4 needs out_features to be a multiple of {INT4_N_MULTIPLE}; "
+            f"layer {name!r} has {out_features}: use int8 or w8a8"
+        )
+    fits = [g for g in INT4_GROUP_SIZES if g <= wanted and in_features % g == 0]
+    if not fits:
+        raise ConfigError(
+            f"device.int4_group_size: layer {name!r} has in_features {in_features}, divisible by none of "
+            f"{', '.join(str(g) for g in INT4_GROUP_SIZES if g <= wanted)}; use int8 or w8a8"
+        )
+    return fits[-1]
+
+
+def quantize_groups_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit per group of ``group_size`` inputs: ``(q [N, K] int32 in [0, 15],
+    scale [N, K/g] float32, minimum [N, K/g] float32)``, ``w ≈ q * scale + minimum``."""
+    n, k = weight.shape
+    w = weight.detach().float().view(n, k // group_size, group_size)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    scale = ((hi - lo) / 15.0).clamp(min=1e-6)
+    q = ((w - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32)
+    return q.view(n, k), scale, lo
+
+
+class Int4WeightOnlyLinear(nn.Module):
+    """``y = x @ W.T + b`` with ``W[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n]`` for
+    ``g = k // group_size``: torch's CPU int4 kernel's own format (``scales_and_zeros`` is
+    ``[K/g, N, 2]`` in the activations' dtype, ``zero = minimum + 8 * scale``), the 4-bit
+    values packed two per byte by ``_convert_weight_to_int4pack_for_cpu``."""
+
+    def __init__(self, layer: nn.Linear, group_size: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.group_size = layer.in_features, layer.out_features, group_size
+        q, scale, lo = quantize_groups_int4(layer.weight, group_size)
+        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q, 1), False)  # [N, K/2] uint8
+        scales_and_zeros = torch.stack([scale, lo + 8.0 * scale], dim=-1).transpose(0, 1).contiguous()
+        self.register_buffer("scales_and_zeros", scales_and_zeros.to(layer.weight.dtype), False)
+        self.bias = layer.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] == 0:
+            return x.new_empty(*x.shape[:-1], self.out_features)
+        sz = self.scales_and_zeros if self.scales_and_zeros.dtype == x.dtype else self.scales_and_zeros.to(x.dtype)
+        out = torch._weight_int4pack_mm_for_cpu(rows.contiguous(), self.packed, self.group_size, sz)
+        if self.bias is not None:
+            out.add_(self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, group_size={self.group_size}")
+
+
+def quantize_linear(scheme: str, name: str, layer: nn.Linear, int4_group: int = 128) -> nn.Module:
+    """The quantized module for ``layer`` (qualified name ``name``) under ``scheme``."""
+    if scheme == "int8":
+        return Int8WeightOnlyLinear(layer)
+    if scheme == "w8a8":
+        return W8A8Linear(layer)
+    if scheme == "int4":
+        group = int4_group_size(name, layer.in_features, layer.out_features, int4_group)
+        if group != int4_group:
+            log.info("int4: %s has in_features %d, not a multiple of %d: group size %d", name, layer.in_features, int4_group, group)
+        return Int4WeightOnlyLinear(layer, group)
+    raise ValueError(f"device.quantization: unknown scheme {scheme!r}; expected one of {', '.join(SCHEMES)}")
