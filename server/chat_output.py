@@ -51,6 +51,9 @@ class ChoiceReader:
         self.text += delta
         if self.mode == "named":
             return self._named(delta)
+        if self.mode == "none" and self.reasoning is None:
+            self.sent_content += delta  # plain text: nothing to parse
+            return Delta(content=delta or None)
         reasoning, content = self.reasoning.split(self.text, final) if self.reasoning is not None else ("", self.text)
         parsed = self._calls(content, final)
         new_calls = [ToolCallOut(call_id(), FunctionCall(c.name, c.arguments)) for c in parsed.calls[len(self.calls):]]

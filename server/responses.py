@@ -10,6 +10,7 @@ streamed, the Responses event types. Nothing is stored (``store: false``):
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
@@ -64,7 +65,7 @@ _FIELD_NAMES = [
     (re.compile(r"^(tools\[\d+\])\.function\."), r"\1."),
     (re.compile(r"^tool_choice\.function\."), "tool_choice."),
     (re.compile(r"^max_completion_tokens"), "max_output_tokens"),
-    (re.compile(r"^messages"), "input"),
+    (re.compile(r"^messages(\[\d+\])?"), "input"),  # message indices shift (instructions, merged calls): none given
 ]
 
 
@@ -139,8 +140,14 @@ def _add_item(messages: list[ChatMessage], item: Any, where: str) -> None:
         messages.append(ChatMessage(role="system" if role == "developer" else role,
                                     content=_item_text(item.get("content"), f"{where}.content")))
     elif kind == "function_call":
-        call = ToolCallIn(id=_str(item, "call_id", where), function=FunctionCallIn(
-            name=_str(item, "name", where), arguments=_str(item, "arguments", where)))
+        arguments = _str(item, "arguments", where)
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise bad_request(f"{where}.arguments: must be a JSON object's text", f"{where}.arguments")
+        call = ToolCallIn(id=_str(item, "call_id", where), function=FunctionCallIn(name=_str(item, "name", where), arguments=arguments))
         last = messages[-1] if messages else None
         if last is not None and last.role == "assistant" and last.tool_calls:  # parallel calls: one turn
             last.tool_calls.append(call)

@@ -99,7 +99,9 @@ def test_function_calls_and_their_outputs_round_trip(server):
     ({"input": [{"type": "input_image", "image_url": "x"}]}, "input[0].type", "input[0].type: only message"),
     ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0].content[0]",
      "input[0].content[0]: only text parts are supported"),
-    ({"input": [{"type": "function_call", "name": "f"}]}, "input[0].call_id", "input[0].call_id: required"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id", "input[0].call_id: required"),
+    ({"input": [{"type": "function_call", "name": "f", "call_id": "c", "arguments": "[1]"}]}, "input[0].arguments",
+     "input[0].arguments: must be a JSON object's text"),
     ({"text": {"verbosity": "low"}}, "text.verbosity", "text.verbosity: not supported by this server"),
 ])
 def test_a_bad_request_names_the_responses_field(server, extra, param, message):
