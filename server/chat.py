@@ -135,20 +135,11 @@ def encode_messages(
             f"chat_template_kwargs.{clash}: set by the server; give it as a request field instead", "chat_template_kwargs"
         )
     tokenizer = state.engine.tokenizer
-    rendered, tools = render_messages(messages, plan, state.engine.tool_parser, tokenizer, _text)
+    rendered, tools = render_messages(messages, plan, state.engine.tool_parser, tokenizer)
     try:
         return tokenizer.encode_chat(rendered, add_generation_prompt, tools, **(template_kwargs or {}))
     except ChatTemplateError as e:
         raise bad_request(f"messages: {e}", "messages") from None
-
-
-def _text(content: str | list | None, where: str) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    for j, part in enumerate(content):
-        if part.type != "text" or part.text is None:
-            raise bad_request(f"{where}[{j}]: only text content parts are supported, got type {part.type!r}", where)
-    return "".join(part.text for part in content)
 
 
 class _View:

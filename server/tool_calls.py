@@ -112,15 +112,15 @@ def plan_tools(body: ChatCompletionRequest, parser: ToolParser | None) -> ToolPl
 
 
 def render_messages(
-    messages: list[ChatMessage], plan: ToolPlan | None, parser: ToolParser | None, tokenizer: TokenizerBundle, text
+    messages: list[ChatMessage], plan: ToolPlan | None, parser: ToolParser | None, tokenizer: TokenizerBundle
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """Messages as chat-template dicts, and the ``tools`` the template is given (``text``
-    reads a message's content). 400 naming the message for an unreadable tool call."""
+    """Messages as chat-template dicts (text content only), and the ``tools`` the template is
+    given. 400 naming the message for a non-text part or an unreadable tool call."""
     template = tokenizer.chat_template or ""
     template_calls = "tool_calls" in template
     rendered: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
-        msg: dict[str, Any] = {"role": m.role, "content": text(m.content, f"messages[{i}].content")}
+        msg: dict[str, Any] = {"role": m.role, "content": _text(m.content, f"messages[{i}].content")}
         if m.name is not None:
             msg["name"] = m.name
         if m.tool_call_id is not None:
@@ -146,6 +146,15 @@ def render_messages(
     else:
         rendered.insert(0, {"role": "system", "content": note})
     return rendered, None
+
+
+def _text(content: str | list | None, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    for j, part in enumerate(content):
+        if part.type != "text" or part.text is None:
+            raise bad_request(f"{where}[{j}]: only text content parts are supported, got type {part.type!r}", where)
+    return "".join(part.text for part in content)
 
 
 def _call(call: Any, where: str) -> tuple[str, dict[str, Any]]:

@@ -159,10 +159,6 @@ def _tokenizer(template: str) -> TokenizerBundle:
     return TokenizerBundle(Tokenizer(models.WordLevel({"x": 0}, unk_token="x")), template)
 
 
-def _text(content, where):
-    return content or ""
-
-
 def test_tools_go_through_a_template_that_takes_them_and_into_the_system_message_otherwise():
     messages = _body(tools=[WEATHER], messages=[
         {"role": "user", "content": "Weather?"},
@@ -171,21 +167,21 @@ def test_tools_go_through_a_template_that_takes_them_and_into_the_system_message
     ])
     plan = plan_tools(messages, HERMES)
     tok = _tokenizer(TOOLS_TEMPLATE)
-    rendered, tools = render_messages(messages.messages, plan, HERMES, tok, _text)
+    rendered, tools = render_messages(messages.messages, plan, HERMES, tok)
     assert tok.apply_chat_template(rendered, tools=tools) == (
         "TOOLS:get_weather\nuser: Weather?|assistant: [call get_weather Paris]|tool: 18C|")
     plain = _tokenizer("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
-    rendered, tools = render_messages(messages.messages, plan, HERMES, plain, _text)
+    rendered, tools = render_messages(messages.messages, plan, HERMES, plain)
     assert tools is None and rendered[0]["role"] == "system" and "<tools>" in rendered[0]["content"]
     assert HERMES.parse(rendered[2]["content"], True).calls == [PARIS]  # the earlier call, in the parser's format
     none = plan_tools(_body(tools=[WEATHER], tool_choice="none"), HERMES)
-    assert render_messages(messages.messages, none, HERMES, plain, _text)[0][0]["role"] == "user"  # none: no tools
+    assert render_messages(messages.messages, none, HERMES, plain)[0][0]["role"] == "user"  # none: no tools
 
 
 def test_an_earlier_call_with_unreadable_arguments_is_a_400_naming_it():
     body = _body(messages=[{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}])
     with pytest.raises(APIError, match=r"^messages\[0\]\.tool_calls\[0\]\.function\.arguments: must be a JSON object"):
-        render_messages(body.messages, None, HERMES, _tokenizer("x"), _text)
+        render_messages(body.messages, None, HERMES, _tokenizer("x"))
 
 
 # --------------------------------------------------------------------------- the reader
