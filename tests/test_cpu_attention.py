@@ -306,3 +306,23 @@ def test_bad_options_name_the_field(tiny_models):
         resolve({"model": {"path": path}, "device": {"plugin": "cpu", "pack_weights": "yes"}})
     with pytest.raises(ConfigError, match=r"model\.pack_cpu_weights: unknown key"):  # moved to the cpu platform
         resolve({"model": {"path": path, "pack_cpu_weights": True}})
+
+
+def test_default_kernel_share_follows_the_machine(monkeypatch):
+    """bf16 on AMX-BF16: chunks over 160 tokens go to SDPA (its flash kernel runs on AMX tiles);
+    elsewhere the tiled kernel takes every chunk, or only up to 16 tokens without its tiles."""
+    from modserve.core.contract import AttentionSpec
+    from modserve.plugins.attention import cpu_backend
+
+    def spec(dtype, head_dim=64):
+        return AttentionSpec(9, 3, head_dim, 0.125, dtype, torch.device("cpu"), 16)
+
+    monkeypatch.setattr(cpu_backend.kernel, "tiled", lambda head_dim: head_dim in (64, 128))
+    for flags, dtype, want in [
+        ({"avx512f", "amx_bf16"}, torch.bfloat16, 160),
+        ({"avx512f", "amx_bf16"}, torch.float32, 4096),
+        ({"avx512f", "avx512_bf16"}, torch.bfloat16, 4096),
+    ]:
+        monkeypatch.setattr(cpu_backend, "cpu_model_and_flags", lambda flags=flags: ("cpu", frozenset(flags)))
+        assert cpu_backend.default_max_query_len(spec(dtype)) == want, (flags, dtype)
+    assert cpu_backend.default_max_query_len(spec(torch.bfloat16, head_dim=48)) == 16

@@ -26,6 +26,7 @@ import torch
 from modserve.core.contract import AttentionBackend, AttentionMetadata, AttentionSpec, BuildContext, LayerKVCache, hookimpl
 from modserve.plugins.attention import cpu_kernel_build as kernel
 from modserve.plugins.attention.torch_backend import PrefillChunk, plan_prefills, run_prefills, write_kv
+from modserve.plugins.platforms.cpu import cpu_model_and_flags
 
 MODSERVE_CONTRACT = "2.0"
 
@@ -50,10 +51,12 @@ class _StepState:
 class CpuAttention(AttentionBackend):
     class Config(msgspec.Struct, forbid_unknown_fields=True):
         # Requests scheduled with at most this many tokens in a step use the kernel; longer
-        # prefill chunks use SDPA. Default: every request where the kernel has its tiled
+        # prefill chunks use SDPA. Default: 160 for bfloat16 on a CPU with AMX-BF16 (SDPA's
+        # flash kernel runs its products on AMX tiles and wins above ~160 tokens: 1.36x the
+        # kernel at 256, 2.8x at 1024); else every request where the kernel has its tiled
         # AVX-512 path for the model's head_dim (3.4x SDPA on 256-token chunks in float32,
-        # 5.3x in bfloat16), else 16 (the portable loops lose to SDPA's flash kernel on
-        # long causal blocks).
+        # 5.3x in bfloat16 without AMX), else 16 (the portable loops lose to SDPA's flash
+        # kernel on long causal blocks).
         max_query_len: Annotated[int, msgspec.Meta(ge=1, le=4096)] | None = None
 
     def __init__(self, config: Config, ctx: BuildContext) -> None:
@@ -61,7 +64,7 @@ class CpuAttention(AttentionBackend):
         spec = self.spec
         _check_spec(spec)
         self.gqa = spec.num_heads != spec.num_kv_heads
-        self.max_query_len = config.max_query_len or (4096 if kernel.tiled(spec.head_dim) else 16)
+        self.max_query_len = config.max_query_len or default_max_query_len(spec)
 
     def prepare(self, meta: AttentionMetadata) -> None:
         limit = self.max_query_len
@@ -101,6 +104,18 @@ class CpuAttention(AttentionBackend):
         )  # fmt: skip
         run_prefills(q, k, v, cache, state.prefills, out, self.spec.scale, self.gqa)
         return out
+
+
+AMX_SDPA_FROM = 161  # prefill chunks this long go to SDPA on AMX-BF16 (measured crossover ~160 tokens)
+
+
+def default_max_query_len(spec: AttentionSpec) -> int:
+    """The longest chunk the kernel takes by default, by what the machine computes fastest."""
+    if not kernel.tiled(spec.head_dim):
+        return 16
+    if spec.dtype == torch.bfloat16 and "amx_bf16" in cpu_model_and_flags()[1]:
+        return AMX_SDPA_FROM - 1
+    return 4096
 
 
 def _check_spec(spec: AttentionSpec) -> None:
