@@ -24,7 +24,7 @@ from modserve.core.outputs import CompletionOutput, RequestOutput
 from modserve.server.access_log import record
 from modserve.server.body import decode_body
 from modserve.server.errors import bad_request, from_engine_error
-from modserve.server.generation import Prompt, abort_all, start
+from modserve.server.generation import Prompt, abort_all, finals_or_none, start
 from modserve.server.chat_output import ChoiceReader
 from modserve.server.logprobs import chat_logprobs, prompt_logprob_rows
 from modserve.server.params import fit_to_prompt, sampling_params
@@ -45,12 +45,9 @@ from modserve.server.state import ServerState
 from modserve.server.tool_calls import ToolPlan, plan_tools, render_messages
 from modserve.server.streaming import (
     DONE,
-    ClientDisconnected,
     EventStream,
-    collect,
     iterate,
     sse,
-    unless_disconnected,
 )
 from modserve.core.tokenizer import ChatTemplateError
 
@@ -64,15 +61,10 @@ async def create_chat_completion(request: Request) -> Response:
     view = _View(body, state, response_id, admitted)
     if body.stream:
         return EventStream(view.events(streams[0], request), on_close=lambda: abort_all(streams))
-    try:
-        (final,) = await unless_disconnected(request, collect(streams, state.limits.request_timeout_s))
-    except ClientDisconnected:
+    finals = await finals_or_none(request, state, streams)
+    if finals is None:
         return Response(status_code=499)
-    except Exception as e:
-        raise from_engine_error(e) from None
-    finally:
-        abort_all(streams)
-    completion = view.response(final)
+    completion = view.response(finals[0])
     rec = record(request)
     rec.output_tokens = completion.usage.completion_tokens
     if state.config.log_prompts:

@@ -21,7 +21,7 @@ from modserve.core.outputs import CompletionOutput, RequestOutput
 from modserve.server.access_log import record
 from modserve.server.body import decode_body
 from modserve.server.errors import bad_request, from_engine_error
-from modserve.server.generation import Prompt, abort_all, start
+from modserve.server.generation import Prompt, abort_all, finals_or_none, start
 from modserve.server.logprobs import completion_logprobs, prompt_logprob_rows
 from modserve.server.params import fit_to_prompt, sampling_params
 from modserve.server.protocol import (
@@ -35,12 +35,9 @@ from modserve.server.protocol import (
 from modserve.server.state import ServerState
 from modserve.server.streaming import (
     DONE,
-    ClientDisconnected,
     EventStream,
-    collect,
     iterate,
     sse,
-    unless_disconnected,
 )
 
 
@@ -59,14 +56,9 @@ async def create_completion(request: Request) -> Response:
     view = _View(body, state, response_id, prompts)
     if body.stream:
         return EventStream(view.events(streams, request), on_close=lambda: abort_all(streams))
-    try:
-        finals = await unless_disconnected(request, collect(streams, state.limits.request_timeout_s))
-    except ClientDisconnected:
+    finals = await finals_or_none(request, state, streams)
+    if finals is None:
         return Response(status_code=499)
-    except Exception as e:
-        raise from_engine_error(e) from None
-    finally:
-        abort_all(streams)
     completion = view.response(finals)
     rec = record(request)
     rec.output_tokens = completion.usage.completion_tokens

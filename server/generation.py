@@ -7,11 +7,13 @@ from dataclasses import dataclass
 from starlette.requests import Request
 
 from modserve.core.async_engine import RequestStream
+from modserve.core.outputs import RequestOutput
 from modserve.core.sampling_params import SamplingParams
 from modserve.server.access_log import record
 from modserve.server.errors import bad_request, from_engine_error
 from modserve.server.protocol import SamplingFields
 from modserve.server.state import ServerState
+from modserve.server.streaming import ClientDisconnected, collect, unless_disconnected
 
 
 @dataclass
@@ -75,3 +77,16 @@ def start(
 def abort_all(streams: list[RequestStream]) -> None:
     for s in streams:
         s.abort()
+
+
+async def finals_or_none(request: Request, state: ServerState, streams: list[RequestStream]) -> list[RequestOutput] | None:
+    """Every stream's final output for a non-streamed answer; None when the client left first
+    (the handler answers 499). The streams are aborted either way; an engine failure is its API error."""
+    try:
+        return await unless_disconnected(request, collect(streams, state.limits.request_timeout_s))
+    except ClientDisconnected:
+        return None
+    except Exception as e:
+        raise from_engine_error(e) from None
+    finally:
+        abort_all(streams)

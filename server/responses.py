@@ -27,7 +27,7 @@ from modserve.server.body import decode_body
 from modserve.server.chat import Admitted, admit, readers
 from modserve.server.chat_output import ChoiceReader
 from modserve.server.errors import APIError, bad_request, from_engine_error
-from modserve.server.generation import abort_all
+from modserve.server.generation import abort_all, finals_or_none
 from modserve.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -56,7 +56,7 @@ from modserve.server.responses_protocol import (
     ResponseUsage,
 )
 from modserve.server.state import ServerState
-from modserve.server.streaming import ClientDisconnected, EventStream, collect, iterate, unless_disconnected
+from modserve.server.streaming import EventStream, iterate
 
 # a chat field named in an error -> the Responses field it came from
 _FIELD_NAMES = [
@@ -81,15 +81,10 @@ async def create_response(request: Request) -> Response:
     streams = admitted.streams
     if body.stream:
         return EventStream(view.events(streams[0], request), on_close=lambda: abort_all(streams))
-    try:
-        (final,) = await unless_disconnected(request, collect(streams, state.limits.request_timeout_s))
-    except ClientDisconnected:
+    finals = await finals_or_none(request, state, streams)
+    if finals is None:
         return Response(status_code=499)
-    except Exception as e:
-        raise from_engine_error(e) from None
-    finally:
-        abort_all(streams)
-    response = view.finished(final)
+    response = view.finished(finals[0])
     record(request).output_tokens = response.usage.output_tokens
     return Response(encoder.encode(response), media_type="application/json")
 

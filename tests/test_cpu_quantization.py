@@ -47,7 +47,7 @@ from modserve.plugins.platforms.cpu_quant import (
     quantize_per_channel_int8,
     quantize_rows_int8,
 )
-from tiny_models import build_model, prompts
+from tiny_models import build_model, prompts, teacher_forced
 
 DTYPES = [torch.float32, torch.bfloat16]
 EXACT_TOL = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2}  # of the reference output's largest magnitude
@@ -199,15 +199,6 @@ def _llm(path: str, dtype: str = "float32", **device) -> LLM:
                kv_cache={"plugin": "paged", "num_blocks": 64})
 
 
-def _teacher_forced(llm: LLM, sequences):
-    """Per position of each sequence: (the top-1 token, the logprob of the actual next token)."""
-    outs = llm.generate([{"prompt_token_ids": s} for s in sequences], SamplingParams(max_tokens=1, prompt_logprobs=1))
-    preds = []
-    for seq, out in zip(sequences, outs):
-        for i, lps in enumerate(out.prompt_logprobs):
-            if lps is not None:
-                preds.append((max(lps.values(), key=lambda lp: lp.logprob).token_id, lps[seq[i]].logprob))
-    return preds
 
 
 @pytest.fixture(scope="module")
@@ -221,7 +212,7 @@ def float_reference(calm_llama):
         greedy = ref.generate([{"prompt_token_ids": p} for p in ps], SamplingParams(max_tokens=24, ignore_eos=True, temperature=0))
         sequences = [p + o.outputs[0].token_ids for p, o in zip(ps, greedy)]
         assert len({tuple(o.outputs[0].token_ids) for o in greedy}) == len(ps)  # not a degenerate model
-        out[dtype] = (sequences, _teacher_forced(ref, sequences))
+        out[dtype] = (sequences, teacher_forced(ref, sequences))
     return out
 
 
@@ -237,7 +228,7 @@ def test_engine_stays_within_stated_tolerance_of_the_float_engine(calm_llama, fl
     if scheme == "int4":  # in_features 64 (hidden) takes groups of 64, 128 (intermediate) the asked 128
         assert {m.group_size for m in model.modules() if isinstance(m, kind)} == {64, 128}
     sequences, want = float_reference[dtype]
-    got = _teacher_forced(llm, sequences)
+    got = teacher_forced(llm, sequences)
     assert len(got) == len(want)
     agree = sum(w[0] == g[0] for w, g in zip(want, got)) / len(want)
     moved = [abs(w[1] - g[1]) for w, g in zip(want, got)]
@@ -276,8 +267,8 @@ def test_weight_only_engine_equals_float_engine_on_the_dequantized_weights(calm_
     fake = str(tmp_path / "fake")
     _fake_quantized_checkpoint(path, fake, scheme)
     sequences, _ = float_reference["float32"]
-    want = _teacher_forced(_llm(fake), sequences)
-    got = _teacher_forced(_llm(path, quantization=scheme), sequences)
+    want = teacher_forced(_llm(fake), sequences)
+    got = teacher_forced(_llm(path, quantization=scheme), sequences)
     assert max(abs(w[1] - g[1]) for w, g in zip(want, got)) <= 1e-4
     assert [w[0] for w in want] == [g[0] for g in got]
 

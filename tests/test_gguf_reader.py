@@ -221,15 +221,7 @@ def llama_cpp_permute(weights: torch.Tensor, heads: int) -> torch.Tensor:
 def write_gguf(path, arch: str, model: torch.nn.Module, rope_scaling_factor: float | None = None) -> str:
     """Write `model` as float32 GGUF the way llama.cpp's converter would for `arch`."""
     config = model.config
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer = _shape_writer(path, arch, config)
     writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
     if rope_scaling_factor is not None:
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -246,6 +238,24 @@ def write_gguf(path, arch: str, model: torch.nn.Module, rope_scaling_factor: flo
         elif arch == "llama" and ".k_proj." in name:
             tensor = llama_cpp_permute(tensor, config.num_key_value_heads)
         writer.add_tensor(gguf_tensor_name(name), tensor.numpy())
+    return _finish(writer, path)
+
+
+def _shape_writer(path, arch: str, config) -> gguf.GGUFWriter:
+    """A writer with the model-shape metadata every architecture's file carries."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    return writer
+
+
+def _finish(writer: gguf.GGUFWriter, path) -> str:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -364,15 +374,7 @@ def write_gguf_from_checkpoint(path, gguf_arch: str, ckpt: str, config) -> str:
              "post_feedforward_layernorm": "post_ffw_norm", "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp"}
     if gguf_arch == "olmo2":
         names["post_attention_layernorm"] = "post_attention_norm"
-    writer = gguf.GGUFWriter(str(path), gguf_arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer = _shape_writer(path, gguf_arch, config)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
@@ -402,11 +404,7 @@ def write_gguf_from_checkpoint(path, gguf_arch: str, ckpt: str, config) -> str:
             writer.add_tensor(gguf_tensor_name(name), tensor.numpy())
     for (layer, proj), by_expert in stacked.items():
         writer.add_tensor(f"blk.{layer}.ffn_{proj}_exps.weight", torch.stack([by_expert[e] for e in sorted(by_expert)]).numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return str(path)
+    return _finish(writer, path)
 
 
 @pytest.mark.parametrize("model_type", list(_NEWER))

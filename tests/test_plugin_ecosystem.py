@@ -19,6 +19,7 @@ from plugin_env import install_plugins
 
 from modserve import LLM, SamplingParams
 from modserve import cli
+from tiny_models import teacher_forced
 from modserve.core.config import ConfigError
 from modserve.core.contract import CONTRACT_VERSION, AttentionSpec, Scheduler, hookimpl
 from modserve.core.engine_factory import resolve
@@ -261,16 +262,6 @@ def test_vendor_skeleton_refuses_a_bad_fallback(example_plugins):
 # ----------------------------------------------------------------------------- vendor platform
 
 
-def _next_token_predictions(llm: LLM, sequences):
-    """Teacher-forced: per position of each sequence, (the model's top token, the logprob of the
-    sequence's actual next token)."""
-    outs = llm.generate([{"prompt_token_ids": s} for s in sequences], SamplingParams(max_tokens=1, prompt_logprobs=1))
-    preds = []
-    for seq, out in zip(sequences, outs):
-        for i, lps in enumerate(out.prompt_logprobs):
-            if lps is not None:
-                preds.append((max(lps.values(), key=lambda lp: lp.logprob).token_id, lps[seq[i]].logprob))
-    return preds
 
 
 def test_vendor_platform_runs_int8_linears_within_its_stated_tolerance(example_plugins, llm_with):
@@ -283,7 +274,7 @@ def test_vendor_platform_runs_int8_linears_within_its_stated_tolerance(example_p
     prompts = [[10, 20, 30, 40, 50], [60, 70, 80], list(range(100, 140)), [5] * 12]
     greedy = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0)
     sequences = [p + o.outputs[0].token_ids for p, o in zip(prompts, ref.generate([{"prompt_token_ids": p} for p in prompts], greedy))]
-    want, got = _next_token_predictions(ref, sequences), _next_token_predictions(vendor, sequences)
+    want, got = teacher_forced(ref, sequences), teacher_forced(vendor, sequences)
     agree = sum(w[0] == g[0] for w, g in zip(want, got))
     assert agree >= 0.85 * len(want), f"top token agrees at {agree}/{len(want)} positions"
     assert max(abs(w[1] - g[1]) for w, g in zip(want, got)) <= 0.25

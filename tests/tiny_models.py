@@ -121,3 +121,17 @@ def prompts(vocab: int, count: int = 12, seed: int = 0) -> list[list[int]]:
     """Random token prompts of 1-69 tokens (no special tokens: ids below 3 are left out)."""
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(rng.randrange(1, 70))] for _ in range(count)]
+
+
+def teacher_forced(llm, sequences: list[list[int]]) -> list[tuple[int, float]]:
+    """Per position of each sequence after its first: (the model's likeliest token there, the
+    logprob it gives the sequence's actual token), from one prompt_logprobs pass."""
+    from modserve import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": s} for s in sequences], SamplingParams(max_tokens=1, prompt_logprobs=1))
+    preds = []
+    for seq, out in zip(sequences, outs):
+        for i, lps in enumerate(out.prompt_logprobs):
+            if lps is not None:
+                preds.append((max(lps.values(), key=lambda lp: lp.logprob).token_id, lps[seq[i]].logprob))
+    return preds
