@@ -23,7 +23,7 @@ from modserve.core.async_engine import RequestStream
 from modserve.core.outputs import CompletionOutput, RequestOutput
 from modserve.server.access_log import record
 from modserve.server.body import decode_body
-from modserve.server.errors import bad_request, from_engine_error
+from modserve.server.errors import APIError, bad_request, from_engine_error
 from modserve.server.generation import Prompt, abort_all, finals_or_none, start
 from modserve.server.chat_output import ChoiceReader
 from modserve.server.logprobs import chat_logprobs, prompt_logprob_rows
@@ -96,7 +96,15 @@ async def admit(request: Request, state: ServerState, body: ChatCompletionReques
         logprobs=(body.top_logprobs or 0) if body.logprobs else None, logprobs_param="top_logprobs",
         prompt_logprobs=body.prompt_logprobs, tool_constraint=plan.constraint() if plan is not None else None,
     )
-    params = fit_to_prompt(params, token_ids, state, "messages")
+    try:
+        params = fit_to_prompt(params, token_ids, state, "messages")
+    except APIError as e:
+        if plan is None or plan.constraint() is None or not (e.param or "").startswith("structured_outputs"):
+            raise
+        raise bad_request(  # the grammar came from the tools' schemas, not from a structured_outputs field
+            f"tools: a function's parameters are not a JSON schema this server can decode under: {e.message.split(': ', 1)[-1]}",
+            "tools",
+        ) from None
     streams = start(request, state, response_id, operation, [Prompt(token_ids, None)], [params], body)
     return Admitted(streams, len(token_ids), plan, params.structured_outputs is not None)
 

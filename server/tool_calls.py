@@ -25,7 +25,7 @@ from modserve.core.contract import ToolCall, ToolParser
 from modserve.core.sampling_params import StructuredOutputs
 from modserve.core.tokenizer import TokenizerBundle
 from modserve.server.errors import bad_request
-from modserve.server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
+from modserve.server.protocol import ChatCompletionRequest, ChatMessage
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -89,9 +89,10 @@ def plan_tools(body: ChatCompletionRequest, parser: ToolParser | None) -> ToolPl
         if fn.parameters is not None:
             spec["parameters"] = fn.parameters
         tools.append({"type": "function", "function": spec})
-    mode, name = ("auto", None) if choice is None else (choice, None) if isinstance(choice, str) else ("named", None)
-    if isinstance(choice, NamedToolChoice):
-        name = choice.function.name
+    if choice is None or isinstance(choice, str):
+        mode, name = choice or "auto", None
+    else:
+        mode, name = "named", choice.function.name
         if name not in {t["function"]["name"] for t in tools}:
             raise bad_request(f"tool_choice.function.name: no tool named {name!r} in tools", "tool_choice")
     if mode == "auto":

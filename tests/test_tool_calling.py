@@ -152,6 +152,8 @@ def test_bad_tools_are_400s_naming_the_field(server):
                                                              "function": {"name": "f", "arguments": "nope"}}]}]},
          "messages[0].tool_calls[0].function.arguments"),
         ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+          "tool_choice": "required"}, "tools"),
     ]
     for extra, param in cases:
         r = httpx.post(url, json={**base, **extra})
