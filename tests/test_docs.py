@@ -224,3 +224,19 @@ def test_relative_links_resolve(page):
         if anchor and linked.suffix == ".md":
             headings = re.findall(r"^#+ (.*)$", linked.read_text(encoding="utf-8"), re.M)
             assert anchor in {_slug(h) for h in headings}, f"{page.name} links to missing anchor {file}#{anchor}"
+
+
+def test_pyproject_lists_every_package_folder():
+    """A folder with an ``__init__.py`` that pyproject does not list would be missing from a
+    regular (non-editable) install, though an editable one finds it."""
+    import tomllib
+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
+    listed = set(setuptools["packages"])
+    for package, folder in setuptools["package-dir"].items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            relative = init.parent.relative_to(ROOT / folder).parts
+            if "__pycache__" in relative or "build" in relative:
+                continue
+            name = ".".join((package, *relative))
+            assert name in listed, f"pyproject.toml [tool.setuptools] packages lacks {name!r}"
