@@ -48,12 +48,12 @@ class ChoiceReader:
 
     def feed(self, delta: str, final: bool) -> Delta:
         """Add this step's text; the delta of what can be shown now."""
+        if self.mode == "none" and self.reasoning is None:
+            self.sent_content += delta  # plain text: nothing to parse, nothing else to keep
+            return Delta(content=delta or None)
         self.text += delta
         if self.mode == "named":
             return self._named(delta)
-        if self.mode == "none" and self.reasoning is None:
-            self.sent_content += delta  # plain text: nothing to parse
-            return Delta(content=delta or None)
         reasoning, content = self.reasoning.split(self.text, final) if self.reasoning is not None else ("", self.text)
         parsed = self._calls(content, final)
         new_calls = [ToolCallOut(call_id(), FunctionCall(c.name, c.arguments)) for c in parsed.calls[len(self.calls):]]

@@ -10,7 +10,6 @@ streamed, the Responses event types. Nothing is stored (``store: false``):
 
 from __future__ import annotations
 
-import json
 import re
 import time
 import uuid
@@ -56,6 +55,7 @@ from modserve.server.responses_protocol import (
     ResponseUsage,
 )
 from modserve.server.state import ServerState
+from modserve.server.tool_calls import arguments_object
 from modserve.server.streaming import EventStream, iterate
 
 # a chat field named in an error -> the Responses field it came from
@@ -136,12 +136,7 @@ def _add_item(messages: list[ChatMessage], item: Any, where: str) -> None:
                                     content=_item_text(item.get("content"), f"{where}.content")))
     elif kind == "function_call":
         arguments = _str(item, "arguments", where)
-        try:
-            parsed = json.loads(arguments)
-        except ValueError:
-            parsed = None
-        if not isinstance(parsed, dict):
-            raise bad_request(f"{where}.arguments: must be a JSON object's text", f"{where}.arguments")
+        arguments_object(arguments, f"{where}.arguments")  # named here: chat would name a shifted message
         call = ToolCallIn(id=_str(item, "call_id", where), function=FunctionCallIn(name=_str(item, "name", where), arguments=arguments))
         last = messages[-1] if messages else None
         if last is not None and last.role == "assistant" and last.tool_calls:  # parallel calls: one turn

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from modserve.core.contract import ToolCall, ToolParser
+from modserve.core.contract.parsing import call_json, tools_json
 from modserve.core.sampling_params import StructuredOutputs
 from modserve.core.tokenizer import TokenizerBundle
 from modserve.server.errors import bad_request
@@ -159,22 +160,26 @@ def _text(content: str | list | None, where: str) -> str:
 
 
 def _call(call: Any, where: str) -> tuple[str, dict[str, Any]]:
+    return call.function.name, arguments_object(call.function.arguments, f"{where}.function.arguments")
+
+
+def arguments_object(text: str, where: str) -> dict[str, Any]:
+    """A tool call's arguments (a JSON object's text) as a dict; 400 naming ``where`` otherwise."""
     try:
-        args = json.loads(call.function.arguments)
+        args = json.loads(text)
     except ValueError:
         args = None
     if not isinstance(args, dict):
-        raise bad_request(f"{where}.function.arguments: must be a JSON object's text", f"{where}.function.arguments")
-    return call.function.name, args
+        raise bad_request(f"{where}: must be a JSON object's text", where)
+    return args
 
 
 def _render_calls(calls: list[ToolCall], parser: ToolParser | None) -> str:
     if parser is not None:
         return parser.render_calls(calls)
-    return json.dumps([{"name": c.name, "parameters": json.loads(c.arguments)} for c in calls], ensure_ascii=False)
+    return f"[{', '.join(call_json(c, 'parameters') for c in calls)}]"  # the list `required` decodes
 
 
 def _instructions(tools: list[dict[str, Any]]) -> str:
     """Without a tool parser (only ``required`` and named choices): the functions, described."""
-    listed = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
-    return f"You can call these functions (JSON signatures):\n{listed}"
+    return f"You can call these functions (JSON signatures):\n{tools_json(tools)}"

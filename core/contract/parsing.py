@@ -1,5 +1,5 @@
 """Helpers for parser plugins (tool calls, reasoning) that read a growing output: partial
-markers to hold back, JSON values that may be unfinished, call objects."""
+markers to hold back, JSON values that may be unfinished, call objects read and written."""
 
 from __future__ import annotations
 
@@ -53,3 +53,13 @@ def call_from(obj: Any, arguments_key: str) -> ToolCall | None:
     if not isinstance(args, dict):
         return None
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def call_json(call: ToolCall, arguments_key: str = "arguments") -> str:
+    """A call written back as ``{"name": ..., <arguments_key>: {...}}``."""
+    return json.dumps({"name": call.name, arguments_key: json.loads(call.arguments)}, ensure_ascii=False)
+
+
+def tools_json(tools: list[dict[str, Any]]) -> str:
+    """The tools' function signatures, one JSON object per line (for instructions in a prompt)."""
+    return "\n".join(json.dumps(t.get("function", t), ensure_ascii=False) for t in tools)

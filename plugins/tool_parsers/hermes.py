@@ -11,8 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from modserve.core.contract import ToolCall, ToolParse, ToolParser, hookimpl
-from modserve.core.contract.parsing import call_from, decode_prefix, held
-from modserve.plugins.tool_parsers.json_calls import call_json, tools_json
+from modserve.core.contract.parsing import call_from, call_json, decode_prefix, held, tools_json
 
 MODSERVE_CONTRACT = "2.1"
 
