@@ -91,6 +91,18 @@ def build_model(path: str, arch: str = "llama", seed: int = 0, **overrides):
                                                           "long_factor": [2.0, 3.0, 4.0, 6.0, 8.0, 12.0]},
                                          **overrides})
         cls = transformers.Phi3ForCausalLM
+    elif arch == "gemma2":  # a window of 12 on layer 0, strong soft-caps so that both matter
+        cfg = transformers.Gemma2Config(**{**common, "head_dim": 64, "tie_word_embeddings": False, "sliding_window": 12, "query_pre_attn_scalar": 48,
+                                           "attn_logit_softcapping": 5.0, "final_logit_softcapping": 8.0, **overrides})
+        cls = transformers.Gemma2ForCausalLM
+    elif arch == "gemma3_text":  # two local layers (window 10, RoPE base 10k) and a global one (1M, linear x2)
+        cfg = transformers.Gemma3TextConfig(**{
+            **common, "num_hidden_layers": 3, "head_dim": 64, "tie_word_embeddings": False, "sliding_window": 10, "query_pre_attn_scalar": 48,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+            "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0}},
+            **overrides})
+        cls = transformers.Gemma3ForCausalLM
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
@@ -103,6 +115,8 @@ def build_model(path: str, arch: str = "llama", seed: int = 0, **overrides):
                 p.normal_(0, 0.1) if p.shape[0] != cfg.hidden_size else p.fill_(1.0)
             elif p.dim() == 1 and arch in ("qwen3", "qwen3_moe", "olmo2"):  # the q/k and post norms: not all ones
                 p.uniform_(0.5, 1.5)
+            elif p.dim() == 1 and arch.startswith("gemma"):  # Gemma's norms scale by 1 + weight
+                p.uniform_(-0.5, 0.5)
     model.save_pretrained(path)
     return model.eval()
 

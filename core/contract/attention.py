@@ -26,7 +26,7 @@ class AttentionSpec:
     dtype: torch.dtype
     device: torch.device
     block_size: int  # the KV backend's
-    sliding_window: int | None = None  # attend only to the last N positions (None: all); refuse it if unsupported
+    sliding_window: int | None = None  # the model's window, for information: layers get theirs from ``for_layer``
 
 
 @dataclass
@@ -64,6 +64,11 @@ class AttentionBackend(Plugin):
     Built after the KV backend: ``self.spec`` (``ctx.attention_spec()``) carries its block
     size. Raise ``ValueError`` naming what this backend cannot run (dtype, device, head size,
     a sliding window). Subclasses call ``super().__init__(config, ctx)``.
+
+    Per-layer settings (contract 2.1 addition): a model whose layers differ from the plain
+    causal attention above asks for each such layer's backend with :meth:`for_layer`
+    (a sliding window, logit soft-capping). The default refuses anything but the plain
+    settings, so a backend written before the hook keeps serving every other model.
     """
 
     def __init__(self, config: Any, ctx: BuildContext) -> None:
@@ -72,6 +77,27 @@ class AttentionBackend(Plugin):
 
     def prepare(self, meta: AttentionMetadata) -> None:  # noqa: B027 - optional hook
         """Precompute per-step state (masks, index tensors) into ``meta.backend_state``."""
+
+    def for_layer(self, sliding_window: int | None = None, logit_softcap: float | None = None) -> AttentionBackend:
+        """The backend for one layer with its own settings; called once per layer at model build.
+
+        ``sliding_window``: a query at position ``p`` attends only to positions ``> p - window``
+        (HF's ``kv_idx > q_idx - sliding_window``). ``logit_softcap``: scaled scores ``s``
+        become ``cap * tanh(s / cap)`` before the mask and softmax (Gemma 2). The result
+        shares this backend's per-step state (``prepare`` is still called once, on this
+        object) and its ``forward`` has the same contract. Both None: this backend itself.
+        Default: refuse anything else with a ``ValueError`` naming the backend and the feature.
+        """
+        wanted = [name for name, value in (("a sliding window", sliding_window), ("logit soft-capping", logit_softcap))
+                  if value is not None]
+        if wanted:
+            cls = type(self)
+            raise ValueError(
+                f"attention backend {cls.__name__} ({cls.__module__}) does not support {' and '.join(wanted)} "
+                f"(sliding_window={sliding_window}, logit_softcap={logit_softcap}), which this model needs; "
+                "it has no for_layer(); use `attention: {plugin: torch}` or `cpu` / `triton`"
+            )
+        return self
 
     @abstractmethod
     def forward(

@@ -60,6 +60,6 @@ class BuildContext:
         m = model or self.model
         assert m is not None and self.kv is not None, "attention is built after the model spec and the KV backend"
         return AttentionSpec(
-            m.num_heads // self.shards, m.num_kv_heads // self.shards, m.head_dim, m.head_dim**-0.5,
+            m.num_heads // self.shards, m.num_kv_heads // self.shards, m.head_dim, m.attention_scale or m.head_dim**-0.5,
             self.dtype, self.device, self.kv.block_size, m.sliding_window,
         )

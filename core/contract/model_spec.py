@@ -39,6 +39,16 @@ class ModelSpec:
     bos_token_id: int | None = None
     rotary_dim: int | None = None  # channels of each head that rotate (None: all of head_dim)
     moe: MoESpec | None = None  # a mixture-of-experts MLP (None: dense)
+    # Which layers use ``sliding_window`` (None: all of them, when it is set); Gemma alternates.
+    sliding_window_layers: tuple[int, ...] | None = None
+    attention_scale: float | None = None  # q.k scale (None: head_dim ** -0.5); Gemma's query_pre_attn_scalar ** -0.5
+    attn_logit_softcap: float | None = None  # scores become cap * tanh(s / cap) before softmax (Gemma 2)
+
+    def layer_window(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window, or None for full causal attention."""
+        if self.sliding_window is None:
+            return None
+        return self.sliding_window if self.sliding_window_layers is None or layer in self.sliding_window_layers else None
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelSpec:

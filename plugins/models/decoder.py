@@ -45,9 +45,19 @@ class PreNormLayer(nn.Module):
 
 class DecoderLM(CausalLM):
     """Embedding -> layers -> norm -> LM head. Subclasses pass their layers and may override
-    :meth:`route` for checkpoint names of their own."""
+    :meth:`route` for checkpoint names of their own.
 
-    def __init__(self, spec: ModelSpec, layers: Iterable[nn.Module], max_positions: int, tp=None) -> None:
+    Gemma's switches: ``embed_scale`` multiplies the embeddings (rounded to the model's dtype,
+    as HF does), ``norm_offset`` makes the final norm scale by ``1 + weight``, and
+    ``final_logit_softcap`` caps the logits at ``cap * tanh(logits / cap)``. Each layer whose
+    attention differs from plain causal (``spec.layer_window``, ``spec.attn_logit_softcap``)
+    gets its backend's per-layer view (:meth:`AttentionBackend.for_layer`); a window that
+    covers ``max_positions`` changes nothing and is not asked for."""
+
+    def __init__(
+        self, spec: ModelSpec, layers: Iterable[nn.Module], max_positions: int, tp=None, *,
+        embed_scale: float | None = None, norm_offset: bool = False, final_logit_softcap: float | None = None,
+    ) -> None:
         super().__init__()
         self.spec = spec
         self.tp = tp
@@ -58,7 +68,10 @@ class DecoderLM(CausalLM):
 
             self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp)
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self._per_layer_attention(spec, max_positions)
+        self.embed_scale = embed_scale
+        self.final_logit_softcap = final_logit_softcap
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, norm_offset)
         vocab = spec.vocab_size if tp is None else tp.vocab_shard(spec.vocab_size)
         self.lm_head = nn.Linear(spec.hidden_size, vocab, bias=False)
         if spec.tie_word_embeddings:
@@ -66,6 +79,16 @@ class DecoderLM(CausalLM):
         self.max_positions = max_positions
         self.rotary: RotaryTable | None = None  # built by to_device, never on the meta device
         self._logits = torch.empty(0, 0)  # compute_logits' float32 rows, grown on demand
+
+    def _per_layer_attention(self, spec: ModelSpec, max_positions: int) -> None:
+        for i, layer in enumerate(self.layers):
+            window = spec.layer_window(i)
+            window = window if window is not None and window < max_positions else None
+            if window is None and spec.attn_logit_softcap is None:
+                continue
+            for module in layer.modules():
+                if isinstance(module, Attention):
+                    module.backend = module.backend.for_layer(window, spec.attn_logit_softcap)
 
     def to_device(self, device: torch.device, dtype: torch.dtype) -> DecoderLM:
         self.to(device=device, dtype=dtype)
@@ -77,12 +100,19 @@ class DecoderLM(CausalLM):
         self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerKVCache], meta: AttentionMetadata
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm."""
-        residual = self.embed_tokens(input_ids)  # a fresh tensor: the layers add into it
+        residual = self.embed(input_ids)
         cos, sin = self.rotary.lookup(positions, residual.dtype)
         add = None
         for layer, cache in zip(self.layers, caches):
             add = layer.forward(residual, add, cos, sin, cache, meta)
         return self.norm.forward(residual, add)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings, a fresh tensor (the layers add into it), scaled by ``embed_scale``."""
+        x = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            x.mul_(torch.tensor(self.embed_scale, dtype=x.dtype))
+        return x
 
     def use_cpu_fused_ops(self) -> bool:
         """Run norms, SiLU·mul and RoPE as the fused C++ kernels (:mod:`cpu_fused`) where they
@@ -103,13 +133,18 @@ class DecoderLM(CausalLM):
         vocabulary), and its page faults cost 8.2 ms against 1.9 for the copy at 256 rows."""
         logits = self.lm_head.forward(hidden)
         if self.tp is not None:
-            return self.tp.gather_vocab(logits.float(), self.spec.vocab_size)
-        if logits.dtype == torch.float32:
-            return logits
-        rows, vocab = logits.shape
-        if self._logits.shape[0] < rows or self._logits.shape[1] != vocab:  # the first call, or more rows
-            self._logits = logits.new_empty(rows, vocab, dtype=torch.float32)
-        return self._logits[:rows].copy_(logits)
+            out = self.tp.gather_vocab(logits.float(), self.spec.vocab_size)
+        elif logits.dtype == torch.float32:
+            out = logits
+        else:
+            rows, vocab = logits.shape
+            if self._logits.shape[0] < rows or self._logits.shape[1] != vocab:  # the first call, or more rows
+                self._logits = logits.new_empty(rows, vocab, dtype=torch.float32)
+            out = self._logits[:rows].copy_(logits)
+        if out is not None and self.final_logit_softcap is not None:
+            cap = self.final_logit_softcap
+            out.div_(cap).tanh_().mul_(cap)
+        return out
 
     # ----------------------------------------------------------------- weight loading
 

@@ -27,22 +27,26 @@ class RMSNorm(nn.Module):
 
     Called on the residual stream with the previous sublayer's output as ``add``, it first
     adds it in place (``residual += add``), so the add and the norm can run as one kernel.
+    ``unit_offset`` (Gemma): scale by ``1 + weight`` in float32, then cast back (never fused).
     """
 
     fused = False  # set by DecoderLM.use_cpu_fused_ops
 
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def forward(self, residual: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
-        if self.fused:
+        if self.fused and not self.unit_offset:
             return cpu_fused.add_rms_norm(residual, add, self.weight, self.eps)
         if add is not None:
             residual.add_(add)
         xf = residual.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (xf * (1.0 + self.weight.float())).to(residual.dtype)
         return self.weight * xf.to(residual.dtype)
 
 
@@ -51,10 +55,13 @@ class Attention(nn.Module):
 
     ``qk_norm``: RMSNorm of q and k before RoPE, per head (``"head"``, Qwen3) or over the
     whole projection (``"full"``, OLMo 2). ``spec.rotary_dim`` below ``head_dim``: only the
-    first ``rotary_dim`` channels of each head rotate (Phi-4-mini)."""
+    first ``rotary_dim`` channels of each head rotate (Phi-4-mini); ``norm_offset``: the q/k
+    norms scale by ``1 + weight`` (Gemma 3). ``backend`` may be replaced by its per-layer view
+    (:meth:`AttentionBackend.for_layer`) when the model is assembled (:class:`DecoderLM`)."""
 
     def __init__(
-        self, spec: ModelSpec, backend: AttentionBackend, tp=None, qk_norm: Literal["head", "full"] | None = None
+        self, spec: ModelSpec, backend: AttentionBackend, tp=None, qk_norm: Literal["head", "full"] | None = None,
+        norm_offset: bool = False,
     ) -> None:
         super().__init__()
         n = tp.world_size if tp is not None else 1
@@ -68,8 +75,8 @@ class Attention(nn.Module):
         self.qk_norm = qk_norm
         if qk_norm is not None:
             q_width, k_width = (spec.head_dim, spec.head_dim) if qk_norm == "head" else (q_size, kv_size)
-            self.q_norm = RMSNorm(q_width, spec.rms_norm_eps)
-            self.k_norm = RMSNorm(k_width, spec.rms_norm_eps)
+            self.q_norm = RMSNorm(q_width, spec.rms_norm_eps, norm_offset)
+            self.k_norm = RMSNorm(k_width, spec.rms_norm_eps, norm_offset)
         self.backend = backend
         self.fused = False  # set by DecoderLM.use_cpu_fused_ops
 
@@ -110,8 +117,11 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: i
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec, tp=None) -> None:
+    """``down(act(gate(x)) * up(x))``; ``activation`` ``"silu"`` (SwiGLU) or ``"gelu_tanh"`` (GeGLU, Gemma)."""
+
+    def __init__(self, spec: ModelSpec, tp=None, activation: Literal["silu", "gelu_tanh"] = "silu") -> None:
         super().__init__()
+        self.activation = activation
         self.intermediate = spec.intermediate_size // (tp.world_size if tp is not None else 1)
         self.tp = tp
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * self.intermediate, bias=False)
@@ -120,11 +130,12 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj.forward(x)
-        if self.fused:
+        if self.fused and self.activation == "silu":
             out = self.down_proj.forward(cpu_fused.silu_mul(gate_up))
         else:
             gate, up = gate_up.split(self.intermediate, dim=-1)
-            out = self.down_proj.forward(F.silu(gate) * up)
+            act = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
+            out = self.down_proj.forward(act * up)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
