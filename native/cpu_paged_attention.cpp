@@ -12,6 +12,11 @@
 // rows, speculative verify rows and chunks with cached context all use the same loop.
 // Those are the portable loops; with AVX-512 (head_dim 64 or 128) decode rows and tiles of
 // consecutive rows take the paths further down (docs/cpu_attention.md).
+//
+// Per layer (Gemma, Mistral): a sliding window `window` > 0 limits the token at position p to
+// positions > p - window (the loops start at the window's first chunk and mask the rest), and
+// `softcap` > 0 turns each scaled score s into softcap * tanh(s / softcap) before the mask and
+// the softmax. The bfloat16-dot variants take neither: such layers use the float32 paths.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -36,6 +41,12 @@ constexpr int kRowGroup = 8;  // row-heads whose scores are computed together, s
 inline float load(const float* p, int i) { return p[i]; }
 inline float load(const uint16_t* p, int i) { return modserve::bf16_to_float(p[i]); }
 inline float load(const int8_t* p, int i) { return static_cast<float>(p[i]); }
+
+// Logit soft-capping of a scaled score (Gemma 2): cap * tanh(s / cap).
+inline float cap_score(float s, float cap) { return cap * std::tanh(s / cap); }
+
+// The first position a query at `pos` sees: pos - window + 1 within a window, else 0.
+inline int window_start(int32_t pos, int window) { return window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0; }
 
 // Where a step's query rows come from and its outputs go: [tokens, H, D] in the model's
 // dtype (float32 or bfloat16), any stride between tokens (q is a view into the qkv rows).
@@ -129,7 +140,8 @@ inline void accumulate_rows(float* acc, const float* p, const T* v, int64_t row_
 // once, while they are in cache, for all of their query heads.
 template <typename T, int FixedD>
 void attend(const QIO& io, int64_t token, const T* kc, const T* vc, const float* ks, const float* vs,
-            const int32_t* table, int32_t pos, int KVH, int G, int D_, int bs, float scale, int h0, int h1) {
+            const int32_t* table, int32_t pos, int KVH, int G, int D_, int bs, float scale, int h0, int h1,
+            int window, float softcap) {
     const int D = FixedD > 0 ? FixedD : D_;
     const int nh = (h1 - h0) * G;  // query heads served: h0 * G ..
     const int64_t row_stride = static_cast<int64_t>(KVH) * D;  // one token's K (or V) in a block
@@ -143,8 +155,10 @@ void attend(const QIO& io, int64_t token, const T* kc, const T* vc, const float*
     float* l = m + nh;  // [nh] running sum of weights
     start_heads(io, token, h0 * G, nh, D, scale, qs, acc, m, l);
     const int n_tokens = pos + 1;
-    for (int start = 0; start < n_tokens; start += bs) {
+    const int lo = window_start(pos, window);
+    for (int start = lo / bs * bs; start < n_tokens; start += bs) {
         const int n = n_tokens - start < bs ? n_tokens - start : bs;
+        const int t0 = lo > start ? lo - start : 0;  // keys before the window in this block
         const int64_t block = table[start / bs];
         const T* kb = kc + block * block_stride;
         const T* vb = vc + block * block_stride;
@@ -164,12 +178,16 @@ void attend(const QIO& io, int64_t token, const T* kc, const T* vc, const float*
                 if (ksb) {
                     for (int u = 0; u < n; ++u) sg[u] *= ksb[u * KVH + h];
                 }
+                if (softcap > 0.f) {
+                    for (int u = 0; u < n; ++u) sg[u] = cap_score(sg[u], softcap);
+                }
+                for (int u = 0; u < t0; ++u) sg[u] = -INFINITY;
             }
         }
         for (int i = 0; i < nh; ++i) {
             float* si = s + i * bs;
             float bmax = m[i];
-            for (int t = 0; t < n; ++t) bmax = si[t] > bmax ? si[t] : bmax;
+            for (int t = t0; t < n; ++t) bmax = si[t] > bmax ? si[t] : bmax;
             const float correction = exp_nonpositive(m[i] - bmax);  // ~0 on the first block (m = -inf)
             l[i] *= correction;
             for (int d = 0; d < D; ++d) acc[i * D + d] *= correction;
@@ -180,6 +198,7 @@ void attend(const QIO& io, int64_t token, const T* kc, const T* vc, const float*
                 si[t] = exp_nonpositive(si[t] - bmax);
                 sum += si[t];
             }
+            for (int t = 0; t < t0; ++t) sum -= si[t], si[t] = 0.f;  // outside the window
             l[i] += sum;
         }
         for (int h = h0; h < h1; ++h) {
@@ -204,6 +223,14 @@ void attend(const QIO& io, int64_t token, const T* kc, const T* vc, const float*
 // (transpose_sum16's first step), so few vectors stay live and the chunk runs in
 // registers; the loop of runtime length n kept all 16 on the stack (the bf16 decode path
 // 1.09x, 256 rows x 350 tokens from memory; 1.2x from L3).
+// cap_score() on 16 scores.
+inline __m512 cap_scores16(__m512 s, float cap) {
+    alignas(64) float x[16];
+    _mm512_store_ps(x, s);
+    for (float& v : x) v = cap_score(v, cap);
+    return _mm512_load_ps(x);
+}
+
 template <typename Dot>
 inline __m512 chunk_scores(int n, const Dot& dot) {
     if (n == 16) {
@@ -226,7 +253,8 @@ inline __m512 chunk_scores(int n, const Dot& dot) {
 // serves a bfloat16 model's rows over a bfloat16 cache.)
 template <typename T, int D>
 void attend_avx512(const QIO& io, int64_t token, const T* kc, const T* vc, const float* ks, const float* vs,
-                   const int32_t* table, int32_t pos, int KVH, int G, int bs, float scale, int h0, int h1) {
+                   const int32_t* table, int32_t pos, int KVH, int G, int bs, float scale, int h0, int h1,
+                   int window, float softcap) {
     using modserve::exp512_nonpositive;
     using modserve::load16;
     constexpr int NV = D / 16;  // vectors per row
@@ -245,7 +273,8 @@ void attend_avx512(const QIO& io, int64_t token, const T* kc, const T* vc, const
     start_heads(io, token, h0 * G, nh, D, scale, qs, acc, m, l);
     const int n_tokens = pos + 1;
     const int chunk = bs < 16 ? bs : 16;  // block sizes are powers of two: a chunk never crosses a block
-    for (int start = 0; start < n_tokens; start += chunk) {
+    const int lo = window_start(pos, window);
+    for (int start = lo / chunk * chunk; start < n_tokens; start += chunk) {
         const int in_block = start % bs;
         const int n = n_tokens - start < chunk ? n_tokens - start : chunk;
         const int64_t block = table[start / bs];
@@ -253,7 +282,8 @@ void attend_avx512(const QIO& io, int64_t token, const T* kc, const T* vc, const
         const T* vb = vc + block * block_stride + static_cast<int64_t>(in_block) * row_stride;
         const float* ksb = ks ? ks + (block * bs + in_block) * KVH : nullptr;
         const float* vsb = vs ? vs + (block * bs + in_block) * KVH : nullptr;
-        const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
+        // keys that exist (t < n) and are in the window (start + t >= lo)
+        const __mmask16 valid = static_cast<__mmask16>(((1u << n) - 1u) & ~((1u << (lo > start ? lo - start : 0)) - 1u));
         if constexpr (!std::is_same_v<T, float>) {  // widen the item's heads of each row in one sweep
             for (int t = 0; t < n; ++t) {
                 for (int j = 0; j < heads * NV; ++j) {
@@ -287,6 +317,7 @@ void attend_avx512(const QIO& io, int64_t token, const T* kc, const T* vc, const
                     return s;
                 });
                 scores = _mm512_mul_ps(scores, kscale);
+                if (softcap > 0.f) scores = cap_scores16(scores, softcap);
                 scores = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), scores);
                 const float bmax = std::fmax(m[i], _mm512_reduce_max_ps(scores));
                 const float correction = exp_nonpositive(m[i] - bmax);  // ~0 on the first chunk (m = -inf)
@@ -496,19 +527,23 @@ void attend_bf16dot(const QIO& io, int64_t token, const uint16_t* kc, const uint
 // advanced over them (rows that see no key here keep theirs), `corr` the rescale of what
 // was accumulated under the old max (~0 on the first chunk).
 inline void tile_scores_by_key(const float* scores, const int32_t* rpos, const float* m, int start, int n, __m512* st,
-                               __mmask16* valid, __m512& m_new, __m512& corr) {
+                               __mmask16* valid, __m512& m_new, __m512& corr, int window = 0) {
     for (int r = 0; r < 16; ++r) st[r] = _mm512_load_ps(scores + r * 16);
     modserve::transpose16x16(st);
     const __m512i pos = _mm512_loadu_si512(rpos);
     __m512 rowmax = _mm512_set1_ps(-INFINITY);
     for (int t = 0; t < 16; ++t) {
         valid[t] = t < n ? _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(start + t)) : 0;
+        if (window > 0) valid[t] &= _mm512_cmplt_epi32_mask(pos, _mm512_set1_epi32(start + t + window));  // in the window
         st[t] = _mm512_mask_blend_ps(valid[t], _mm512_set1_ps(-INFINITY), st[t]);
         rowmax = _mm512_max_ps(rowmax, st[t]);
     }
     const __m512 m_old = _mm512_load_ps(m);
     m_new = _mm512_max_ps(m_old, rowmax);
     corr = modserve::exp512_nonpositive(_mm512_sub_ps(m_old, m_new));
+    if (window > 0) {  // a row that has seen no key yet (its window starts later): nothing to rescale, not NaN
+        corr = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m_new, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ), corr, _mm512_set1_ps(1.f));
+    }
 }
 
 // Causal attention for a tile: up to kTileRows consecutive query rows of one sequence
@@ -520,7 +555,7 @@ inline void tile_scores_by_key(const float* scores, const int32_t* rpos, const f
 // of the row positions, the maxima, exps and sums are lane-wise: no scalar chains).
 template <typename T, int D>
 void attend_tile_avx512(const QIO& io, const int64_t* rows, int n_rows, int32_t first_pos, const T* kc, const T* vc, const float* ks, const float* vs,
-                        const int32_t* table, int KVH, int G, int bs, float scale, int h) {
+                        const int32_t* table, int KVH, int G, int bs, float scale, int h, int window, float softcap) {
     using modserve::exp512_nonpositive;
     using modserve::load16;
     constexpr int NV = D / 16;
@@ -550,7 +585,7 @@ void attend_tile_avx512(const QIO& io, const int64_t* rows, int n_rows, int32_t 
     }
     const int n_keys = first_pos + n_rows;  // the last row sees keys 0 .. first_pos + n_rows - 1
     const int chunk = bs < 16 ? bs : 16;
-    for (int start = 0; start < n_keys; start += chunk) {
+    for (int start = window_start(first_pos, window) / chunk * chunk; start < n_keys; start += chunk) {
         const int n = n_keys - start < chunk ? n_keys - start : chunk;
         const int64_t block = table[start / bs];
         const int64_t offset = block * block_stride + static_cast<int64_t>(start % bs) * row_stride + h * D;
@@ -579,14 +614,18 @@ void attend_tile_avx512(const QIO& io, const int64_t* rows, int n_rows, int32_t 
                 const __m512 kd = _mm512_load_ps(kt + d * 16);
                 for (int r = 0; r < kRowGroup; ++r) s[r] = _mm512_fmadd_ps(_mm512_set1_ps(qs[(g0 + r) * D + d]), kd, s[r]);
             }
-            for (int r = 0; r < kRowGroup; ++r) _mm512_store_ps(sbuf + (g0 + r) * 16, _mm512_mul_ps(s[r], kscale));
+            for (int r = 0; r < kRowGroup; ++r) {
+                __m512 sr = _mm512_mul_ps(s[r], kscale);
+                if (softcap > 0.f) sr = cap_scores16(sr, softcap);
+                _mm512_store_ps(sbuf + (g0 + r) * 16, sr);
+            }
         }
         alignas(64) float vs16[16];
         _mm512_store_ps(vs16, vscale);
         for (int g0 = 0; g0 < R_pad; g0 += 16) {  // online softmax, 16 row-heads a vector
             __m512 st[16], m_new, corr;
             __mmask16 valid[16];
-            tile_scores_by_key(sbuf + g0 * 16, rpos + g0, m + g0, start, n, st, valid, m_new, corr);
+            tile_scores_by_key(sbuf + g0 * 16, rpos + g0, m + g0, start, n, st, valid, m_new, corr, window);
             __m512 sum = _mm512_setzero_ps();
             float* pt = ptile + g0 * 16;
             for (int t = 0; t < 16; ++t) {
@@ -760,8 +799,10 @@ struct Item {
 template <typename T, int FixedD>
 void run(const QIO& io, const void* k_cache, const void* v_cache, const float* k_scale, const float* v_scale,
          const int32_t* block_tables, int table_width, const int64_t* rows, const int32_t* row_seq,
-         const int32_t* row_pos, int n_rows, int H, int KVH, int D, int bs, float scale, int threads) {
+         const int32_t* row_pos, int n_rows, int H, int KVH, int D, int bs, float scale, int threads, int window,
+         float softcap) {
     const T* kc = static_cast<const T*>(k_cache);
+    const bool plain = window <= 0 && softcap <= 0.f;  // the bfloat16-dot variants serve plain layers only
     const T* vc = static_cast<const T*>(v_cache);
     bool tiled = false;
 #if defined(__AVX512F__)
@@ -796,7 +837,7 @@ void run(const QIO& io, const void* k_cache, const void* v_cache, const float* k
             if (it.count > 1) {
 #if defined(__AVX512BF16__)
                 if constexpr (std::is_same_v<T, uint16_t>) {
-                    if (io.bf16) {
+                    if (io.bf16 && plain) {
                         attend_tile_bf16dot<FixedD>(io, rows + i, it.count, row_pos[i], kc, vc, table, KVH, H / KVH, bs,
                                                     scale, it.h0);
                         continue;
@@ -804,11 +845,11 @@ void run(const QIO& io, const void* k_cache, const void* v_cache, const float* k
                 }
 #endif
                 attend_tile_avx512<T, FixedD>(io, rows + i, it.count, row_pos[i], kc, vc, k_scale, v_scale, table, KVH,
-                                              H / KVH, bs, scale, it.h0);
+                                              H / KVH, bs, scale, it.h0, window, softcap);
             } else {
 #if defined(__AVX512BF16__)
                 if constexpr (std::is_same_v<T, uint16_t>) {
-                    if (io.bf16 && bs >= 2) {
+                    if (io.bf16 && bs >= 2 && plain) {
                         attend_bf16dot<FixedD>(io, rows[i], kc, vc, table, row_pos[i], KVH, H / KVH, bs, scale, it.h0,
                                                it.h1);
                         continue;
@@ -816,13 +857,13 @@ void run(const QIO& io, const void* k_cache, const void* v_cache, const float* k
                 }
 #endif
                 attend_avx512<T, FixedD>(io, rows[i], kc, vc, k_scale, v_scale, table, row_pos[i], KVH, H / KVH, bs,
-                                         scale, it.h0, it.h1);
+                                         scale, it.h0, it.h1, window, softcap);
             }
             continue;
         }
 #endif
         attend<T, FixedD>(io, rows[i], kc, vc, k_scale, v_scale, table, row_pos[i], KVH, H / KVH, D, bs, scale,
-                          it.h0, it.h1);
+                          it.h0, it.h1, window, softcap);
     }
 }
 
@@ -847,10 +888,10 @@ template <typename T>
 int dispatch_head_dim(const QIO& io, const void* k_cache, const void* v_cache, const float* k_scale,
                       const float* v_scale, const int32_t* block_tables, int table_width, const int64_t* rows,
                       const int32_t* row_seq, const int32_t* row_pos, int n_rows, int H, int KVH, int D, int bs,
-                      float scale, int threads) {
+                      float scale, int threads, int window, float softcap) {
     auto go = [&](auto fixed) {
         run<T, decltype(fixed)::value>(io, k_cache, v_cache, k_scale, v_scale, block_tables, table_width, rows, row_seq,
-                                       row_pos, n_rows, H, KVH, D, bs, scale, threads);
+                                       row_pos, n_rows, H, KVH, D, bs, scale, threads, window, softcap);
     };
     if (D == 64) go(std::integral_constant<int, 64>{});
     else if (D == 128) go(std::integral_constant<int, 128>{});
@@ -883,13 +924,15 @@ int modserve_tiled(int D) {
 // out_stride elements between tokens; only the token rows listed in `rows` are read and
 // written. A bfloat16 q over a bfloat16 cache lets decode rows use bfloat16 dot products
 // (P.V then uses the weights rounded to bfloat16). k_new / v_new: n_new rows [KVH, D] in
-// the cache's dtype (not int8), written to their `slots` before any row attends.
+// the cache's dtype (not int8), written to their `slots` before any row attends. window > 0:
+// a row at position p sees positions > p - window only; softcap > 0: scores capped at
+// softcap * tanh(s / softcap) (0 for either: plain causal attention).
 int modserve_paged_attention(int dtype, int io_bf16, const void* q, int64_t q_stride, void* out, int64_t out_stride,
                              void* k_cache, void* v_cache, const float* k_scale, const float* v_scale,
                              const void* k_new, const void* v_new, int64_t k_new_stride, int64_t v_new_stride,
                              const int64_t* slots, int n_new, const int32_t* block_tables, int table_width,
                              const int64_t* rows, const int32_t* row_seq, const int32_t* row_pos, int n_rows, int H,
-                             int KVH, int D, int bs, float scale, int threads) {
+                             int KVH, int D, int bs, float scale, int threads, int window, float softcap) {
     if (H % KVH || H / KVH > kMaxGroup || D > kMaxHeadDim || bs > kMaxBlock) return 1;
     if (n_new > 0 && (dtype == 2 || !k_new || !v_new || !slots)) return 4;
     const QIO io{q, out, q_stride, out_stride, io_bf16 != 0};
@@ -899,16 +942,16 @@ int modserve_paged_attention(int dtype, int io_bf16, const void* q, int64_t q_st
             write_new_rows<float>(k_cache, v_cache, k_new, v_new, k_new_stride, v_new_stride, slots, n_new, row_elems,
                                   threads);
             return dispatch_head_dim<float>(io, k_cache, v_cache, nullptr, nullptr, block_tables, table_width, rows,
-                                            row_seq, row_pos, n_rows, H, KVH, D, bs, scale, threads);
+                                            row_seq, row_pos, n_rows, H, KVH, D, bs, scale, threads, window, softcap);
         case 1:
             write_new_rows<uint16_t>(k_cache, v_cache, k_new, v_new, k_new_stride, v_new_stride, slots, n_new,
                                      row_elems, threads);
             return dispatch_head_dim<uint16_t>(io, k_cache, v_cache, nullptr, nullptr, block_tables, table_width, rows,
-                                               row_seq, row_pos, n_rows, H, KVH, D, bs, scale, threads);
+                                               row_seq, row_pos, n_rows, H, KVH, D, bs, scale, threads, window, softcap);
         case 2:
             if (!k_scale || !v_scale) return 2;
             return dispatch_head_dim<int8_t>(io, k_cache, v_cache, k_scale, v_scale, block_tables, table_width, rows,
-                                             row_seq, row_pos, n_rows, H, KVH, D, bs, scale, threads);
+                                             row_seq, row_pos, n_rows, H, KVH, D, bs, scale, threads, window, softcap);
     }
     return 3;
 }

@@ -10,6 +10,10 @@ tiles, which beats SDPA's flash kernel on prefill chunks too, so by default ever
 goes there; without, chunks longer than 16 tokens keep the ``torch`` path (SDPA).
 Float32 and bfloat16 caches and the int8 cache are read directly.
 
+Per layer (:meth:`for_layer`) the kernel takes a sliding window and logit soft-capping;
+chunks left to SDPA get the window as a mask and soft-capping as the ``torch`` backend's
+masked matmul.
+
 The kernel is compiled with the machine's C++ compiler on first use (about a second,
 then cached); without one the backend refuses to start and says so, and
 ``attention: {plugin: auto}`` falls back to ``torch``.
@@ -25,7 +29,7 @@ import torch
 
 from modserve.core.contract import AttentionBackend, AttentionMetadata, AttentionSpec, BuildContext, LayerKVCache, hookimpl
 from modserve.plugins.attention import cpu_kernel_build as kernel
-from modserve.plugins.attention.torch_backend import PrefillChunk, plan_prefills, run_prefills, write_kv
+from modserve.plugins.attention.torch_backend import PrefillChunk, layer_view, plan_prefills, run_prefills, write_kv
 from modserve.plugins.platforms.cpu import cpu_model_and_flags
 
 MODSERVE_CONTRACT = "2.0"
@@ -59,12 +63,18 @@ class CpuAttention(AttentionBackend):
         # kernel on long causal blocks).
         max_query_len: Annotated[int, msgspec.Meta(ge=1, le=4096)] | None = None
 
+    window: int | None = None  # this layer's sliding window (set by for_layer)
+    softcap: float | None = None  # this layer's logit soft-cap
+
     def __init__(self, config: Config, ctx: BuildContext) -> None:
         super().__init__(config, ctx)
         spec = self.spec
         _check_spec(spec)
         self.gqa = spec.num_heads != spec.num_kv_heads
         self.max_query_len = config.max_query_len or default_max_query_len(spec)
+
+    def for_layer(self, sliding_window: int | None = None, logit_softcap: float | None = None) -> CpuAttention:
+        return layer_view(self, sliding_window, logit_softcap)
 
     def prepare(self, meta: AttentionMetadata) -> None:
         limit = self.max_query_len
@@ -100,9 +110,9 @@ class CpuAttention(AttentionBackend):
         r = state.kernel or _NO_ROWS
         kernel.paged_attention(
             q, out, cache.k, cache.v, cache.k_scale, cache.v_scale, state.block_tables, r.rows, r.seq, r.pos,
-            self.spec.scale, new_kv=new_kv,
+            self.spec.scale, new_kv=new_kv, window=self.window, softcap=self.softcap,
         )  # fmt: skip
-        run_prefills(q, k, v, cache, state.prefills, out, self.spec.scale, self.gqa)
+        run_prefills(q, k, v, cache, state.prefills, out, self.spec.scale, self.gqa, self.window, self.softcap)
         return out
 
 

@@ -27,6 +27,7 @@ def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
         ptr, ptr, i64, i64, ptr, i32,  # k_new, v_new, their token strides, slots, n_new
         ptr, i32, ptr, ptr, ptr, i32,  # block_tables, width, rows, row_seq, row_pos, n_rows
         i32, i32, i32, i32, ctypes.c_float, i32,  # H, KVH, D, bs, scale, threads
+        i32, ctypes.c_float,  # window (0: none), softcap (0: none)
     ]
     lib.modserve_limits.argtypes = [ctypes.POINTER(ctypes.c_int)] * 3
     lib.modserve_tiled.argtypes = [i32]
@@ -61,6 +62,8 @@ def paged_attention(
     scale: float,
     lib: ctypes.CDLL | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """``out[rows] = attention(q[rows])`` over the paged cache, after writing ``new_kv``.
 
@@ -71,7 +74,9 @@ def paged_attention(
     ``block_tables``, int32 contiguous) and position (it sees cache positions ``0..pos``).
     ``new_kv``: ``(k, v, slots)``, the step's K/V rows ``[N, KVH, D]`` in the cache's dtype
     (not int8: quantize first) and their int64 slots, written before any row attends.
-    ``lib``: a variant build from :func:`load` (default: the standard one)."""
+    ``lib``: a variant build from :func:`load` (default: the standard one). ``window``: a row
+    at ``pos`` sees positions ``> pos - window`` only; ``softcap``: scaled scores become
+    ``softcap * tanh(s / softcap)`` (a layer's settings, see ``AttentionBackend.for_layer``)."""
     _, H, D = q.shape
     _, bs, KVH, _ = k_cache.shape
     if q.dtype != out.dtype or q.dtype not in (torch.float32, torch.bfloat16):
@@ -101,7 +106,7 @@ def paged_attention(
         k_stride, v_stride, slots.data_ptr() if slots is not None else None, n_new,
         block_tables.data_ptr(), block_tables.shape[1],
         rows.data_ptr(), row_seq.data_ptr(), row_pos.data_ptr(), rows.numel(),
-        H, KVH, D, bs, scale, torch.get_num_threads(),
+        H, KVH, D, bs, scale, torch.get_num_threads(), window or 0, softcap or 0.0,
     )  # fmt: skip
     if code:
         raise ValueError(f"cpu paged attention: unsupported shape or dtype (code {code})")
