@@ -1,8 +1,12 @@
 """The architectures beyond the Llama family, token for token against HF ``transformers`` on
 tiny random checkpoints: Qwen3 (per-head q/k norm), Qwen3-MoE (experts, a dense layer),
 Mixtral (experts), OLMo 2 (post-norms, full-width q/k norm) and Phi-3 (fused checkpoint
-projections, LongRoPE, partial rotary). Each serves a batch, chunked prefills, prefix-cache
-hits and preemption with HF's greedy tokens, and its logits within float32 rounding."""
+projections, LongRoPE, partial rotary), Gemma 2 (a sliding window on alternate layers,
+attention and final logit soft-capping, sandwich norms, GeGLU, scaled embeddings) and
+Gemma 3 text (q/k norms, local and global layers with their own RoPE bases). Each serves a
+batch, chunked prefills, prefix-cache hits and preemption with HF's greedy tokens, and its
+logits within float32 rounding; the Gemmas, with prompts longer than their windows, on the
+``torch`` and ``cpu`` backends (the C++ kernel, and SDPA for the prefill chunks)."""
 
 from __future__ import annotations
 
@@ -16,7 +20,10 @@ from modserve.core.models.rope import RotaryTable
 from modserve.plugins.models.moe import SparseMoE
 from tiny_models import build_model, hf_greedy, prompts
 
-ARCHS = ["qwen3", "qwen3_moe", "mixtral", "olmo2", "phi3"]
+ARCHS = ["qwen3", "qwen3_moe", "mixtral", "olmo2", "phi3", "gemma2", "gemma3_text"]
+GEMMAS = ["gemma2", "gemma3_text"]
+# the C++ kernel for every row; the kernel for decode rows and SDPA (masked matmul when capped) for prefill chunks
+BACKENDS = {"torch": {"plugin": "torch"}, "cpu": {"plugin": "cpu"}, "cpu+sdpa": {"plugin": "cpu", "max_query_len": 1}}
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
@@ -149,7 +156,7 @@ def test_modserve_models_lists_architectures_formats_and_quantization(capsys):
     assert main(["models", "--json"]) == 0
     listing = json.loads(capsys.readouterr().out)
     served = {t for a in listing["architectures"] for t in a["model_types"]}
-    assert {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "olmo2", "phi3"} <= served
+    assert {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "olmo2", "phi3", "gemma2", "gemma3_text"} <= served
     assert any("GGUF" in f for f in listing["formats"])
     assert listing["quantization"]["cpu"] == "'none' | 'int8' | 'w8a8' | 'int4'"
 
@@ -160,7 +167,8 @@ def test_unsupported_architectures_and_pre_quantized_checkpoints_are_refused_by_
 
     path, _ = models("qwen3")
     for name, change, message in [
-        ("gemma", {"model_type": "gemma2"}, "unsupported model_type 'gemma2'; supported: llama, mistral, qwen2, qwen3"),
+        ("falcon", {"model_type": "falcon"}, "unsupported model_type 'falcon'; supported: llama, mistral, qwen2, qwen3"),
+        ("gemma3", {"model_type": "gemma3"}, "multimodal gemma3 checkpoints (a vision tower and a text_config) are not supported"),
         ("awq", {"quantization_config": {"quant_method": "awq", "bits": 4}}, "pre-quantized checkpoints (awq) are not supported"),
     ]:
         copy = tmp_path / name
@@ -169,3 +177,106 @@ def test_unsupported_architectures_and_pre_quantized_checkpoints_are_refused_by_
         (copy / "config.json").write_text(json.dumps({**config, **change}))
         with pytest.raises(ValueError, match=re.escape(message)):
             LLM(model=str(copy), kv_cache={"plugin": "paged", "num_blocks": 64})
+
+
+# ----------------------------------------------------------------------------- sliding windows, soft-capping
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("arch", GEMMAS)
+def test_gemma_batch_chunks_prefix_hits_and_preemption_match_hf_on_each_backend(models, arch, backend):
+    """Prompts of up to 69 tokens against windows of 12 (Gemma 2) and 10 (Gemma 3): a mixed
+    batch, then 16-token steps (chunks that start inside and beyond the window), a 48-token
+    prefix served from the cache, and preemption."""
+    path, hf = models(arch)
+    ps = prompts(hf.config.vocab_size, count=8, seed=4)
+    want = [hf_greedy(hf, p, 16) for p in ps]
+    assert max(map(len, ps)) > 2 * hf.config.sliding_window
+    llm = LLM(model=path, attention=BACKENDS[backend], kv_cache={"plugin": "paged", "block_size": 16, "num_blocks": 128})
+    assert [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY)] == want
+
+    llm = LLM(model={"path": path, "max_model_len": 160}, attention=BACKENDS[backend],
+              kv_cache={"plugin": "paged", "block_size": 16, "num_blocks": 12, "prefix_caching": True},
+              scheduler={"plugin": "fcfs", "max_num_batched_tokens": 16, "max_num_seqs": 6})
+    shared = list(range(20, 68))
+    ps = [shared + [100 + i, 101 + i] for i in range(3)] + prompts(hf.config.vocab_size, count=3, seed=9)
+    want = [hf_greedy(hf, p, 16) for p in ps]
+    first = llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY)
+    hits = llm.engine.scheduler.stats().prefix_hits
+    again = llm.generate([{"prompt_token_ids": p} for p in ps[:3]], GREEDY)
+    assert [o.outputs[0].token_ids for o in first] == want
+    assert [o.outputs[0].token_ids for o in again] == want[:3]
+    assert llm.engine.scheduler.stats().prefix_hits - hits >= 48
+    assert llm.engine.scheduler.stats().num_preemptions > 0
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("arch", GEMMAS)
+def test_gemma_logits_match_hf_past_the_window(models, arch, backend):
+    path, hf = models(arch)
+    llm = LLM(model=path, attention=BACKENDS[backend], kv_cache={"plugin": "paged", "block_size": 16, "num_blocks": 64})
+    p = prompts(hf.config.vocab_size, count=1, seed=3)[0] + list(range(30, 70))
+    out = llm.generate({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
+    with torch.no_grad():
+        ref = hf(torch.tensor([p])).logits[0].log_softmax(-1)
+    for pos, entry in enumerate(out.prompt_logprobs[1:]):
+        assert entry[p[pos + 1]].logprob == pytest.approx(ref[pos, p[pos + 1]].item(), abs=5e-5)
+
+
+@pytest.mark.parametrize("dropped", ["window", "softcap"])
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_without_the_window_or_the_softcap_gemma2_leaves_hf(models, monkeypatch, backend, dropped):
+    """The parity above depends on both: a backend that ignores either gives other tokens."""
+    from modserve.plugins.attention import cpu_backend, torch_backend
+
+    cls = {"torch": torch_backend.TorchAttention, "cpu": cpu_backend.CpuAttention}[backend]
+    original = cls.for_layer
+    monkeypatch.setattr(cls, "for_layer", lambda self, w=None, c=None: original(
+        self, None if dropped == "window" else w, None if dropped == "softcap" else c))
+    path, hf = models("gemma2")
+    ps = [p for p in prompts(hf.config.vocab_size, count=8, seed=4) if len(p) > 24]
+    llm = LLM(model=path, attention={"plugin": backend}, kv_cache={"plugin": "paged", "block_size": 16, "num_blocks": 64})
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY)]
+    assert got != [hf_greedy(hf, p, 16) for p in ps]
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_mistral_with_a_window_shorter_than_max_model_len_matches_hf(tmp_path, backend):
+    """Served past its sliding window (refused before per-layer windows existed)."""
+    hf = build_model(str(tmp_path), "mistral", sliding_window=16)
+    ps = prompts(hf.config.vocab_size, count=6, seed=2)
+    llm = LLM(model={"path": str(tmp_path), "max_model_len": 256}, attention={"plugin": backend},
+              kv_cache={"plugin": "paged", "block_size": 16, "num_blocks": 64})
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY)]
+    assert got == [hf_greedy(hf, p, 16) for p in ps]
+
+
+def test_a_backend_without_for_layer_is_refused_by_name_for_a_windowed_model(models):
+    """A third-party attention backend written before ``for_layer``: a Gemma model names it and
+    the features it lacks."""
+    import types
+
+    from modserve.core.contract import AttentionBackend, NoOptions, hookimpl
+    from modserve.core.engine_factory import build_components
+    from modserve.core.plugin_manager import PluginRegistry
+
+    class LegacyAttention(AttentionBackend):
+        Config = NoOptions
+
+        def forward(self, q, k, v, cache, meta):
+            raise NotImplementedError
+
+    @hookimpl
+    def register_attention_backends():
+        return {"legacy_test_attention": LegacyAttention}
+
+    module = types.ModuleType("legacy_attention_plugin")
+    module.MODSERVE_CONTRACT = "2.0"
+    module.register_attention_backends = register_attention_backends
+    registry = PluginRegistry()
+    registry.register_module(module)
+    path, _ = models("gemma2")
+    with pytest.raises(ValueError, match=r"attention backend LegacyAttention \(.*\) does not support a sliding "
+                                         r"window and logit soft-capping"):
+        build_components(None, registry, model={"path": path},
+                         attention={"plugin": "legacy_test_attention"}, kv_cache={"plugin": "paged", "num_blocks": 64})

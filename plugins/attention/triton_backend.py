@@ -28,7 +28,12 @@ class _StepPlan:
 
 
 class TritonAttention(AttentionBackend):
-    """Attention through Triton kernels (CUDA/ROCm; CPU only under ``TRITON_INTERPRET=1``)."""
+    """Attention through Triton kernels (CUDA/ROCm; CPU only under ``TRITON_INTERPRET=1``).
+
+    Per layer (:meth:`for_layer`) the kernels take a sliding window and logit soft-capping."""
+
+    window: int | None = None  # this layer's sliding window (set by for_layer)
+    softcap: float | None = None  # this layer's logit soft-cap
 
     class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         """Tile sizes and the decode split-K policy."""
@@ -49,6 +54,11 @@ class TritonAttention(AttentionBackend):
         self.kernels = _import_kernels(spec.device)
         _check_spec(spec, self.kernels)
         self.block_q = self.kernels.prefill_block_q(spec.num_heads, spec.num_kv_heads, config.prefill_block_m)
+
+    def for_layer(self, sliding_window: int | None = None, logit_softcap: float | None = None) -> TritonAttention:
+        from modserve.plugins.attention.torch_backend import layer_view
+
+        return layer_view(self, sliding_window, logit_softcap)
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Split the batch into decode rows (one query token) and prefill tiles, once per step."""
@@ -75,9 +85,11 @@ class TritonAttention(AttentionBackend):
         plan: _StepPlan = meta.backend_state
         cfg, scale = self.config, self.spec.scale
         if plan.prefill_tiles is not None:
-            self.kernels.prefill_attention(q, cache, meta, plan.prefill_tiles, self.block_q, cfg.block_n, scale, out)
+            self.kernels.prefill_attention(q, cache, meta, plan.prefill_tiles, self.block_q, cfg.block_n, scale, out,
+                                           self.window, self.softcap)
         if plan.decode_reqs is not None:
-            self.kernels.decode_attention(q, cache, meta, plan.decode_reqs, cfg.block_n, scale, out, plan.partials)
+            self.kernels.decode_attention(q, cache, meta, plan.decode_reqs, cfg.block_n, scale, out, plan.partials,
+                                          self.window, self.softcap)
 
     def _prefill_tiles(self, meta: AttentionMetadata) -> torch.Tensor | None:
         """(request, first query) per tile of ``block_q`` tokens, heaviest first so long tiles start early."""

@@ -10,6 +10,11 @@
 
 Both attention kernels pack the query heads that share a KV head into the rows of one
 tile, so each K/V tile is loaded once per KV head rather than once per query head.
+
+Per layer, both take a sliding window (``HAS_WINDOW``: a query at ``p`` sees keys
+``> p - window``; the loops start at the window's first tile) and logit soft-capping
+(``SOFTCAP``: scaled scores become ``cap * tanh(s / cap)`` before the mask), as constexpr
+switches, so plain layers compile to the kernels they were.
 See docs/triton_attention.md for the algorithm and the performance model.
 """
 
@@ -126,12 +131,22 @@ def _load_kv_tile(
 
 
 @triton.jit
-def _attend(q, kt, v, m_i, l_i, acc, mask, qk_scale, APPLY_MASK: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """One online-softmax step (base-2 exponent): fold a K/V tile into the running max, sum and output."""
+def _attend(q, kt, v, m_i, l_i, acc, mask, qk_scale, APPLY_MASK: tl.constexpr, DOT_DTYPE: tl.constexpr,
+            softcap=0.0, SOFTCAP: tl.constexpr = False, GUARD: tl.constexpr = False):
+    """One online-softmax step (base-2 exponent): fold a K/V tile into the running max, sum and output.
+
+    SOFTCAP: ``cap * tanh(s / cap)`` on the natural-log scores (tanh from exp: no tanh in the
+    interpreter). GUARD: rows that have seen no key yet (all masked so far, as before a
+    sliding window's first key) keep a zero state instead of NaN."""
     s = tl.dot(q, kt, input_precision="ieee") * qk_scale
+    if SOFTCAP:
+        x = s * (1.0 / (1.4426950408889634 * softcap))  # s / log2(e) / cap
+        s = (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * (softcap * 1.4426950408889634)
     if APPLY_MASK:
         s = tl.where(mask, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
+    if GUARD:
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # exp2(-inf - 0) = 0: nothing added, nothing lost
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
@@ -145,11 +160,12 @@ def _attend(q, kt, v, m_i, l_i, acc, mask, qk_scale, APPLY_MASK: tl.constexpr, D
 @triton.jit
 def _prefill_kernel(
     q_ptr, out_ptr, k_cache, v_cache, k_scale, v_scale,
-    tiles_ptr, query_start_loc, seq_lens, context_lens, block_tables, qk_scale,
+    tiles_ptr, query_start_loc, seq_lens, context_lens, block_tables, qk_scale, window, softcap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cr, stride_ch, stride_sb, stride_sr, stride_sh, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """One program: BLOCK_Q query tokens x the GROUP heads of one KV head, for one request."""
     kv_head = tl.program_id(1)
@@ -176,13 +192,17 @@ def _prefill_kernel(
     bt_row = block_tables + req.to(tl.int64) * stride_bt
 
     # Keys before the tile's first query are visible to every row: no causal mask there.
+    # With a window, every tile from the first row's window start on is masked.
     unmasked_end = ((ctx + q_first) // BLOCK_N) * BLOCK_N
-    for start in range(0, unmasked_end, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        kt, v = _load_kv_tile(k_cache, v_cache, k_scale, v_scale, bt_row, kv_head, pos, pos < seq_len,
-                              stride_cb, stride_cr, stride_ch, stride_sb, stride_sr, stride_sh,
-                              HEAD_DIM, BLOCK_SIZE, QUANT, DOT_DTYPE)
-        m_i, l_i, acc = _attend(q, kt, v, m_i, l_i, acc, 0, qk_scale, False, DOT_DTYPE)
+    if HAS_WINDOW:
+        unmasked_end = (tl.maximum(ctx + q_first - window + 1, 0) // BLOCK_N) * BLOCK_N
+    else:
+        for start in range(0, unmasked_end, BLOCK_N):
+            pos = start + tl.arange(0, BLOCK_N)
+            kt, v = _load_kv_tile(k_cache, v_cache, k_scale, v_scale, bt_row, kv_head, pos, pos < seq_len,
+                                  stride_cb, stride_cr, stride_ch, stride_sb, stride_sr, stride_sh,
+                                  HEAD_DIM, BLOCK_SIZE, QUANT, DOT_DTYPE)
+            m_i, l_i, acc = _attend(q, kt, v, m_i, l_i, acc, 0, qk_scale, False, DOT_DTYPE, softcap, SOFTCAP)
     end = tl.minimum(seq_len, ctx + q_first + BLOCK_Q)
     for start in range(unmasked_end, end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
@@ -190,7 +210,9 @@ def _prefill_kernel(
                               stride_cb, stride_cr, stride_ch, stride_sb, stride_sr, stride_sh,
                               HEAD_DIM, BLOCK_SIZE, QUANT, DOT_DTYPE)
         causal = pos[None, :] <= q_pos[:, None]
-        m_i, l_i, acc = _attend(q, kt, v, m_i, l_i, acc, causal, qk_scale, True, DOT_DTYPE)
+        if HAS_WINDOW:
+            causal = causal & (pos[None, :] > q_pos[:, None] - window)
+        m_i, l_i, acc = _attend(q, kt, v, m_i, l_i, acc, causal, qk_scale, True, DOT_DTYPE, softcap, SOFTCAP, HAS_WINDOW)
 
     out = acc / l_i[:, None]
     out_ptrs = out_ptr + (tok * stride_ot + head * stride_oh)[:, None] + d[None, :]
@@ -209,10 +231,11 @@ def prefill_block_q(num_heads: int, num_kv_heads: int, block_m: int) -> int:
 
 def prefill_attention(
     q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, tiles: torch.Tensor, block_q: int, block_n: int,
-    scale: float, out: torch.Tensor,
+    scale: float, out: torch.Tensor, window: int | None = None, softcap: float | None = None,
 ) -> None:
     """Causal attention for prompt chunks into ``out``; ``tiles [N, 2]`` int32 holds
-    (request, first query index) pairs, each covering ``block_q`` query tokens."""
+    (request, first query index) pairs, each covering ``block_q`` query tokens. ``window``,
+    ``softcap``: the layer's sliding window and logit soft-cap (None: none)."""
     q = _last_dim_contiguous(q)
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = cache.k.shape[2]
@@ -223,11 +246,13 @@ def prefill_attention(
     _prefill_kernel[(tiles.shape[0], num_kv_heads)](
         q, out, cache.k, cache.v, k_scale, v_scale,
         tiles, meta.query_start_loc, meta.seq_lens, meta.context_lens, meta.block_tables, scale * _LOG2E,
+        window or 0, float(softcap or 0.0),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *_cache_strides(cache), *scale_strides, meta.block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, GROUP_PAD=group_pad,
         BLOCK_Q=block_q, BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_SIZE=cache.k.shape[1],
-        QUANT=cache.quantized, DOT_DTYPE=dot_dtype(q.dtype), num_warps=num_warps,
+        QUANT=cache.quantized, DOT_DTYPE=dot_dtype(q.dtype), HAS_WINDOW=window is not None,
+        SOFTCAP=softcap is not None, num_warps=num_warps,
     )
 
 
@@ -237,11 +262,12 @@ def prefill_attention(
 @triton.jit
 def _decode_kernel(
     q_ptr, out_ptr, o_part, lse_part, k_cache, v_cache, k_scale, v_scale,
-    reqs_ptr, query_start_loc, seq_lens, block_tables, qk_scale,
+    reqs_ptr, query_start_loc, seq_lens, block_tables, qk_scale, window, softcap,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     stride_cb, stride_cr, stride_ch, stride_sb, stride_sr, stride_sh, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, DOT_DTYPE: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """One program: the GROUP query heads of one KV head, over one context partition of one request.
 
@@ -257,6 +283,10 @@ def _decode_kernel(
     split_len = tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
     lo = split * split_len
     hi = tl.minimum(lo + split_len, seq_len)
+    first_key = 0  # the query (at seq_len - 1) sees keys >= seq_len - window
+    if HAS_WINDOW:
+        first_key = tl.maximum(seq_len - window, 0)
+        lo = tl.maximum(lo, (first_key // BLOCK_N) * BLOCK_N)
 
     g = tl.arange(0, GROUP_PAD)
     head = kv_head * GROUP + g
@@ -272,10 +302,13 @@ def _decode_kernel(
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         valid = pos < hi
+        if HAS_WINDOW:
+            valid = valid & (pos >= first_key)
         kt, v = _load_kv_tile(k_cache, v_cache, k_scale, v_scale, bt_row, kv_head, pos, valid,
                               stride_cb, stride_cr, stride_ch, stride_sb, stride_sr, stride_sh,
                               HEAD_DIM, BLOCK_SIZE, QUANT, DOT_DTYPE)
-        m_i, l_i, acc = _attend(q, kt, v, m_i, l_i, acc, valid[None, :], qk_scale, True, DOT_DTYPE)
+        m_i, l_i, acc = _attend(q, kt, v, m_i, l_i, acc, valid[None, :], qk_scale, True, DOT_DTYPE, softcap, SOFTCAP,
+                                HAS_WINDOW)
 
     # An empty partition (short request) has l_i == 0: output 0 with weight exp2(-inf) = 0.
     nonempty = l_i > 0
@@ -320,6 +353,7 @@ def decode_group_pad(num_heads: int, num_kv_heads: int) -> int:
 def decode_attention(
     q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, reqs: torch.Tensor, block_n: int, scale: float,
     out: torch.Tensor, partials: tuple[torch.Tensor, torch.Tensor] | None = None,
+    window: int | None = None, softcap: float | None = None,
 ) -> None:
     """Attention for one query token per request in ``reqs [Bd]`` int32, into ``out``.
 
@@ -334,13 +368,14 @@ def decode_attention(
     num_splits = o_part.shape[2] if partials is not None else 1
     _decode_kernel[(reqs.shape[0], num_kv_heads, num_splits)](
         q, out, o_part, lse_part, cache.k, cache.v, k_scale, v_scale,
-        reqs, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale * _LOG2E,
+        reqs, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale * _LOG2E, window or 0, float(softcap or 0.0),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
         *_cache_strides(cache), *scale_strides, meta.block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, GROUP_PAD=decode_group_pad(num_heads, num_kv_heads),
         BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_SIZE=cache.k.shape[1], QUANT=cache.quantized,
-        DOT_DTYPE=dot_dtype(q.dtype), SPLIT=partials is not None,
+        DOT_DTYPE=dot_dtype(q.dtype), SPLIT=partials is not None, HAS_WINDOW=window is not None,
+        SOFTCAP=softcap is not None,
     )
     if partials is not None:
         _reduce_splits_kernel[(reqs.shape[0], num_heads)](
