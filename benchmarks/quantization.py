@@ -1,7 +1,7 @@
 """What CPU weight quantization costs and buys on SmolLM2-135M: perplexity, speed and memory.
 
 For the model in bfloat16 (the baseline) and under ``device: {plugin: cpu, quantization:
-int8 | w8a8 | int4}`` (activations in bfloat16; see docs/quantization.md), it prints:
+int8 | w8a8 | int4 | gguf}`` (activations in bfloat16; see docs/quantization.md), it prints:
 
 1. Perplexity of ``benchmarks/data/perplexity.txt`` (about 3,700 SmolLM2 tokens of plain
    English) through modserve's own ``prompt_logprobs`` (``SamplingParams(prompt_logprobs=1,
@@ -23,6 +23,10 @@ already are 4-bit values with a scale and a minimum per block of 32, so ``int4-g
 re-derives that very grid and loses almost nothing, while larger groups quantize the
 already-quantized weights onto a coarser grid and lose much more than they would on a
 float checkpoint. The "bf16" baseline is those Q4_1 weights dequantized to bfloat16.
+``gguf`` keeps the file's Q4_1 blocks as they are (int4, groups of 32, no float copy at load):
+the same grid as ``int4-g32``, its scales and zeros the file's own instead of re-derived. Its
+head stays bfloat16 even with ``--quantize-lm-head``: SmolLM2's head is tied to the embedding,
+so it has no GGUF tensor of its own to keep.
 
     python benchmarks/quantization.py            # the full figures: run it on a quiet machine
     python benchmarks/quantization.py --quick    # a short correctness run (small text, lengths, rounds)
@@ -54,6 +58,7 @@ SMOLLM2 = "smollm2-135m-instruct"
 TEXT = Path(__file__).resolve().parent / "data" / "perplexity.txt"
 SCHEMES = {  # label -> (device.quantization, int4 group size: None for --int4-group-size)
     "bf16": ("none", None), "int8": ("int8", None), "w8a8": ("w8a8", None), "int4": ("int4", None), "int4-g32": ("int4", 32),
+    "gguf": ("gguf", None),
 }
 FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
 
@@ -93,7 +98,7 @@ def pipeline(args: argparse.Namespace, scheme: str) -> dict:
     return {
         "model": {"path": SMOLLM2, "dtype": "bfloat16", "max_model_len": args.max_model_len},
         "device": {"plugin": "cpu", "quantization": SCHEMES[scheme][0], "int4_group_size": SCHEMES[scheme][1] or args.int4_group_size,
-                   "quantize_lm_head": args.quantize_lm_head},
+                   "quantize_lm_head": args.quantize_lm_head and scheme != "gguf"},  # gguf: a tied head has no blocks of its own
         "scheduler": {"plugin": "fcfs", "max_num_seqs": concurrency, "max_num_batched_tokens": 2048},
         "kv_cache": {"plugin": "paged", "block_size": 16,
                      "num_blocks": kv_tokens // 16 + 2 * concurrency + 16},

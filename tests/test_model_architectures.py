@@ -158,7 +158,7 @@ def test_modserve_models_lists_architectures_formats_and_quantization(capsys):
     served = {t for a in listing["architectures"] for t in a["model_types"]}
     assert {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "olmo2", "phi3", "gemma2", "gemma3_text"} <= served
     assert any("GGUF" in f for f in listing["formats"])
-    assert listing["quantization"]["cpu"] == "'none' | 'int8' | 'w8a8' | 'int4'"
+    assert listing["quantization"]["cpu"] == "'none' | 'int8' | 'w8a8' | 'int4' | 'gguf'"
 
 
 def test_unsupported_architectures_and_pre_quantized_checkpoints_are_refused_by_name(models, tmp_path):

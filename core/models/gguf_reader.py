@@ -19,6 +19,8 @@ from gguf import GGUFReader, ReaderTensor, TokenType
 from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from modserve.core.models.gguf_quantized import GGUFTensor
+
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # GGUF general.architecture -> HF model_type (a llama file with experts is Mixtral)
@@ -62,7 +64,7 @@ class GGUFModel:
     """A GGUF model mapped to the HF conventions the engine's loaders already speak."""
 
     config: dict[str, Any]
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, torch.Tensor | GGUFTensor]  # GGUFTensor: with keep_blocks, every 2-D tensor but stacked experts
     tokenizer: Tokenizer
     chat_template: str | None
     bos_token: str | None
@@ -83,9 +85,14 @@ def find_smollm2_gguf() -> str:
     return path
 
 
-def read_gguf(path: str, dtype: torch.dtype = torch.float32) -> GGUFModel:
+def read_gguf(path: str, dtype: torch.dtype = torch.float32, keep_blocks: bool = False) -> GGUFModel:
     """Dequantize every tensor of a GGUF (Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, OLMo 2)
-    and rebuild its config and tokenizer."""
+    and rebuild its config and tokenizer.
+
+    ``keep_blocks``: every 2-D tensor (but a stacked ``ffn_*_exps`` one) comes as a
+    :class:`GGUFTensor`, the file's blocks with the q/k rows already un-permuted, dequantized
+    later, one at a time, by :func:`~modserve.core.models.gguf_quantized.load_keeping_blocks`
+    or kept as they are by a platform (``quantization: gguf``)."""
     reader = _open(path)
     meta = {name: field.contents() for name, field in reader.fields.items()}
     arch = meta.get("general.architecture")
@@ -95,7 +102,7 @@ def read_gguf(path: str, dtype: torch.dtype = torch.float32) -> GGUFModel:
     tokenizer = build_tokenizer(meta)  # before the slow part, so an unsupported tokenizer fails fast
     tensors = {}
     for tensor in reader.tensors:
-        tensors.update(_hf_tensors(tensor, arch, config, dtype, path))
+        tensors.update(_hf_tensors(tensor, arch, config, dtype, path, keep_blocks))
     config["vocab_size"] = tensors["model.embed_tokens.weight"].shape[0]
     tokens = meta["tokenizer.ggml.tokens"]
     bos_id, eos_ids = meta.get("tokenizer.ggml.bos_token_id"), _eos_ids(meta)
@@ -196,7 +203,7 @@ def _hf_name(gguf_name: str, path: str) -> str:
     raise ValueError(f"{path}: unsupported GGUF tensor {gguf_name!r}")
 
 
-def _hf_tensors(tensor: ReaderTensor, arch: str, config: dict[str, Any], dtype: torch.dtype, path: str):
+def _hf_tensors(tensor: ReaderTensor, arch: str, config: dict[str, Any], dtype: torch.dtype, path: str, keep_blocks: bool = False):
     """The HF-named tensors one GGUF tensor holds: itself, or one per expert for a stacked
     ``blk.N.ffn_*_exps`` tensor (views of one dequantized array)."""
     module, _, kind = tensor.name.rpartition(".")
@@ -205,7 +212,24 @@ def _hf_tensors(tensor: ReaderTensor, arch: str, config: dict[str, Any], dtype: 
         stacked = _load_tensor(tensor, arch, config, dtype)
         proj = _EXPERT_TENSORS[match[2]]
         return {f"model.layers.{match[1]}.mlp.experts.{e}.{proj}.{kind}": stacked[e] for e in range(stacked.shape[0])}
+    if keep_blocks and len(tensor.data.shape) == 2:
+        return {_hf_name(tensor.name, path): _kept_tensor(tensor, arch, config)}
     return {_hf_name(tensor.name, path): _load_tensor(tensor, arch, config, dtype)}
+
+
+def _kept_tensor(tensor: ReaderTensor, arch: str, config: dict[str, Any]) -> GGUFTensor:
+    """One 2-D tensor as the file stores it (a view of the mmap), its rows in HF order: the
+    q/k un-permutation moves whole rows, and every block lies within one row."""
+    data = tensor.data
+    rows = int(tensor.shape[1])  # GGUF lists the shape innermost first: (columns, rows)
+    heads = None
+    if arch == "llama" and ".attn_q." in tensor.name:
+        heads = config["num_attention_heads"]
+    elif arch == "llama" and ".attn_k." in tensor.name:
+        heads = config["num_key_value_heads"]
+    if heads is not None:  # _unpermute_rope_rows on the stored rows, in numpy (the mmap is read-only)
+        data = np.swapaxes(data.reshape(heads, rows // heads // 2, 2, -1), 1, 2).reshape(data.shape)
+    return GGUFTensor(data, tensor.tensor_type, (rows, int(tensor.shape[0])))
 
 
 def _load_tensor(tensor: ReaderTensor, arch: str, config: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:

@@ -13,6 +13,7 @@ from safetensors import safe_open
 from torch import nn
 
 from modserve.core.contract import AttentionBackend, BuildContext, CausalLM, ModelArchitecture, ModelSpec
+from modserve.core.models.gguf_quantized import GGUFLinear, load_keeping_blocks
 from modserve.core.models.gguf_reader import find_smollm2_gguf, read_gguf
 from modserve.core.config import ConfigError
 from modserve.core.tokenizer import TokenizerBundle
@@ -56,7 +57,8 @@ class Checkpoint:
     arch: ModelArchitecture
     spec: ModelSpec
     tokenizer: TokenizerBundle
-    tensors: Iterator[tuple[str, torch.Tensor]]
+    tensors: Iterator[tuple[str, torch.Tensor]]  # with gguf_blocks, 2-D tensors are GGUFTensor
+    gguf_blocks: bool = False  # a GGUF read with keep_blocks: linear weights stay blocks until the platform builds them
 
 
 @dataclass
@@ -99,7 +101,7 @@ def open_checkpoint(source: ModelSource, ctx: BuildContext, tokenizer_path: str 
         tokenizer = TokenizerBundle.from_hf_dir(tokenizer_path or source.path, spec.eos_token_ids)
         tensors: Iterator[tuple[str, torch.Tensor]] = _safetensors(source.path, spec, tp)
     else:
-        g = read_gguf(source.path, dtype=ctx.dtype)
+        g = read_gguf(source.path, dtype=ctx.dtype, keep_blocks=tp is None)
         arch = architecture(g.config.get("model_type"), ctx, source.path)
         spec = arch.spec(g.config, source.path)
         tokenizer = TokenizerBundle(g.tokenizer, g.chat_template, g.bos_token, g.eos_token, list(g.eos_token_ids))
@@ -116,7 +118,7 @@ def open_checkpoint(source: ModelSource, ctx: BuildContext, tokenizer_path: str 
         check_divisible(spec, tp.world_size)
     spec.eos_token_ids = tokenizer.eos_token_ids or spec.eos_token_ids
     tokenizer.eos_token_ids = spec.eos_token_ids
-    return Checkpoint(arch, spec, tokenizer, tensors)
+    return Checkpoint(arch, spec, tokenizer, tensors, gguf_blocks=source.kind == "gguf" and tp is None)
 
 
 def check_max_model_len(spec: ModelSpec, max_model_len: int | None) -> int:
@@ -136,19 +138,35 @@ def build_model(
     ckpt: Checkpoint, attention: AttentionBackend, ctx: BuildContext, max_positions: int, num_layers: int | None = None, tp=None
 ) -> CausalLM:
     """Build the architecture's module on the meta device, load the tensors, move it to the
-    platform's device and dtype, and let the platform adapt it (its linear layers, fused ops)."""
+    platform's device and dtype, and let the platform adapt it (its linear layers, fused ops).
+
+    From a GGUF file (``ckpt.gguf_blocks``) the linear weights are not loaded: each layer goes
+    to the platform as a :class:`GGUFLinear` holding the file's blocks, dequantized only if
+    the platform reads its ``weight`` (module doc of :mod:`~modserve.core.models.gguf_quantized`),
+    so no float copy of the whole model is ever made."""
     with torch.device("meta"):
         model = ckpt.arch.build(ckpt.spec, attention, max_positions, num_layers, tp)
-    model.to_empty(device="cpu")
-    model.load_weights(ckpt.tensors)
+    if ckpt.gguf_blocks:
+        kept = load_keeping_blocks(model, ckpt.tensors, ctx.dtype)
+        for name, parts in kept.items():  # before to_device: a meta weight cannot be moved
+            parent, _, attr = name.rpartition(".")
+            owner = model.get_submodule(parent)
+            setattr(owner, attr, GGUFLinear(getattr(owner, attr), parts, ctx.device, ctx.dtype))
+    else:
+        model.to_empty(device="cpu")
+        model.load_weights(ckpt.tensors)
     model.to_device(ctx.device, ctx.dtype)
     model.eval().requires_grad_(False)
     swaps = [
         (parent, f"{prefix}.{name}".lstrip("."), name, child)
-        for prefix, parent in model.named_modules() for name, child in parent.named_children() if type(child) is nn.Linear
+        for prefix, parent in model.named_modules() for name, child in parent.named_children()
+        if type(child) in (nn.Linear, GGUFLinear)
     ]
     for parent, qualified, name, child in swaps:
-        setattr(parent, name, ctx.platform.linear(qualified, child))
+        module = ctx.platform.linear(qualified, child)
+        if module is child and isinstance(child, GGUFLinear):
+            child.weight  # kept as an nn.Linear: dequantize it now, not in the first step
+        setattr(parent, name, module)
     ctx.platform.prepare_model(model)
     return model
 

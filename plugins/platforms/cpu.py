@@ -21,7 +21,7 @@ from torch import nn
 from modserve.core.contract import DeviceInfo, Platform, hookimpl
 from modserve.plugins.platforms.cpu_linear import PackedLinear, can_pack
 from modserve.plugins.platforms.cpu_memory import keep_freed_memory
-from modserve.plugins.platforms.cpu_quant import quantize_linear
+from modserve.plugins.platforms.cpu_quant import gguf_linear, quantize_linear
 
 MODSERVE_CONTRACT = "2.0"
 log = logging.getLogger("modserve.platform")
@@ -33,7 +33,7 @@ class CPUConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pack_weights: bool = True  # reorder linear weights once for oneDNN (faster matmuls)
     fuse_ops: bool = True  # in float32 or bfloat16, run norms, SiLU·mul and RoPE as fused C++ kernels
     reuse_freed_memory: bool = True  # glibc: keep freed step memory in the process instead of faulting it in again every step
-    quantization: Literal["none", "int8", "w8a8", "int4"] = "none"  # linear weights: int8 weight-only, int8 weights and activations (per token), or int4 weight-only groups (docs/quantization.md)
+    quantization: Literal["none", "int8", "w8a8", "int4", "gguf"] = "none"  # linear weights: int8 weight-only, int8 weights and activations (per token), int4 weight-only groups, or a GGUF file's Q8_0/Q4_0/Q4_1 blocks kept as they are (docs/quantization.md)
     int4_group_size: Literal[32, 64, 128, 256] = 128  # int4: inputs per scale/zero group; a layer whose in_features it does not divide takes the largest smaller size that does
     quantize_lm_head: bool = False  # quantize the LM head too (a tied head gets its own quantized copy; the embedding stays as loaded)
 
@@ -82,7 +82,11 @@ class CPUPlatform(Platform):
 
     def linear(self, name: str, layer: nn.Linear) -> nn.Module:
         if self.config.quantization != "none" and (name != "lm_head" or self.config.quantize_lm_head):
-            return quantize_linear(self.config.quantization, name, layer, self.config.int4_group_size)
+            if self.config.quantization != "gguf":
+                return quantize_linear(self.config.quantization, name, layer, self.config.int4_group_size)
+            kept = gguf_linear(name, layer)  # the layer itself where the file stores it as floats
+            if kept is not layer:
+                return kept
         if self.config.pack_weights and _packs(layer.weight.dtype):
             return PackedLinear(layer)
         return layer

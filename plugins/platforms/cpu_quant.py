@@ -18,6 +18,10 @@ weight is not referenced, so it is freed once the model drops the ``nn.Linear``.
   per group of ``group_size`` inputs of each output channel), torch's CPU int4 kernels
   ``torch._convert_weight_to_int4pack_for_cpu`` / ``torch._weight_int4pack_mm_for_cpu``.
   A quarter of bfloat16's weight memory (plus the group scales).
+- ``gguf`` (:func:`gguf_linear`): a GGUF file's blocks kept as they are, built from the
+  loader's :class:`~modserve.core.models.gguf_quantized.GGUFLinear` without a float weight:
+  Q4_0 / Q4_1 as ``int4`` with groups of 32 (:meth:`Int4WeightOnlyLinear.from_codes`, exact),
+  Q8_0 as :class:`Int8GroupLinear` (exact; widened per call).
 
 Why these ops. Micro-timing, machine busy (torch 2.13 CPU wheel, 2 cores of a Xeon with
 AMX-INT8/AVX512-VNNI, other jobs running; best of 10-40 calls in one process: relative
@@ -77,7 +81,7 @@ from modserve.plugins.platforms.cpu_linear import _CHUNK_SIZES, _padded, row_chu
 
 log = logging.getLogger("modserve.platform")
 
-SCHEMES = ("none", "int8", "w8a8", "int4")
+SCHEMES = ("none", "int8", "w8a8", "int4")  # quantized here from float weights; "gguf" keeps a file's blocks (gguf_linear)
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu accepts
 INT4_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu packs output channels in 16s
 
@@ -245,11 +249,26 @@ class Int4WeightOnlyLinear(nn.Module):
 
     def __init__(self, layer: nn.Linear, group_size: int) -> None:
         super().__init__()
-        self.in_features, self.out_features, self.group_size = layer.in_features, layer.out_features, group_size
         q, scale, lo = quantize_groups_int4(layer.weight, group_size)
+        self._store(layer, q, scale, lo, group_size, layer.weight.dtype)
+
+    @classmethod
+    def from_codes(cls, layer: nn.Linear, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, group_size: int,
+                   dtype: torch.dtype) -> Int4WeightOnlyLinear:
+        """The module for weights already in this form, ``w = q * scale + minimum`` (``q [N, K]``
+        int32 in [0, 15], ``scale`` and ``minimum`` ``[N, K/g]``): GGUF Q4_0 / Q4_1 blocks,
+        packed without a float weight (``layer`` gives the shape and the bias)."""
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module._store(layer, q, scale, minimum, group_size, dtype)
+        return module
+
+    def _store(self, layer: nn.Linear, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, group_size: int,
+               dtype: torch.dtype) -> None:
+        self.in_features, self.out_features, self.group_size = layer.in_features, layer.out_features, group_size
         self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q, 1), False)  # [N, K/2] uint8
         scales_and_zeros = torch.stack([scale, lo + 8.0 * scale], dim=-1).transpose(0, 1).contiguous()
-        self.register_buffer("scales_and_zeros", scales_and_zeros.to(layer.weight.dtype), False)
+        self.register_buffer("scales_and_zeros", scales_and_zeros.to(dtype), False)
         self.bias = layer.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -265,6 +284,92 @@ class Int4WeightOnlyLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, group_size={self.group_size}")
+
+
+class Int8GroupLinear(nn.Module):
+    """``y = x @ W.T + b`` with ``W[n, k] = q[n, k] * scale[n, k // group]``: int8 weights with a
+    symmetric scale per group of ``group`` inputs of each output channel, GGUF's Q8_0 (groups
+    of 32, float16 scales) kept as it is.
+
+    torch has no int8 kernel with group-wise scales (``_weight_int8pack_mm`` takes one scale
+    per output channel), and re-quantizing Q8_0 per channel would lose up to half a step of
+    the row's coarsest group in every weight. So the weights are widened per call, in float32
+    (``q * d``, the exact value llama.cpp's and gguf's dequantization give), cast to the
+    activations' dtype for one ``F.linear``: exact against the dequantized model, at the cost
+    of one widening pass over the weight per call (the same trade as the int8 scheme's
+    many-row path). The widened copy lives for one call; memory stays ``K + 2 K / 32`` bytes
+    per output channel (a quarter of float32's, plus 6%)."""
+
+    def __init__(self, layer: nn.Linear, q: torch.Tensor, scale: torch.Tensor, group: int = 32) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.group = layer.in_features, layer.out_features, group
+        self.register_buffer("qweight", q.view(self.out_features, -1, group), False)  # [N, K/g, g] int8
+        self.register_buffer("scale", scale.to(torch.float16)[..., None], False)  # Q8_0's float16 scales, exact
+        self.bias = layer.bias
+
+    def weight_as(self, dtype: torch.dtype) -> torch.Tensor:
+        """The dequantized weight ``[N, K]`` in ``dtype`` (computed in float32, then cast)."""
+        w = self.qweight.float().mul_(self.scale.float()).view(self.out_features, self.in_features)
+        return w if dtype == torch.float32 else w.to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] == 0:
+            return x.new_empty(*x.shape[:-1], self.out_features)
+        out = F.linear(rows, self.weight_as(x.dtype), self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, group={self.group}"
+
+
+GGUF_KEPT = ("Q8_0", "Q4_0", "Q4_1")  # the GGUF quantized types ``quantization: gguf`` keeps
+GGUF_FLOAT = ("F32", "F16", "BF16")  # stored unquantized: kept as a float layer
+
+
+def gguf_linear(name: str, layer: nn.Module) -> nn.Module:
+    """``quantization: gguf``: the module keeping ``layer``'s GGUF blocks as they are, or
+    ``layer`` itself where the file stores it unquantized (F32 / F16 / BF16: the router of a
+    mixture of experts, which llama.cpp keeps in F32) for the platform's float path.
+
+    - Q4_0 / Q4_1 (mixed too): :class:`Int4WeightOnlyLinear` with groups of 32, exactly the
+      file's values (Q4_1 ``w = d q + m`` is torch's ``(q - 8) d + (m + 8 d)``; Q4_0 is
+      ``m = -8 d``); the only change is the scales' and zeros' rounding to the model dtype
+      (none in float32 but ``m + 8 d`` rounded once; bfloat16 keeps 8 bits of each).
+    - Q8_0: :class:`Int8GroupLinear`, exact.
+
+    Anything else is refused, naming the layer and the types: an HF checkpoint or a layer
+    not stored as its own GGUF tensor (a head tied to the embedding), K-quant or other GGUF
+    tensors (Q6_K, Q4_K, Q5_0, ...: no torch kernel takes their two-level or 5-bit formats),
+    a fused layer mixing Q8_0 and Q4 parts or float and quantized parts, or an int4 layer
+    whose ``out_features`` torch cannot pack.
+    The setting is never dropped silently: pick ``none``, ``int8`` or ``int4`` for such a file."""
+    from modserve.core.models.gguf_quantized import GGUFLinear, q4_blocks, q8_0_blocks
+
+    if not isinstance(layer, GGUFLinear):
+        raise ConfigError(
+            f"device.quantization: gguf keeps a GGUF file's blocks as they are, but layer {name!r} is not a GGUF tensor "
+            "of its own (model.path is not a .gguf file, or the layer shares the embedding's weights); "
+            "use none, int8, w8a8 or int4"
+        )
+    types = set(layer.types)
+    if types <= set(GGUF_FLOAT):
+        return layer
+    if not types <= set(GGUF_KEPT) or (len(types) > 1 and "Q8_0" in types):
+        raise ConfigError(
+            f"device.quantization: gguf keeps {', '.join(GGUF_KEPT)} weights (int4 groups of 32, int8 groups of 32); "
+            f"layer {name!r} is stored as {'+'.join(layer.types)}: use none (dequantize at load), int8 or int4"
+        )
+    if types == {"Q8_0"}:
+        q, d = (torch.cat(t) for t in zip(*(q8_0_blocks(p.data, p.shape) for p in layer.parts)))
+        return Int8GroupLinear(layer, q, d, 32)
+    if layer.out_features % INT4_N_MULTIPLE:
+        raise ConfigError(
+            f"device.quantization: gguf maps Q4 weights onto int4, which needs out_features to be a multiple of "
+            f"{INT4_N_MULTIPLE}; layer {name!r} has {layer.out_features}: use none or int8"
+        )
+    q, d, m = (torch.cat(t) for t in zip(*(q4_blocks(p.data, p.type, p.shape) for p in layer.parts)))
+    return Int4WeightOnlyLinear.from_codes(layer, q, d, m, 32, layer.dtype)
 
 
 def quantize_linear(scheme: str, name: str, layer: nn.Linear, int4_group: int = 128) -> nn.Module:

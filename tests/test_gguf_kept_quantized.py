@@ -1,0 +1,338 @@
+"""``device: {plugin: cpu, quantization: gguf}``: a GGUF file's Q8_0 / Q4_0 / Q4_1 weights kept
+as they are (docs/quantization.md, "GGUF blocks kept as they are").
+
+Stated bounds, each against the same file loaded with ``quantization: none`` (the file's
+blocks dequantized to float at load, the reference):
+
+1. Block decoding: the codes and scales read from the blocks rebuild gguf's own dequantized
+   values exactly (float32 equality).
+2. Each module against ``F.linear`` on the dequantized weight, as a fraction of the output's
+   largest magnitude. float32: Q8_0 1e-6 (the same float32 products; measured 0), Q4_0 / Q4_1
+   1e-5 (torch's int4 kernel computes ``(q - 8) d + (m + 8 d)`` where gguf computes ``d q + m``:
+   a rounding of ``m + 8 d`` and the order of the float32 operations; measured <= 4.2e-7).
+   bfloat16: 1.5e-2 for all three (Q4: the kernel holds ``d`` and ``m + 8 d`` in bfloat16, 8
+   bits each, where the reference rounds each weight to bfloat16; plus the output's own
+   bfloat16 rounding; measured <= 4.4e-3).
+3. A whole engine, teacher-forced over the dequantized engine's own greedy text (prompt
+   logprobs): float32, the top-1 token is the same at every position and the actual token's
+   logprob moves by at most 1e-4 nats (the weights are the same values: only rounding differs;
+   measured 0 for all four files), and free-running greedy text is identical; bfloat16, the
+   top-1 token agrees at >= 90% of positions, the actual token's logprob moves by at most 0.15
+   nats, 0.03 on average (measured: agreement 0.969-1.0, largest change 0.033, mean <= 0.0104;
+   Q8_0 exactly 0). The bfloat16 engines round different things: the reference its weights,
+   the kept int4 model its scales and zeros; a 2-layer random model flips its top-1 where two
+   candidates lie within that rounding, so free-running text may part after a flip and is
+   only compared in float32.
+4. Refusals: every combination that cannot be honoured is a config error naming the field;
+   a layer the file stores as floats (F32 / F16 / BF16) stays a float layer.
+5. The embedded SmolLM2 (Q4_1 projections, a Q8_0 embedding tied to the head), float32: the
+   same greedy text and logprobs within 1e-3 nats, with under half the model tensor bytes.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from gguf import GGMLQuantizationType as T
+from torch import nn
+
+from modserve import LLM, SamplingParams
+from modserve.core.config import ConfigError
+from modserve.core.engine_factory import resolve
+from modserve.core.models.gguf_quantized import GGUFLinear, GGUFTensor, q4_blocks, q8_0_blocks
+from modserve.plugins.platforms.cpu_linear import PackedLinear
+from modserve.plugins.platforms.cpu_quant import Int4WeightOnlyLinear, Int8GroupLinear, gguf_linear
+from test_gguf_reader import TINY_SHAPE, _finish, _shape_writer, _value_type, gguf_tensor_name, llama_cpp_permute, tiny_metadata
+from tiny_models import teacher_forced
+
+KEPT = [T.Q8_0, T.Q4_0, T.Q4_1]
+DTYPES = [torch.float32, torch.bfloat16]
+MODULE_TOL = {(torch.float32, T.Q8_0): 1e-6, (torch.float32, T.Q4_0): 1e-5, (torch.float32, T.Q4_1): 1e-5,
+              (torch.bfloat16, T.Q8_0): 1.5e-2, (torch.bfloat16, T.Q4_0): 1.5e-2, (torch.bfloat16, T.Q4_1): 1.5e-2}
+BF16_AGREEMENT, BF16_MAX_NATS, BF16_MEAN_NATS = 0.90, 0.15, 0.03
+F32_MAX_NATS = 1e-4
+SMOLLM2_MAX_NATS = 1e-3
+
+
+def gguf_tensor(weight: torch.Tensor, kind: T) -> GGUFTensor:
+    """``weight`` quantized by gguf's own quantizer, as the reader would hand it over."""
+    data = gguf.quants.quantize(weight.float().numpy(), kind)
+    return GGUFTensor(data, kind, tuple(weight.shape))
+
+
+def gguf_layer(parts: list[GGUFTensor], dtype: torch.dtype, bias: bool = True) -> GGUFLinear:
+    rows, k = sum(p.shape[0] for p in parts), parts[0].shape[1]
+    base = nn.Linear(k, rows, bias=bias, device="meta")
+    if bias:
+        base.bias = nn.Parameter(torch.randn(rows).to(dtype), requires_grad=False)
+    return GGUFLinear(base, parts, torch.device("cpu"), dtype)
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
+# ----------------------------------------------------------------------------- blocks and modules
+
+
+@pytest.mark.parametrize("kind", KEPT, ids=lambda k: k.name)
+def test_block_decoding_rebuilds_gguf_dequantize_exactly(kind):
+    torch.manual_seed(0)
+    part = gguf_tensor(torch.randn(48, 128) * 0.1 + 0.02, kind)
+    want = part.dequantize()
+    if kind == T.Q8_0:
+        q, d = q8_0_blocks(part.data, part.shape)
+        assert q.dtype == torch.int8 and d.shape == (48, 4)
+        got = (q.float().view(48, 4, 32) * d[..., None]).view(48, 128)
+    else:
+        q, d, m = q4_blocks(part.data, kind, part.shape)
+        assert q.dtype == torch.int32 and 0 <= q.min() and q.max() <= 15 and q.max() > 7
+        got = (q.float().view(48, 4, 32) * d[..., None] + m[..., None]).view(48, 128)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", KEPT, ids=lambda k: k.name)
+def test_kept_module_is_within_bound_of_linear_on_dequantized_weights(kind, dtype):
+    torch.manual_seed(0)
+    part = gguf_tensor(torch.randn(96, 256) * 0.05, kind)
+    layer = gguf_layer([part], dtype)
+    module = gguf_linear("layers.0.mlp.down_proj", layer)
+    assert type(module) is (Int8GroupLinear if kind == T.Q8_0 else Int4WeightOnlyLinear)
+    assert "weight" not in layer._parameters  # the blocks went straight in: no float weight was made
+    assert not any(t.is_floating_point() and t.numel() >= 96 * 256 for t in module.buffers())
+    if kind != T.Q8_0:
+        assert module.group_size == 32
+    w = part.dequantize().to(dtype)
+    for rows in (1, 5, 40):
+        x = torch.randn(rows, 256).to(dtype)
+        want = F.linear(x.float(), w.float(), layer.bias.float())
+        got = module(x)
+        assert got.dtype == dtype and got.shape == (rows, 96)
+        assert _rel_err(got, want) <= MODULE_TOL[dtype, kind], (rows, _rel_err(got, want))
+    assert module(torch.empty(0, 256, dtype=dtype)).shape == (0, 96)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fused_parts_keep_their_rows_in_order(dtype):
+    """q / k / v in one layer: the parts' rows stack in order, Q4_0 and Q4_1 in one int4 module."""
+    torch.manual_seed(1)
+    parts = [gguf_tensor(torch.randn(n, 64) * 0.1, kind) for n, kind in ((64, T.Q4_1), (32, T.Q4_0), (32, T.Q4_1))]
+    layer = gguf_layer(parts, dtype, bias=False)
+    module = gguf_linear("layers.0.self_attn.qkv_proj", layer)
+    w = torch.cat([p.dequantize() for p in parts])
+    x = torch.randn(7, 64).to(dtype)
+    assert _rel_err(module(x), F.linear(x.float(), w.to(dtype).float())) <= MODULE_TOL[dtype, T.Q4_1]
+    q8 = gguf_layer([gguf_tensor(torch.randn(n, 64), T.Q8_0) for n in (16, 48)], dtype, bias=False)
+    w8 = torch.cat([p.dequantize() for p in q8.parts])
+    assert _rel_err(gguf_linear("x", q8)(x), F.linear(x.float(), w8.to(dtype).float())) <= MODULE_TOL[dtype, T.Q8_0]
+
+
+def test_unkept_types_and_layers_are_refused_by_name():
+    torch.manual_seed(0)
+    w = torch.randn(32, 64)
+    f16 = GGUFTensor(w.half().numpy(), T.F16, (32, 64))
+    layer = gguf_layer([f16], torch.float32)
+    assert gguf_linear("layers.1.mlp.up", layer) is layer  # stored as floats: the platform's float path
+    q6_k = GGUFTensor(np.zeros((32, 210), np.uint8), T.Q6_K, (32, 256))  # refused before its blocks are read
+    with pytest.raises(ConfigError, match=r"device.quantization: gguf keeps Q8_0, Q4_0, Q4_1.*'layers.1.mlp.up' is stored as Q6_K"):
+        gguf_linear("layers.1.mlp.up", gguf_layer([q6_k], torch.float32))
+    for parts, types in (([T.Q8_0, T.Q4_1], r"Q8_0\+Q4_1"), ([T.Q4_1, T.F16], r"Q4_1\+F16")):
+        mixed = gguf_layer([gguf_tensor(w, kind) if kind != T.F16 else f16 for kind in parts], torch.float32)
+        with pytest.raises(ConfigError, match=rf"'qkv' is stored as {types}"):
+            gguf_linear("qkv", mixed)
+    with pytest.raises(ConfigError, match=r"device.quantization: gguf .*multiple of 16; layer 'o' has 40"):
+        gguf_linear("o", gguf_layer([gguf_tensor(torch.randn(40, 64), T.Q4_0)], torch.float32))
+    with pytest.raises(ConfigError, match=r"device.quantization: gguf .*layer 'lm_head' is not a GGUF tensor of its own"):
+        gguf_linear("lm_head", nn.Linear(64, 32))
+
+
+def test_weight_of_a_gguf_linear_is_dequantized_on_demand():
+    """What any other platform (or ``quantization: none``) sees: a plain linear's weight."""
+    part = gguf_tensor(torch.randn(32, 64), T.Q4_1)
+    layer = gguf_layer([part], torch.bfloat16)
+    assert "weight" not in layer._parameters
+    assert torch.equal(layer.weight, part.dequantize().to(torch.bfloat16)) and layer.weight is layer.weight
+
+
+# ----------------------------------------------------------------------------- engines
+
+
+def write_quantized_gguf(path, model: transformers.PreTrainedModel, kind_of) -> str:
+    """``model`` as a llama GGUF whose tensors are stored in ``kind_of(name, tensor)`` (a
+    GGMLQuantizationType, F32 for norms), q/k rows permuted as llama.cpp's converter does."""
+    config = model.config
+    writer = _shape_writer(path, "llama", config)
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    for key, value in tiny_metadata().items():
+        writer.add_key_value(key, value, _value_type(value))
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if ".q_proj." in name:
+            tensor = llama_cpp_permute(tensor, config.num_attention_heads)
+        elif ".k_proj." in name:
+            tensor = llama_cpp_permute(tensor, config.num_key_value_heads)
+        kind = kind_of(name, tensor) if tensor.dim() == 2 else T.F32
+        if kind == T.F32:
+            writer.add_tensor(gguf_tensor_name(name), tensor.float().numpy())
+        else:
+            writer.add_tensor(gguf_tensor_name(name), gguf.quants.quantize(tensor.float().numpy(), kind), raw_dtype=kind)
+    return _finish(writer, path)
+
+
+FILES = {  # how each test file stores its projections (the embedding Q8_0 in all, the untied head Q8_0)
+    "q4_1": lambda name, t: T.Q4_1 if "proj" in name else T.Q8_0,
+    "q4_0": lambda name, t: T.Q4_0 if "proj" in name else T.Q8_0,
+    "q8_0": lambda name, t: T.Q8_0,
+    "mixed": lambda name, t: T.Q4_0 if ("q_proj" in name or "gate" in name) else T.Q4_1 if "proj" in name else T.Q8_0,
+}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """A tiny random Llama (untied head) with projection weights at std 0.08 (as
+    tests/test_cpu_quantization.py's calm model: a 2-layer random model at 0.15 is chaotic)."""
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_SHAPE, tie_word_embeddings=False)).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.15 if "embed" in name or "lm_head" in name else 0.08)
+    return hf
+
+
+@pytest.fixture(scope="module")
+def files(reference, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("gguf_kept")
+    return {name: write_quantized_gguf(directory / f"{name}.gguf", reference, kind_of) for name, kind_of in FILES.items()}
+
+
+def _llm(path: str, dtype: str = "float32", **device) -> LLM:
+    return LLM(model={"path": path, "dtype": dtype}, device={"plugin": "cpu", **device}, kv_cache={"plugin": "paged", "num_blocks": 64})
+
+
+def _sequences(llm: LLM, vocab: int) -> list[list[int]]:
+    """The engine's own greedy continuations of a few prompts (bytes and merges, no specials)."""
+    rng = np.random.default_rng(3)
+    ps = [rng.integers(4, vocab, size=n).tolist() for n in (5, 17, 40, 9)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    return [p + o.outputs[0].token_ids for p, o in zip(ps, outs)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("file", list(FILES))
+def test_kept_engine_matches_the_dequantized_engine(files, reference, file, dtype):
+    ref = _llm(files[file], dtype)
+    sequences = _sequences(ref, reference.config.vocab_size)
+    assert len({tuple(s) for s in sequences}) == len(sequences)
+    want = teacher_forced(ref, sequences)
+    llm = _llm(files[file], dtype, quantization="gguf", quantize_lm_head=True)
+    model = llm.engine.c.runner.model
+    kind = Int8GroupLinear if file == "q8_0" else Int4WeightOnlyLinear
+    assert sum(type(m) is kind for m in model.layers.modules()) == 4 * len(model.layers)  # qkv, o, gate_up, down
+    assert type(model.lm_head) is Int8GroupLinear  # the untied head is Q8_0 in every file
+    assert not any(isinstance(m, (GGUFLinear, nn.Linear, PackedLinear)) for m in model.modules())
+    got = teacher_forced(llm, sequences)
+    assert len(got) == len(want)
+    agree = sum(w[0] == g[0] for w, g in zip(want, got)) / len(want)
+    moved = [abs(w[1] - g[1]) for w, g in zip(want, got)]
+    if dtype == "float32":
+        assert agree == 1.0 and max(moved) <= F32_MAX_NATS, (agree, max(moved))
+    else:
+        assert agree >= BF16_AGREEMENT, f"top-1 agrees at {agree:.3f} of positions"
+        assert max(moved) <= BF16_MAX_NATS and sum(moved) / len(moved) <= BF16_MEAN_NATS, (max(moved), sum(moved) / len(moved))
+    print(f"{file} {dtype}: top-1 agreement {agree:.3f}, logprob change max {max(moved):.2e} mean {sum(moved) / len(moved):.2e}")
+    if dtype == "float32":  # free-running too: the very same greedy text
+        assert _sequences(llm, reference.config.vocab_size) == sequences
+
+
+def test_default_head_stays_float_and_none_is_the_dequantized_model(files, reference):
+    """Without quantize_lm_head the head is the float (dequantized) layer; with quantization
+    none every layer is the file's dequantized values, as read_gguf gives them."""
+    from modserve.core.models.gguf_reader import read_gguf
+
+    model = _llm(files["q4_1"], quantization="gguf").engine.c.runner.model
+    assert type(model.lm_head) in (PackedLinear, nn.Linear) and type(model.lm_head) is not GGUFLinear
+    plain = _llm(files["q4_1"], pack_weights=False).engine.c.runner.model
+    tensors = read_gguf(files["q4_1"]).tensors
+    assert torch.equal(plain.layers[1].self_attn.qkv_proj.weight, torch.cat([tensors[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"]))
+    assert torch.equal(plain.lm_head.weight, tensors["lm_head.weight"])
+    assert torch.equal(plain.embed_tokens.weight, tensors["model.embed_tokens.weight"])
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+def test_gguf_needs_a_gguf_checkpoint(tiny_models):
+    path, _ = tiny_models["llama"]  # an HF safetensors directory
+    with pytest.raises(ConfigError, match=r"device.quantization: gguf keeps a GGUF file's blocks.*is not a GGUF tensor"):
+        _llm(path, quantization="gguf")
+
+
+def test_a_tied_head_cannot_be_kept(reference, tmp_path):
+    torch.manual_seed(0)
+    tied = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_SHAPE, tie_word_embeddings=True)).eval()
+    path = write_quantized_gguf(tmp_path / "tied.gguf", tied, FILES["q4_1"])
+    assert len(_llm(path, quantization="gguf").generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids) == 3
+    with pytest.raises(ConfigError, match=r"layer 'lm_head' is not a GGUF tensor of its own"):
+        _llm(path, quantization="gguf", quantize_lm_head=True)
+
+
+def test_float_layers_stay_float_and_mixed_layers_are_refused(files, reference, tmp_path):
+    path = write_quantized_gguf(tmp_path / "f16.gguf", reference, lambda name, t: T.F16 if "down_proj" in name else T.Q4_1)
+    llm = _llm(path, quantization="gguf")
+    layer = llm.engine.c.runner.model.layers[0]
+    assert type(layer.mlp.down_proj) in (PackedLinear, nn.Linear) and type(layer.mlp.gate_up_proj) is Int4WeightOnlyLinear
+    sequences = _sequences(_llm(path), reference.config.vocab_size)
+    assert [w[0] for w in teacher_forced(llm, sequences)] == [w[0] for w in teacher_forced(_llm(path), sequences)]
+    path = write_quantized_gguf(tmp_path / "mixed.gguf", reference, lambda name, t: T.Q8_0 if "q_proj" in name else T.Q4_1)
+    with pytest.raises(ConfigError, match=r"layer 'layers.0.self_attn.qkv_proj' is stored as Q8_0\+Q4_1\+Q4_1: use none"):
+        _llm(path, quantization="gguf")
+
+
+@pytest.mark.parametrize("device,message", [
+    ({"plugin": "cpu", "quantization": "gguf4"}, "device.quantization: expected one of none, int8, w8a8, int4, gguf, got 'gguf4'"),
+    ({"plugin": "cuda", "quantization": "gguf"}, "device.quantization: unknown key"),
+])
+def test_bad_combinations_are_config_errors_naming_the_field(device, message):
+    with pytest.raises(ConfigError) as e:
+        resolve({"device": device})
+    assert message in str(e.value)
+
+
+# ----------------------------------------------------------------------------- the embedded SmolLM2 (Q4_1)
+
+
+def _tensor_bytes(model: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])  # oneDNN-packed ones too
+
+
+def test_embedded_smollm2_kept_in_q4_1_matches_its_dequantized_engine():
+    """float32: the same greedy text, teacher-forced logprobs within SMOLLM2_MAX_NATS (measured
+    1.75e-5: the int4 kernel's rounding over 30 layers), every projection an int4 module with the file's groups of 32, and the model's
+    tensors under half the dequantized model's (measured 292 MB against 621: the float32
+    embedding and the tied head's packed copy stay)."""
+    pipeline = dict(model={"path": "smollm2-135m-instruct", "dtype": "float32", "max_model_len": 512},
+                    kv_cache={"plugin": "paged", "num_blocks": 48})
+    ref = LLM(**pipeline, device={"plugin": "cpu"})
+    prompt = ref.tokenizer.encode("The three primary colours are")
+    out = ref.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    sequence = prompt + out[0].outputs[0].token_ids
+    want, ref_bytes = teacher_forced(ref, [sequence]), _tensor_bytes(ref.engine.c.runner.model)
+    del ref, out
+    llm = LLM(**pipeline, device={"plugin": "cpu", "quantization": "gguf"})
+    model = llm.engine.c.runner.model
+    kept = [m for m in model.layers.modules() if type(m) is Int4WeightOnlyLinear]
+    assert len(kept) == 4 * 30 and {m.group_size for m in kept} == {32}
+    assert _tensor_bytes(model) < 0.5 * ref_bytes
+    got = teacher_forced(llm, [sequence])
+    moved = max(abs(w[1] - g[1]) for w, g in zip(want, got))
+    print(f"SmolLM2 float32: largest logprob change {moved:.2e}; tensors {_tensor_bytes(model) / 2**20:.0f} MB against {ref_bytes / 2**20:.0f}")
+    assert [w[0] for w in want] == [g[0] for g in got] and moved <= SMOLLM2_MAX_NATS
+    gen = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert prompt + gen[0].outputs[0].token_ids == sequence
