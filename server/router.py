@@ -4,50 +4,30 @@ Every replica is a full :class:`~modserve.core.engine.Engine` built from the sam
 each on its own :class:`~modserve.core.async_engine.AsyncEngine` thread in the server
 process (torch releases the GIL inside its ops, so the threads overlap on model work).
 
-Routing is prefix-aware: a prompt's leading *full* KV blocks (``block_size`` tokens each,
-at most ``max_blocks`` of them) plus its ``cache_salt`` make a key, and a bounded LRU map
-remembers which replica last served that key, so prompts sharing those blocks land where
-the prefix cache is already warm. A new key, a prompt shorter than one block, or a
-remembered replica much busier than the least-loaded one (``load > 2 * least + 4`` active
-requests) goes to the least-loaded replica instead (ties rotate), and the map is updated.
+Routing is prefix-aware (:class:`~modserve.server.prefix_affinity.PrefixAffinity`, the rule the
+Ray Serve request router uses too): a prompt's leading full KV blocks and its ``cache_salt``
+make a key, remembered with the replica that took it, so prompts sharing those blocks land
+where the prefix cache is already warm, unless that replica is much busier than the
+least-loaded one.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
 from collections.abc import Sequence
 
 from modserve.core.async_engine import AsyncEngine
+from modserve.server.prefix_affinity import PrefixAffinity
 
 
-class Router:
-    """Picks a replica for a prompt; event-loop thread only (not thread-safe)."""
+class Router(PrefixAffinity):
+    """The in-process case: replicas are list indices, loads their active requests."""
 
     def __init__(self, num_replicas: int, block_size: int, max_blocks: int = 4, max_entries: int = 4096) -> None:
         if num_replicas < 1:
             raise ValueError(f"num_replicas: expected >= 1, got {num_replicas}")
+        super().__init__(block_size, max_blocks, max_entries)
         self.num_replicas = num_replicas
-        self.block_size = block_size
-        self.max_blocks = max_blocks
-        self.max_entries = max_entries
-        self._map: OrderedDict[int, int] = OrderedDict()  # prefix key -> replica, least recently used first
-        self._next = 0  # rotates ties between equally loaded replicas
-
-    def key(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int | None:
-        """The prefix key: ``None`` when the prompt has no full block (nothing cacheable to share)."""
-        n = min(len(token_ids) // self.block_size, self.max_blocks) * self.block_size
-        if n == 0:
-            return None
-        return hash((cache_salt, tuple(token_ids[:n])))
-
-    def least_loaded(self, loads: Sequence[int], eligible: Sequence[bool] | None = None) -> int:
-        n = len(loads)
-        order = [(i + self._next) % n for i in range(n)]
-        candidates = [i for i in order if eligible is None or eligible[i]] or order
-        best = min(candidates, key=lambda i: loads[i])
-        self._next = (best + 1) % n
-        return best
 
     def pick(
         self, token_ids: Sequence[int], cache_salt: str | None, loads: Sequence[int],
@@ -60,23 +40,10 @@ class Router:
         if self.num_replicas == 1:
             return 0
         key = self.key(token_ids, cache_salt)
-        ok = [True] * len(loads) if eligible is None else list(eligible)
-        if key is not None and key in self._map:
-            sticky = self._map[key]
-            least = min((loads[i] for i in range(len(loads)) if ok[i]), default=loads[sticky])
-            if ok[sticky] and loads[sticky] <= 2 * least + 4:
-                self._map.move_to_end(key)
-                return sticky
-        choice = self.least_loaded(loads, ok)
-        if key is not None:
-            self._map[key] = choice
-            self._map.move_to_end(key)
-            while len(self._map) > self.max_entries:
-                self._map.popitem(last=False)
+        candidates = {i: load for i, load in enumerate(loads) if eligible is None or eligible[i]}
+        choice = self.choose(key, candidates or dict(enumerate(loads)))
+        self.remember(key, choice)
         return choice
-
-    def __len__(self) -> int:
-        return len(self._map)
 
 
 class Replicas:
