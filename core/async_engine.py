@@ -142,7 +142,7 @@ class AsyncEngine:
             raise EngineDeadError(f"engine loop died: {self.dead_reason}")
         if self.draining:
             raise ServerBusyError("the server is shutting down", "shutting_down", retry_after_s=5)
-        waiting = self._num_waiting + self._submitted - self._consumed
+        waiting = self.num_waiting
         if waiting + num_seqs > self.max_waiting_requests:
             raise ServerBusyError(
                 f"the server is overloaded: {waiting} sequences are waiting "
@@ -182,6 +182,16 @@ class AsyncEngine:
     @property
     def num_active(self) -> int:
         return len(self._streams)
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences not yet running: the engine's queue after its last step plus those still in the inbox."""
+        return self._num_waiting + self._submitted - self._consumed
+
+    @property
+    def kv_usage(self) -> float:
+        """The KV cache's used fraction (0..1), as the loop thread last left it."""
+        return self.engine.kv.stats().usage
 
     async def drain(self, grace_s: float) -> None:
         """Refuse new requests, give in-flight ones ``grace_s`` to finish, then abort the rest."""

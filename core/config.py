@@ -65,6 +65,37 @@ class ParallelSection(_Section):
     data_parallel_size: PositiveInt = 1  # engine replicas behind one server (prefix-aware routing); `serve --replicas` overrides
 
 
+class RayAutoscalingSection(_Section):
+    min_replicas: PositiveInt = 1
+    max_replicas: PositiveInt = 2
+    target_active_per_replica: PositiveInt = 16  # running + waiting requests per replica the autoscaler aims for
+    kv_usage_high: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9  # a replica's KV cache fuller than this asks for one more replica
+    look_back_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0  # the window the replicas' counters are averaged over
+    upscale_delay_s: Annotated[float, msgspec.Meta(ge=0)] = 5.0  # how long a scale-up decision must hold before replicas start
+    downscale_delay_s: Annotated[float, msgspec.Meta(ge=0)] = 60.0  # how long a scale-down decision must hold before replicas stop
+
+    def __post_init__(self) -> None:
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"max_replicas: {self.max_replicas} is below min_replicas {self.min_replicas}")
+
+
+class RaySection(_Section):
+    address: str = "auto"  # the Ray cluster to deploy on (auto: the one this node belongs to); `modserve ray serve --address` overrides
+    app_name: str = "modserve"  # the Ray Serve application's name
+    num_replicas: PositiveInt | None = None  # engine replicas (default 1); leave unset with autoscaling
+    autoscaling: RayAutoscalingSection | None = None  # scale replicas on the engines' waiting requests and KV usage
+    num_cpus_per_replica: Annotated[float, msgspec.Meta(gt=0)] = 1.0  # CPUs Ray reserves per engine replica (and its torch threads); per rank with tensor parallelism
+    num_gpus_per_replica: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # GPUs Ray reserves per engine replica; per rank with tensor parallelism
+    router: Literal["prefix", "power_of_two"] = "prefix"  # prefix: a prompt's leading blocks go where they are cached, else least loaded; power_of_two: Ray Serve's default
+    max_ongoing_requests: PositiveInt = 64  # requests one replica holds at once; more wait at the ingress
+    max_retries: Annotated[int, msgspec.Meta(ge=0)] = 1  # a request whose replica died before sending anything is retried this often
+    routing_stats_period_s: Annotated[float, msgspec.Meta(gt=0)] = 0.5  # how often the router reads each engine's counters
+
+    def __post_init__(self) -> None:
+        if self.num_replicas is not None and self.autoscaling is not None:
+            raise ValueError("num_replicas: give either num_replicas or autoscaling, not both")
+
+
 class PipelineConfig(_Section):
     model: ModelSection = msgspec.field(default_factory=ModelSection)
     device: str | dict[str, Any] = "cpu"  # a platform plugin (cpu, cuda, an installed one) or auto; {plugin: cpu, ...} for its options
@@ -82,6 +113,7 @@ class PipelineConfig(_Section):
     observers: list[dict[str, Any]] = msgspec.field(default_factory=lambda: [{"plugin": "metrics"}])  # metrics, tracing, third-party loggers
     server: ServerSection = msgspec.field(default_factory=ServerSection)
     parallel: ParallelSection = msgspec.field(default_factory=ParallelSection)
+    ray: RaySection | None = None  # deployment on Ray Serve (`modserve ray serve`); `serve` runs on one machine and says so
 
 
 PLUGIN_SECTIONS = {  # pipeline key -> plugin kind
