@@ -1,4 +1,4 @@
-"""``modserve`` command line: serve, validate, plugins, models, generate, bench.
+"""``modserve`` command line: serve, ray serve, validate, plugins, models, generate, bench.
 
 Errors in configs and arguments print one line naming the field and exit 2; nothing
 here imports torch until a command needs the engine.
@@ -42,6 +42,16 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--replicas", type=int, help="data-parallel engine replicas (overrides parallel.data_parallel_size)")
     s.set_defaults(func=_cmd_serve)
 
+    r = sub.add_parser("ray", help="run the pipeline as a Ray Serve application (needs modserve[ray])")
+    rsub = r.add_subparsers(dest="ray_command")
+    rs = rsub.add_parser("serve", help="deploy on a Ray cluster; serve until SIGINT/SIGTERM unless --detach")
+    rs.add_argument("-c", "--config", help="pipeline YAML with a ray: section (default: the embedded SmolLM2 pipeline)")
+    rs.add_argument("--address", help="the Ray cluster (overrides ray.address; auto: the one this node belongs to)")
+    rs.add_argument("--host")
+    rs.add_argument("--port", type=int)
+    rs.add_argument("--detach", action="store_true", help="deploy and return, leaving the application running")
+    rs.set_defaults(func=_cmd_ray_serve)
+
     v = sub.add_parser("validate", help="check a pipeline YAML without loading the model")
     v.add_argument("-c", "--config", required=True, nargs="+")
     v.set_defaults(func=_cmd_validate)
@@ -83,6 +93,13 @@ def _cmd_serve(args) -> int:
     from modserve.server.app import serve
 
     return serve(args.config, host=args.host, port=args.port, replicas=args.replicas)
+
+
+def _cmd_ray_serve(args) -> int:
+    from modserve.ray_serve.app import run
+
+    cli = {k: v for k, v in {"host": args.host, "port": args.port}.items() if v is not None}
+    return run(args.config, address=args.address, detach=args.detach, **({"server": cli} if cli else {}))
 
 
 def _cmd_validate(args) -> int:
