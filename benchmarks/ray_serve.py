@@ -121,7 +121,8 @@ def main() -> int:
     machine = {"cpu": model, "flags": sorted(f for f in flags if f.startswith(("avx", "amx"))),
                "cpus": args.cpus, "python": platform.python_version(), "ray": ray.__version__}
     print(f"machine: {machine['cpu']}, {args.cpus} CPUs for Ray; {' '.join(machine['flags'])}", flush=True)
-    ray.init(num_cpus=args.cpus, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")  # Ray's default: 10 s
+    ray.init(address="local", num_cpus=args.cpus, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     results = {"machine": machine}

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -273,6 +274,100 @@ def test_ingress_ends_a_broken_stream_with_an_error_event():
     r = _ask(_FakeHandle([_FakeStream([SSE, chunk], fail_after=2)]), "/v1/responses", b'{"input": "hi"}')
     last = r.text.strip().split("\n\n")[-1]
     assert last.startswith("event: error\ndata: ") and json.loads(last.split("data: ", 1)[1])["sequence_number"] == 1
+
+
+# ----------------------------------------------------------------------------- live: a local cluster
+
+
+@pytest.fixture(scope="module")
+def local_cluster():
+    """A fresh one-node Ray cluster of 2 CPUs (never one already running here) with Serve's
+    proxy on a free port; yields the base URL."""
+    from ray import serve
+
+    # replicas push autoscaling metrics every 10 s by default; the spawned processes inherit this
+    os.environ["RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = "0.5"
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))  # a free port for Ray Serve's proxy (it takes no port 0)
+    port = sock.getsockname()[1]
+    sock.close()
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def test_tensor_parallel_replica_runs_in_its_placement_group_and_matches_one_process(local_cluster):
+    """A replica with tensor_parallel_size 2 (two bundles of one CPU, packed) answers exactly
+    what a single-process engine answers."""
+    from ray import serve
+
+    from modserve import LLM, SamplingParams
+
+    prompt = "the quick brown fox"
+    expected = LLM(pipeline()).generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    cfg = pipeline(parallel={"tensor_parallel_size": 2})
+    app, _ = ray_app.build_application({**cfg, "ray": {"num_replicas": 1, "num_cpus_per_replica": 1, "app_name": "tp"}})
+    serve.run(app, name="tp", route_prefix="/")
+    try:
+        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(f"{local_cluster}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == expected.outputs[0].text
+        groups = [pg for pg in ray.util.placement_group_table().values() if pg["state"] == "CREATED"]
+        assert any(pg["strategy"] == "STRICT_PACK" and len(pg["bundles"]) == 2 for pg in groups)
+    finally:
+        serve.delete("tp")
+
+
+def test_autoscaling_adds_a_replica_under_load_within_bounds(local_cluster):
+    """min 1, max 2, 2 active requests per replica wanted: 8 clients asking back to back bring
+    the second replica (the engines' own counters drive it), and never a third."""
+    from ray import serve
+
+    cfg = pipeline()
+    app, _ = ray_app.build_application({**cfg, "ray": {"app_name": "scale", "num_cpus_per_replica": 1, "autoscaling": {
+        "min_replicas": 1, "max_replicas": 2, "target_active_per_replica": 2, "look_back_s": 1.0,
+        "upscale_delay_s": 0.5, "downscale_delay_s": 600}}})
+    serve.run(app, name="scale", route_prefix="/")
+
+    def running() -> int:
+        return serve.status().applications["scale"].deployments["engine"].replica_states.get("RUNNING", 0)
+
+    try:
+        assert running() == 1
+        body = {"model": MODEL_NAME, "prompt": "a", "max_tokens": 480, "ignore_eos": True}
+
+        async def load_until_scaled():
+            """8 clients asking back to back until the second replica runs (60 s at most)."""
+            scaled = asyncio.Event()
+            codes: list[int] = []
+
+            async def client_loop(client):
+                while not scaled.is_set():
+                    codes.append((await client.post(f"{local_cluster}/v1/completions", json=body)).status_code)
+
+            async with httpx.AsyncClient(timeout=120) as client:
+                loops = [asyncio.ensure_future(client_loop(client)) for _ in range(8)]
+                most = 1
+                for _ in range(120):
+                    most = max(most, await asyncio.to_thread(running))
+                    if most >= 2:
+                        break
+                    await asyncio.sleep(0.5)
+                scaled.set()
+                await asyncio.gather(*loops)
+            return most, codes
+
+        most, codes = asyncio.run(load_until_scaled())
+        assert codes and set(codes) == {200}
+        assert most == 2
+        assert running() <= 2
+    finally:
+        serve.delete("scale")
 
 
 # ----------------------------------------------------------------------------- the smoke script: a real cluster
