@@ -19,12 +19,11 @@ from gguf import GGUFReader, ReaderTensor, TokenType
 from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from modserve.core.models import gguf_archs
+from modserve.core.models.gguf_archs import ARCHITECTURES as _ARCHITECTURES
 from modserve.core.models.gguf_quantized import GGUFTensor
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-# GGUF general.architecture -> HF model_type (a llama file with experts is Mixtral)
-_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "olmo2": "olmo2"}
 
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_TENSORS = {
@@ -86,8 +85,9 @@ def find_smollm2_gguf() -> str:
 
 
 def read_gguf(path: str, dtype: torch.dtype = torch.float32, keep_blocks: bool = False) -> GGUFModel:
-    """Dequantize every tensor of a GGUF (Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, OLMo 2)
-    and rebuild its config and tokenizer.
+    """Dequantize every tensor of a GGUF (Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, OLMo 2,
+    Gemma 2, Gemma 3 text, Phi-3) and rebuild its config and tokenizer (what the converter does
+    differently per architecture is undone in :mod:`~modserve.core.models.gguf_archs`).
 
     ``keep_blocks``: every 2-D tensor (but a stacked ``ffn_*_exps`` one) comes as a
     :class:`GGUFTensor`, the file's blocks with the q/k rows already un-permuted, dequantized
@@ -98,10 +98,13 @@ def read_gguf(path: str, dtype: torch.dtype = torch.float32, keep_blocks: bool =
     arch = meta.get("general.architecture")
     if arch not in _ARCHITECTURES:
         raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHITECTURES)}")
-    config = _config(meta, arch, {tensor.name for tensor in reader.tensors}, path)
+    by_name = {tensor.name: tensor for tensor in reader.tensors}
+    config = _config(meta, arch, set(by_name), path, tensors=by_name)
     tokenizer = build_tokenizer(meta)  # before the slow part, so an unsupported tokenizer fails fast
     tensors = {}
     for tensor in reader.tensors:
+        if gguf_archs.is_config_tensor(arch, tensor.name):  # Phi-3's LongRoPE factors: in the config
+            continue
         tensors.update(_hf_tensors(tensor, arch, config, dtype, path, keep_blocks))
     config["vocab_size"] = tensors["model.embed_tokens.weight"].shape[0]
     tokens = meta["tokenizer.ggml.tokens"]
@@ -131,8 +134,11 @@ def _open(path: str) -> GGUFReader:
         raise ValueError(f"{path}: unreadable GGUF file: {error}") from error
 
 
-def _config(meta: dict[str, Any], arch: str, tensor_names: set[str], path: str) -> dict[str, Any]:
-    """The HF `config.json` that describes the same model as the GGUF's `{arch}.*` metadata."""
+def _config(
+    meta: dict[str, Any], arch: str, tensor_names: set[str], path: str, tensors: dict[str, ReaderTensor] | None = None
+) -> dict[str, Any]:
+    """The HF `config.json` that describes the same model as the GGUF's `{arch}.*` metadata
+    (``tensors``: the file's tensors by name, for settings stored as tensors: Phi-3's LongRoPE)."""
 
     def key(name: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{name}", default)
@@ -170,6 +176,7 @@ def _config(meta: dict[str, Any], arch: str, tensor_names: set[str], path: str) 
     rope_scaling = _rope_scaling(meta, arch)
     if rope_scaling:
         config["rope_scaling"] = rope_scaling
+    config.update(gguf_archs.arch_config(meta, arch, config, tensors or {}))
     return config
 
 
@@ -192,14 +199,15 @@ def _eos_ids(meta: dict[str, Any]) -> list[int]:
     return list(dict.fromkeys(ids))
 
 
-def _hf_name(gguf_name: str, path: str) -> str:
+def _hf_name(gguf_name: str, path: str, arch: str = "llama") -> str:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; unknown tensors are errors."""
     module, _, kind = gguf_name.rpartition(".")
     if module in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[module]}.{kind}"
     match = _LAYER_TENSOR.fullmatch(module)
-    if match and match[2] in _LAYER_TENSORS:
-        return f"model.layers.{match[1]}.{_LAYER_TENSORS[match[2]]}.{kind}"
+    names = {**_LAYER_TENSORS, **gguf_archs.LAYER_TENSORS.get(arch, {})}
+    if match and match[2] in names:
+        return f"model.layers.{match[1]}.{names[match[2]]}.{kind}"
     raise ValueError(f"{path}: unsupported GGUF tensor {gguf_name!r}")
 
 
@@ -213,8 +221,8 @@ def _hf_tensors(tensor: ReaderTensor, arch: str, config: dict[str, Any], dtype: 
         proj = _EXPERT_TENSORS[match[2]]
         return {f"model.layers.{match[1]}.mlp.experts.{e}.{proj}.{kind}": stacked[e] for e in range(stacked.shape[0])}
     if keep_blocks and len(tensor.data.shape) == 2:
-        return {_hf_name(tensor.name, path): _kept_tensor(tensor, arch, config)}
-    return {_hf_name(tensor.name, path): _load_tensor(tensor, arch, config, dtype)}
+        return {_hf_name(tensor.name, path, arch): _kept_tensor(tensor, arch, config)}
+    return {_hf_name(tensor.name, path, arch): _load_tensor(tensor, arch, config, dtype)}
 
 
 def _kept_tensor(tensor: ReaderTensor, arch: str, config: dict[str, Any]) -> GGUFTensor:
@@ -235,6 +243,9 @@ def _kept_tensor(tensor: ReaderTensor, arch: str, config: dict[str, Any]) -> GGU
 def _load_tensor(tensor: ReaderTensor, arch: str, config: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
     """One tensor dequantized to an owned fp32 array (not a view of the mmap), in HF layout, cast."""
     weights = torch.from_numpy(np.require(dequantize(tensor.data, tensor.tensor_type), np.float32, ["C", "W"]))
+    offset = gguf_archs.stored_norm_offset(arch, tensor.name)
+    if offset:  # Gemma's norms: stored as 1 + weight, HF's weight back
+        weights -= offset
     if arch == "llama" and ".attn_q." in tensor.name:
         weights = _unpermute_rope_rows(weights, config["num_attention_heads"])
     elif arch == "llama" and ".attn_k." in tensor.name:
