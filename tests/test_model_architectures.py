@@ -62,9 +62,15 @@ def test_chunked_prefill_prefix_hits_and_preemption_keep_hf_tokens(models, arch)
     """64-token steps split the long prompts; a shared 48-token prefix is served from the cache
     the second time; 12 blocks of 16 for 6 requests force preemption and recomputation."""
     path, hf = models(arch)
+    check_chunks_prefix_hits_and_preemption(path, hf, step_tokens=64)
+
+
+def check_chunks_prefix_hits_and_preemption(path: str, hf, step_tokens: int, **llm_options) -> None:
+    """Steps of ``step_tokens`` split the long prompts; a shared 48-token prefix is served from
+    the cache the second time; 12 blocks of 16 for 6 requests force preemption: HF's tokens throughout."""
     llm = LLM(model={"path": path, "max_model_len": 160},
               kv_cache={"plugin": "paged", "block_size": 16, "num_blocks": 12, "prefix_caching": True},
-              scheduler={"plugin": "fcfs", "max_num_batched_tokens": 64, "max_num_seqs": 6})
+              scheduler={"plugin": "fcfs", "max_num_batched_tokens": step_tokens, "max_num_seqs": 6}, **llm_options)
     shared = list(range(20, 68))
     ps = [shared + [100 + i, 101 + i] for i in range(3)] + prompts(hf.config.vocab_size, count=3, seed=9)
     want = [hf_greedy(hf, p, 16) for p in ps]
@@ -195,19 +201,7 @@ def test_gemma_batch_chunks_prefix_hits_and_preemption_match_hf_on_each_backend(
     llm = LLM(model=path, attention=BACKENDS[backend], kv_cache={"plugin": "paged", "block_size": 16, "num_blocks": 128})
     assert [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY)] == want
 
-    llm = LLM(model={"path": path, "max_model_len": 160}, attention=BACKENDS[backend],
-              kv_cache={"plugin": "paged", "block_size": 16, "num_blocks": 12, "prefix_caching": True},
-              scheduler={"plugin": "fcfs", "max_num_batched_tokens": 16, "max_num_seqs": 6})
-    shared = list(range(20, 68))
-    ps = [shared + [100 + i, 101 + i] for i in range(3)] + prompts(hf.config.vocab_size, count=3, seed=9)
-    want = [hf_greedy(hf, p, 16) for p in ps]
-    first = llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY)
-    hits = llm.engine.scheduler.stats().prefix_hits
-    again = llm.generate([{"prompt_token_ids": p} for p in ps[:3]], GREEDY)
-    assert [o.outputs[0].token_ids for o in first] == want
-    assert [o.outputs[0].token_ids for o in again] == want[:3]
-    assert llm.engine.scheduler.stats().prefix_hits - hits >= 48
-    assert llm.engine.scheduler.stats().num_preemptions > 0
+    check_chunks_prefix_hits_and_preemption(path, hf, step_tokens=16, attention=BACKENDS[backend])
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
