@@ -142,6 +142,15 @@ class KVBackend(Plugin):
         ``prefix_hit`` is given on a request's first allocation; its blocks are taken
         (ref count +1) and the caller advances ``num_computed_tokens`` past them.
         Returns False and changes nothing when there are not enough free blocks.
+
+        A backend may release blocks no future query can attend when every layer has a
+        sliding window ``W`` (those wholly at or before ``num_computed_tokens - W``; the
+        ``paged`` backend's ``free_outside_window``). It relies on ``num_computed_tokens``
+        never falling below its value at an ``allocate`` call except through :meth:`free`
+        (rejected drafts roll back only tokens allocated in the same call); the released
+        slots of :meth:`block_table` then hold a placeholder block id whose contents read
+        as zeros and are never written, which attention reads, if at all, only at masked
+        positions.
         """
 
     @abstractmethod
