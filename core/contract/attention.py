@@ -65,7 +65,7 @@ class AttentionBackend(Plugin):
     size. Raise ``ValueError`` naming what this backend cannot run (dtype, device, head size,
     a sliding window). Subclasses call ``super().__init__(config, ctx)``.
 
-    Per-layer settings (contract 2.1 addition): a model whose layers differ from the plain
+    Per-layer settings (contract 2.2 addition): a model whose layers differ from the plain
     causal attention above asks for each such layer's backend with :meth:`for_layer`
     (a sliding window, logit soft-capping). The default refuses anything but the plain
     settings, so a backend written before the hook keeps serving every other model.

@@ -30,7 +30,7 @@ from modserve.core.models.rope import RotaryTable
 from modserve.plugins.models.decoder import DecoderLM
 from modserve.plugins.models.layers import MLP, Attention, RMSNorm
 
-MODSERVE_CONTRACT = "2.1"
+MODSERVE_CONTRACT = "2.2"  # its layers ask their attention backend for_layer
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
