@@ -215,3 +215,12 @@ def test_a_rollback_behind_released_blocks_raises_instead_of_reading_the_placeho
     assert held(kv) == 0
     # a windowed model on only some layers, or a proposer's own KV: nothing released
     assert _backend(sliding_window=8, sliding_window_layers=(0,)).window is None
+
+
+def test_the_contiguous_baseline_refuses_free_outside_window_by_name():
+    from modserve.core.config import ConfigError
+    from modserve.core.engine_factory import resolve
+
+    with pytest.raises(ConfigError, match="kv_cache.free_outside_window: the contiguous baseline keeps every reserved slot"):
+        resolve({"kv_cache": {"plugin": "contiguous", "free_outside_window": True}})
+    resolve({"kv_cache": {"plugin": "contiguous", "free_outside_window": False}})  # saying no is fine

@@ -23,13 +23,15 @@ class ContiguousConfig(PagedConfig, kw_only=True):
         super().__post_init__()
         if self.prefix_caching:
             raise ValueError("prefix_caching: the contiguous baseline has no prefix cache, got True")
+        if self.free_outside_window:
+            raise ValueError("free_outside_window: the contiguous baseline keeps every reserved slot, got True")
 
 
 class ContiguousKVBackend(PagedKVBackend):
     Config = ContiguousConfig
 
     def __init__(self, config: ContiguousConfig, ctx: BuildContext) -> None:
-        super().__init__(msgspec.structs.replace(config, prefix_caching=False), ctx)
+        super().__init__(msgspec.structs.replace(config, prefix_caching=False, free_outside_window=False), ctx)
         self.reservation = -(-ctx.kv_spec.max_model_len // self.block_size)  # blocks per request
 
     def lookup_prefix(self, request: Request) -> PrefixHit:
