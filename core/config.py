@@ -70,7 +70,7 @@ class RayAutoscalingSection(_Section):
     max_replicas: PositiveInt = 2
     target_active_per_replica: PositiveInt = 16  # running + waiting requests per replica the autoscaler aims for
     kv_usage_high: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9  # a replica's KV cache fuller than this asks for one more replica
-    look_back_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0  # the window the replicas' counters are averaged over
+    look_back_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0  # the window the replicas' counters are averaged over (Ray's default)
     upscale_delay_s: Annotated[float, msgspec.Meta(ge=0)] = 5.0  # how long a scale-up decision must hold before replicas start
     downscale_delay_s: Annotated[float, msgspec.Meta(ge=0)] = 60.0  # how long a scale-down decision must hold before replicas stop
 

@@ -71,6 +71,8 @@ def engine_options(pipeline: PipelineConfig) -> dict[str, Any]:
             "max_replicas": a.max_replicas,
             "initial_replicas": a.min_replicas,
             "look_back_period_s": a.look_back_s,
+            # Ray still checks its deprecated metrics_interval_s (10 s) against the look-back window
+            **({"metrics_interval_s": a.look_back_s / 2} if a.look_back_s <= 10 else {}),
             "upscale_delay_s": a.upscale_delay_s,
             "downscale_delay_s": a.downscale_delay_s,
             "policy": {
