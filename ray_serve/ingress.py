@@ -38,11 +38,11 @@ def _lost(message: str) -> APIError:
 class Relay(Response):
     """Sends the replica's status and headers as they are, then its body pieces as they come."""
 
-    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], first: bytes | None, rest, path: str) -> None:
+    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], first: bytes | None, gen, rest, path: str) -> None:
         self.status_code = status
         self.raw_headers = headers
         self.background = None
-        self._first, self._rest, self._path = first, rest, path
+        self._first, self._gen, self._rest, self._path = first, gen, rest, path
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
@@ -58,8 +58,9 @@ class Relay(Response):
             log.warning("engine replica lost mid-response (%s): %s: %s", self._path, type(e).__name__, e)
             if self._is_event_stream():
                 await send({"type": "http.response.body", "body": self._error_event(events), "more_body": True})
-        finally:
+        finally:  # the client left, or the relay ended: stop the replica's generation either way
             await self._rest.aclose()
+            self._gen.cancel()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     def _is_event_stream(self) -> bool:
@@ -113,7 +114,7 @@ class Ingress:
                 raise
             if attempt:
                 headers = [*headers, (b"x-modserve-retries", str(attempt).encode())]
-            return Relay(status, headers, first, bodies, forwarded.path)
+            return Relay(status, headers, first, gen, bodies, forwarded.path)
         return _lost(
             f"no engine replica could answer: {self.max_retries + 1} attempt(s) failed "
             f"(ray.max_retries is {self.max_retries}); last: {type(lost).__name__}"
