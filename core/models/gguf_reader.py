@@ -22,6 +22,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from modserve.core.models import gguf_archs
 from modserve.core.models.gguf_archs import ARCHITECTURES as _ARCHITECTURES
 from modserve.core.models.gguf_quantized import GGUFTensor
+from modserve.core.models.gguf_spm import build_spm_tokenizer, spm_tokens
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -56,6 +57,7 @@ _SPLIT_PRE = {
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 }
 _SPLIT_PRE["llama3"] = _SPLIT_PRE["llama-bpe"]
+_TOKENIZER_MODELS = {"gpt2": "byte-level BPE", "llama": "SentencePiece"}  # `tokenizer.ggml.model`
 
 
 @dataclass
@@ -264,16 +266,29 @@ def _unpermute_rope_rows(weights: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
-    """The byte-level BPE tokenizer described by `tokenizer.ggml.*` metadata."""
+    """The tokenizer described by `tokenizer.ggml.*` metadata: byte-level BPE (`gpt2`) or
+    SentencePiece (`llama`, rebuilt as BPE with byte fallback by :mod:`.gguf_spm`)."""
     model = meta.get("tokenizer.ggml.model")
-    if model != "gpt2":
-        kind = "SentencePiece " if model == "llama" else ""
-        raise NotImplementedError(f"GGUF {kind}tokenizer model {model!r} is not supported; only 'gpt2' (byte-level BPE)")
-    tokens = meta["tokenizer.ggml.tokens"]
-    merges = [tuple(merge.split(" ", 1)) for merge in meta.get("tokenizer.ggml.merges", [])]
-    tokenizer = Tokenizer(models.BPE(vocab={token: i for i, token in enumerate(tokens)}, merges=merges))
-    tokenizer.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
-    tokenizer.decoder = decoders.ByteLevel()
+    tokens = meta["tokenizer.ggml.tokens"] if model in _TOKENIZER_MODELS else None
+    if model == "gpt2":
+        merges = [tuple(merge.split(" ", 1)) for merge in meta.get("tokenizer.ggml.merges", [])]
+        tokenizer = Tokenizer(models.BPE(vocab={token: i for i, token in enumerate(tokens)}, merges=merges))
+        tokenizer.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
+        tokenizer.decoder = decoders.ByteLevel()
+    elif model == "llama":
+        tokenizer = build_spm_tokenizer(meta)
+        tokens = spm_tokens(meta)  # Gemma's space tokens respelled
+        # The named unk/bos/eos/pad match whole, as in transformers, whatever their token type.
+        named = [meta.get(f"tokenizer.ggml.{key}_token_id") for key in ("unknown", "bos", "eos", "padding")]
+        tokenizer.add_special_tokens(
+            [AddedToken(tokens[i], special=True, normalized=False) for i in named if i is not None and i < len(tokens)]
+        )
+        meta = {"tokenizer.ggml.add_bos_token": True, **meta}  # llama.cpp adds BOS to SPM unless told not to
+    else:
+        raise NotImplementedError(
+            f"GGUF tokenizer model {model!r} is not supported; supported: "
+            + ", ".join(f"{name!r} ({kind})" for name, kind in _TOKENIZER_MODELS.items())
+        )
     _add_special_tokens(tokenizer, tokens, meta.get("tokenizer.ggml.token_type") or [])
     post_processor = _post_processor(meta, tokens)
     if post_processor is not None:
