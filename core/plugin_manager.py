@@ -31,6 +31,7 @@ BUILTIN_PLUGIN_MODULES = (  # registered by module name, as pytest registers its
     "modserve.plugins.models.olmo2",
     "modserve.plugins.models.phi3",
     "modserve.plugins.models.gemma",
+    "modserve.plugins.models.granite",
     "modserve.plugins.schedulers.fcfs",
     "modserve.plugins.schedulers.priority",
     "modserve.plugins.schedulers.static",

@@ -3,7 +3,8 @@ tiny random checkpoints: Qwen3 (per-head q/k norm), Qwen3-MoE (experts, a dense 
 Mixtral (experts), OLMo 2 (post-norms, full-width q/k norm) and Phi-3 (fused checkpoint
 projections, LongRoPE, partial rotary), Gemma 2 (a sliding window on alternate layers,
 attention and final logit soft-capping, sandwich norms, GeGLU, scaled embeddings) and
-Gemma 3 text (q/k norms, local and global layers with their own RoPE bases). Each serves a
+Gemma 3 text (q/k norms, local and global layers with their own RoPE bases) and Granite
+(embedding, residual, attention and logits multipliers). Each serves a
 batch, chunked prefills, prefix-cache hits and preemption with HF's greedy tokens, and its
 logits within float32 rounding; the Gemmas, with prompts longer than their windows, on the
 ``torch`` and ``cpu`` backends (the C++ kernel, and SDPA for the prefill chunks)."""
@@ -20,7 +21,7 @@ from modserve.core.models.rope import RotaryTable
 from modserve.plugins.models.moe import SparseMoE
 from tiny_models import build_model, hf_greedy, prompts
 
-ARCHS = ["qwen3", "qwen3_moe", "mixtral", "olmo2", "phi3", "gemma2", "gemma3_text"]
+ARCHS = ["qwen3", "qwen3_moe", "mixtral", "olmo2", "phi3", "gemma2", "gemma3_text", "granite"]
 GEMMAS = ["gemma2", "gemma3_text"]
 # the C++ kernel for every row; the kernel for decode rows and SDPA (masked matmul when capped) for prefill chunks
 BACKENDS = {"torch": {"plugin": "torch"}, "cpu": {"plugin": "cpu"}, "cpu+sdpa": {"plugin": "cpu", "max_query_len": 1}}
@@ -162,7 +163,8 @@ def test_modserve_models_lists_architectures_formats_and_quantization(capsys):
     assert main(["models", "--json"]) == 0
     listing = json.loads(capsys.readouterr().out)
     served = {t for a in listing["architectures"] for t in a["model_types"]}
-    assert {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "olmo2", "phi3", "gemma2", "gemma3_text"} <= served
+    assert {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "olmo2", "phi3", "gemma2", "gemma3_text",
+            "granite"} <= served
     assert any("GGUF" in f for f in listing["formats"])
     assert listing["quantization"]["cpu"] == "'none' | 'int8' | 'w8a8' | 'int4' | 'gguf'"
 
@@ -274,3 +276,68 @@ def test_a_backend_without_for_layer_is_refused_by_name_for_a_windowed_model(mod
                                          r"window and logit soft-capping"):
         build_components(None, registry, model={"path": path},
                          attention={"plugin": "legacy_test_attention"}, kv_cache={"plugin": "paged", "num_blocks": 64})
+
+
+# ----------------------------------------------------------------------------- Granite's multipliers
+
+GRANITE_DEFAULTS = {"embedding_multiplier": 1.0, "residual_multiplier": 1.0, "logits_scaling": 1.0, "attention_scale": None}
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_granite_matches_hf_on_each_backend(models, backend):
+    """The attention multiplier reaches every backend's q.k scale: a batch, chunks, prefix hits,
+    preemption and logits, with HF's values."""
+    path, hf = models("granite")
+    ps = prompts(hf.config.vocab_size, count=8, seed=4)
+    llm = LLM(model=path, attention=BACKENDS[backend], kv_cache={"plugin": "paged", "block_size": 16, "num_blocks": 128})
+    assert [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY)] == [
+        hf_greedy(hf, p, 16) for p in ps]
+    p = ps[0] + [7, 8, 9]
+    out = llm.generate({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
+    with torch.no_grad():
+        ref = hf(torch.tensor([p])).logits[0].log_softmax(-1)
+    for pos, entry in enumerate(out.prompt_logprobs[1:]):
+        assert entry[p[pos + 1]].logprob == pytest.approx(ref[pos, p[pos + 1]].item(), abs=5e-5)
+    check_chunks_prefix_hits_and_preemption(path, hf, step_tokens=16, attention=BACKENDS[backend])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dropped", list(GRANITE_DEFAULTS))
+def test_without_any_one_multiplier_granite_leaves_hf(models, monkeypatch, dropped, dtype):
+    """The parity above depends on each multiplier, in float32 and with bf16's fused CPU ops
+    (the add+RMSNorm kernel adds a residual already scaled): reset to its Llama value, the
+    embedding, residual or attention multiplier changes the greedy tokens, the logits scaling
+    (which keeps the argmax) the logprobs."""
+    from modserve.plugins.models.granite import Granite
+
+    original = Granite.spec
+    monkeypatch.setattr(Granite, "spec", lambda self, cfg, source: setattr(
+        spec := original(self, cfg, source), dropped, GRANITE_DEFAULTS[dropped]) or spec)
+    path, hf = models("granite")
+    llm = LLM(model={"path": path, "dtype": dtype}, kv_cache={"plugin": "paged", "block_size": 16, "num_blocks": 64})
+    p = prompts(hf.config.vocab_size, count=1, seed=11)[0] + list(range(30, 90))
+    out = llm.generate({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
+    with torch.no_grad():
+        ref = hf(torch.tensor([p])).logits[0].log_softmax(-1)
+    entries = out.prompt_logprobs[1:]
+    if dropped == "logits_scaling":
+        gaps = [abs(e[p[i + 1]].logprob - ref[i, p[i + 1]].item()) for i, e in enumerate(entries)]
+        assert max(gaps) > 0.1, max(gaps)  # parity: within 5e-5
+    else:
+        top = [max(e.values(), key=lambda lp: lp.logprob).token_id for e in entries]
+        agree = sum(int(t == r) for t, r in zip(top, ref[:-1].argmax(-1).tolist())) / len(top)
+        assert agree < 0.7, agree
+
+
+def test_granite_tp2_matches_hf(models):
+    """Sharded over two ranks (the residual multiplier scales the all-reduced sublayer
+    outputs, the logits scaling the gathered logits): HF's greedy tokens."""
+    path, hf = models("granite")
+    ps = prompts(hf.config.vocab_size, count=6, seed=4)
+    llm = LLM(model={"path": path, "max_model_len": 160}, parallel={"tensor_parallel_size": 2},
+              kv_cache={"plugin": "paged", "block_size": 16, "num_blocks": 64})
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY)]
+    finally:
+        llm.engine.shutdown()
+    assert got == [hf_greedy(hf, p, 16) for p in ps]

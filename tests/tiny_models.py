@@ -103,6 +103,11 @@ def build_model(path: str, arch: str = "llama", seed: int = 0, **overrides):
                                 "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0}},
             **overrides})
         cls = transformers.Gemma3ForCausalLM
+    elif arch == "granite":  # multipliers far from 1 (and a q.k scale twice 1/head_dim) so that each matters
+        cfg = transformers.GraniteConfig(**{**common, "tie_word_embeddings": True, "embedding_multiplier": 12.0,
+                                            "residual_multiplier": 0.22, "attention_multiplier": 0.015625 * 2,
+                                            "logits_scaling": 8.0, **overrides})
+        cls = transformers.GraniteForCausalLM
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
@@ -117,6 +122,8 @@ def build_model(path: str, arch: str = "llama", seed: int = 0, **overrides):
                 p.uniform_(0.5, 1.5)
             elif p.dim() == 1 and arch.startswith("gemma"):  # Gemma's norms scale by 1 + weight
                 p.uniform_(-0.5, 0.5)
+        if arch == "granite":  # scaled embeddings as large as the other models': else they swamp the layers
+            model.model.embed_tokens.weight.div_(cfg.embedding_multiplier)
     model.save_pretrained(path)
     return model.eval()
 
