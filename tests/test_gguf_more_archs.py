@@ -1,11 +1,13 @@
-"""Gemma 2, Gemma 3 (text) and Phi-3 from GGUF files laid out as llama.cpp's converter
-(``convert_hf_to_gguf.py``: ``Gemma2Model``, ``Gemma3Model``, ``Phi3MiniModel``) writes them.
+"""Gemma 2, Gemma 3 (text), Phi-3 and Granite from GGUF files laid out as llama.cpp's converter
+(``convert_hf_to_gguf.py``: ``Gemma2Model``, ``Gemma3Model``, ``Phi3MiniModel``,
+``GraniteModel``) writes them.
 
 :func:`write_gguf_like_llama_cpp` mirrors the converter for these three (checked by hand
 against its output on the same tiny checkpoints: the same metadata keys and values and the
 same tensors, bit for bit, tokenizer aside): Gemma's norms stored as ``1 + weight``, Gemma 2's
 ``lm_head`` dropped (tied), no q/k permutation, Phi-3's fused ``attn_qkv`` / ``ffn_up`` and its
-LongRoPE factors as ``rope_factors_{long,short}`` tensors. What the file cannot say the
+LongRoPE factors as ``rope_factors_{long,short}`` tensors, Granite's q/k rows permuted as
+Llama's and its multipliers as ``granite.{embedding_scale,residual_scale,attention.scale,logit_scale}``. What the file cannot say the
 checkpoints here set to what llama.cpp assumes: ``query_pre_attn_scalar = head_dim`` (not a
 27B model) and Gemma 3's local/global pattern of 5:1 (six layers).
 
@@ -32,12 +34,13 @@ from modserve.core.models.gguf_archs import arch_config
 from modserve.core.models.gguf_reader import read_gguf
 from tiny_models import build_model, hf_greedy, teacher_forced
 
-GGUF_ARCH = {"gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
+GGUF_ARCH = {"gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3", "granite": "granite"}
 # What llama.cpp cannot read from the file, set to what it assumes (module docstring)
 OVERRIDES = {
     "gemma2": dict(tie_word_embeddings=True, query_pre_attn_scalar=64),
     "gemma3_text": dict(num_hidden_layers=6, layer_types=None, query_pre_attn_scalar=64),
     "phi3": {},
+    "granite": {},
 }
 _NAMES = {  # HF layer module -> llama.cpp tensor (gguf-py's tensor_mapping for these archs)
     "self_attn.q_proj": "attn_q",
@@ -94,6 +97,14 @@ def write_gguf_like_llama_cpp(path, ckpt: str, quantize: T | None = None) -> str
         if hp.get("final_logit_softcapping"):
             w.add_final_logit_softcapping(hp["final_logit_softcapping"])
         w.add_sliding_window(hp["sliding_window"])
+    elif arch == "granite":  # LlamaModel.set_gguf_parameters, then GraniteModel's multipliers
+        w.add_vocab_size(hp["vocab_size"])
+        w.add_rope_freq_base(hp.get("rope_theta") or rope.get("rope_theta", 10000.0))
+        w.add_rope_dimension_count(hp["hidden_size"] // hp["num_attention_heads"])
+        w.add_attention_scale(hp["attention_multiplier"])
+        w.add_embedding_scale(hp["embedding_multiplier"])
+        w.add_residual_scale(hp["residual_multiplier"])
+        w.add_logit_scale(hp["logits_scaling"])
     else:  # Phi3MiniModel.set_gguf_parameters / generate_extra_tensors: no rope.scaling.type for LongRoPE
         original = rope["original_max_position_embeddings"]
         rotated = int(rope.get("partial_rotary_factor", 1.0) * hp["hidden_size"]) // hp["num_attention_heads"]
@@ -114,6 +125,8 @@ def write_gguf_like_llama_cpp(path, ckpt: str, quantize: T | None = None) -> str
             continue
         if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):  # Gemma*Model.modify_tensors
             tensor = tensor + 1
+        if arch == "granite" and (".q_proj." in name or ".k_proj." in name):  # LlamaModel.modify_tensors
+            tensor = _llama_permute(tensor, hp["num_attention_heads" if ".q_proj." in name else "num_key_value_heads"])
         w_name = _gguf_name(name, arch)
         data = tensor.float().numpy()
         if quantize is not None and data.ndim == 2 and w_name != "token_embd.weight":
@@ -127,13 +140,18 @@ def write_gguf_like_llama_cpp(path, ckpt: str, quantize: T | None = None) -> str
     return str(path)
 
 
+def _llama_permute(weights: torch.Tensor, heads: int) -> torch.Tensor:
+    """LlamaModel.permute: each head's two rotary halves interleaved, for llama.cpp's pairwise RoPE."""
+    return weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+
+
 def _gguf_name(hf_name: str, arch: str) -> str:
     module, _, kind = hf_name.rpartition(".")
     if module in _GLOBAL:
         return f"{_GLOBAL[module]}.{kind}"
     _, _, layer, sub = module.split(".", 3)
     if sub == "post_attention_layernorm":  # Gemma: the attention output's norm; Phi-3: the pre-MLP norm
-        return f"blk.{layer}.{'ffn_norm' if arch == 'phi3' else 'post_attention_norm'}.{kind}"
+        return f"blk.{layer}.{'ffn_norm' if arch in ('phi3', 'granite') else 'post_attention_norm'}.{kind}"
     return f"blk.{layer}.{_NAMES[sub]}.{kind}"
 
 
@@ -167,7 +185,7 @@ def checkpoints(tmp_path_factory):
 
 
 def _prompts(model_type: str) -> list[list[int]]:
-    long = list(range(100, 140)) if model_type != "phi3" else [(7 * i) % 380 + 3 for i in range(100)]
+    long = list(range(100, 140)) if model_type not in ("phi3", "granite") else [(7 * i) % 380 + 3 for i in range(100)]
     return [[5, 17, 99, 3, 200, 41], [60, 61, 62], long]
 
 
@@ -178,7 +196,7 @@ def test_tensors_and_config_read_back_as_hf(checkpoints, model_type):
     config = read.config
     assert config["model_type"] == model_type
     expected = hf.state_dict()
-    tied = model_type == "gemma2"
+    tied = model_type in ("gemma2", "granite")
     assert config["tie_word_embeddings"] == tied
     assert set(read.tensors) == set(expected) - ({"lm_head.weight"} if tied else set())
     for name, tensor in read.tensors.items():  # Gemma's norms: (w + 1) - 1 in float32
@@ -195,6 +213,10 @@ def test_tensors_and_config_read_back_as_hf(checkpoints, model_type):
         assert (config["sliding_window"], config["query_pre_attn_scalar"], config["final_logit_softcapping"]) == (10, 64, None)
         assert (config["rope_theta"], config["rope_local_base_freq"]) == (1_000_000.0, 10000.0)
         assert config["rope_scaling"] == {"rope_type": "linear", "factor": 2.0}
+    elif model_type == "granite":  # q/k rows un-permuted (compared above), the multipliers read back
+        scales = {k: config[k] for k in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")}
+        assert scales == {"embedding_multiplier": 12.0, "residual_multiplier": pytest.approx(0.22),
+                          "attention_multiplier": 0.03125, "logits_scaling": 8.0}
     else:
         assert "rope_factors_long.weight" not in read.tensors
         assert (config["partial_rotary_factor"], config["original_max_position_embeddings"], config["sliding_window"]) == (0.75, 128, None)
@@ -209,10 +231,10 @@ def test_tensors_and_config_read_back_as_hf(checkpoints, model_type):
 def test_gguf_serves_hf_greedy_tokens_and_logprobs(checkpoints, model_type):
     """The parity that fails if Gemma's stored ``1 + weight`` norms were read as they are
     (norm weights here are uniform in [-0.5, 0.5]), if a window, soft-cap, local RoPE base or
-    the LongRoPE factors were lost."""
+    the LongRoPE factors were lost, or Granite's q/k rows left permuted or a multiplier dropped."""
     hf, _, path = checkpoints[model_type]
     ps = _prompts(model_type)
-    assert len(ps[-1]) > (hf.config.sliding_window or 64)
+    assert len(ps[-1]) > (getattr(hf.config, "sliding_window", None) or 64)
     llm = LLM(model=path, kv_cache={"plugin": "paged", "num_blocks": 64})
     outs = llm.generate([{"prompt_token_ids": p} for p in ps], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 10) for p in ps]

@@ -17,6 +17,10 @@ undone for :mod:`~modserve.core.models.gguf_reader`.
   ``rope_factors_long`` / ``rope_factors_short``, read into ``rope_scaling``, with
   ``rope.scaling.original_context_length`` / ``attn_factor``; ``attention.sliding_window`` 0
   means none.
+* Granite (``granite``): written as Llama (``GraniteModel`` extends ``LlamaModel``: q/k rows
+  permuted, undone as for ``llama``), plus its four multipliers as ``granite.embedding_scale``,
+  ``granite.residual_scale``, ``granite.attention.scale`` and ``granite.logit_scale`` (each
+  written only when set; absent, Granite's default, 1.0).
 """
 
 from __future__ import annotations
@@ -37,7 +41,10 @@ ARCHITECTURES = {
     "gemma2": "gemma2",
     "gemma3": "gemma3_text",
     "phi3": "phi3",
+    "granite": "granite",
 }
+# Architectures whose q/k rows the converter permutes for llama.cpp's pairwise RoPE (LlamaModel.permute)
+ROPE_PERMUTED = ("llama", "granite")
 
 # Layer tensors whose HF name is not the Llama-family one the reader assumes
 LAYER_TENSORS = {
@@ -69,7 +76,13 @@ def arch_config(meta: dict[str, Any], arch: str, config: dict[str, Any], tensors
         return _gemma(meta, arch, config)
     if arch == "phi3":
         return _phi3(meta, config, tensors)
+    if arch == "granite":
+        return {hf: float(meta.get(f"granite.{key}", 1.0)) for key, hf in _GRANITE_SCALES.items()}
     return {}
+
+
+_GRANITE_SCALES = {"embedding_scale": "embedding_multiplier", "residual_scale": "residual_multiplier",
+                   "attention.scale": "attention_multiplier", "logit_scale": "logits_scaling"}
 
 
 def _gemma(meta: dict[str, Any], arch: str, config: dict[str, Any]) -> dict[str, Any]:

@@ -233,9 +233,9 @@ def _kept_tensor(tensor: ReaderTensor, arch: str, config: dict[str, Any]) -> GGU
     data = tensor.data
     rows = int(tensor.shape[1])  # GGUF lists the shape innermost first: (columns, rows)
     heads = None
-    if arch == "llama" and ".attn_q." in tensor.name:
+    if arch in gguf_archs.ROPE_PERMUTED and ".attn_q." in tensor.name:
         heads = config["num_attention_heads"]
-    elif arch == "llama" and ".attn_k." in tensor.name:
+    elif arch in gguf_archs.ROPE_PERMUTED and ".attn_k." in tensor.name:
         heads = config["num_key_value_heads"]
     if heads is not None:  # _unpermute_rope_rows on the stored rows, in numpy (the mmap is read-only)
         data = np.swapaxes(data.reshape(heads, rows // heads // 2, 2, -1), 1, 2).reshape(data.shape)
@@ -248,9 +248,9 @@ def _load_tensor(tensor: ReaderTensor, arch: str, config: dict[str, Any], dtype:
     offset = gguf_archs.stored_norm_offset(arch, tensor.name)
     if offset:  # Gemma's norms: stored as 1 + weight, HF's weight back
         weights -= offset
-    if arch == "llama" and ".attn_q." in tensor.name:
+    if arch in gguf_archs.ROPE_PERMUTED and ".attn_q." in tensor.name:
         weights = _unpermute_rope_rows(weights, config["num_attention_heads"])
-    elif arch == "llama" and ".attn_k." in tensor.name:
+    elif arch in gguf_archs.ROPE_PERMUTED and ".attn_k." in tensor.name:
         weights = _unpermute_rope_rows(weights, config["num_key_value_heads"])
     return weights.to(dtype)
 
