@@ -338,6 +338,19 @@ def test_pre_tokenizer_follows_llama_cpp(pre, tokens):
     assert build_tokenizer(tiny_metadata(**{"tokenizer.ggml.pre": pre})).encode(" 1234!hi").tokens == tokens
 
 
+@pytest.mark.parametrize(
+    "pre, pieces",
+    [  # o200k splits case changes, keeps contractions on their word, takes digits in threes
+        ("gpt-4o", ["Hello", "World", "Ġdon't", "Ġ", "123", "45", "Ċ", "/path"]),
+        ("llama4", ["Hello", "World", "Ġdon't", "Ġ", "123", "45", "Ċ", "/path"]),
+        ("llama-bpe", ["HelloWorld", "Ġdon", "'t", "Ġ", "123", "45", "Ċ", "/path"]),
+    ],
+)
+def test_gpt4o_pre_tokenizer_splits_as_o200k(pre, pieces):
+    tokenizer = build_tokenizer(tiny_metadata(**{"tokenizer.ggml.pre": pre}))
+    assert [p for p, _ in tokenizer.pre_tokenizer.pre_tokenize_str("HelloWorld don't 12345\n/path")] == pieces
+
+
 def test_control_tokens_are_special_and_user_defined_are_text():
     tokenizer = build_tokenizer(tiny_metadata())
     ids = tokenizer.encode("<s>a<think>b</s>").ids

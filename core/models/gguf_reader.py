@@ -57,6 +57,15 @@ _SPLIT_PRE = {
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 }
 _SPLIT_PRE["llama3"] = _SPLIT_PRE["llama-bpe"]
+# o200k (GPT-4o's split, llama.cpp's LLAMA_VOCAB_PRE_TYPE_GPT4O: Phi-4-mini, Llama 4): case-aware
+# word pieces ("HelloWorld" -> "Hello", "World"), contractions kept on their word, digits in
+# threes, and a punctuation run that takes a trailing "/" or newline
+_SPLIT_PRE["gpt-4o"] = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLIT_PRE["llama4"] = _SPLIT_PRE["gpt-4o"]
 _TOKENIZER_MODELS = {"gpt2": "byte-level BPE", "llama": "SentencePiece"}  # `tokenizer.ggml.model`
 
 
