@@ -28,6 +28,10 @@ PY
 
 cleanup() {
   local code=$?
+  if [ -n "${DEPLOYED:-}" ]; then  # stop Serve first: a node with live replicas drains for 30 s on SIGTERM
+    timeout 60 "$PYTHON" -c "import sys, ray; from ray import serve; ray.init(address=sys.argv[1], \
+logging_level='ERROR', log_to_driver=False); serve.shutdown()" "127.0.0.1:$GCS" >/dev/null 2>&1 || true
+  fi
   for pid in "${PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
   for pid in "${PIDS[@]}"; do
     for _ in $(seq 1 30); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
@@ -61,6 +65,7 @@ done
 echo "smoke: Ray cluster up (head and worker on 127.0.0.1, GCS port $GCS)"
 
 sed "s/port: 8000/port: $HTTP/" "$HERE/pipeline.yaml" >"$WORK/pipeline.yaml"
+DEPLOYED=1
 "$PYTHON" -m modserve.cli ray serve -c "$WORK/pipeline.yaml" --address "127.0.0.1:$GCS" --detach >"$WORK/deploy.log" 2>&1
 echo "smoke: deployed two engine replicas; serving on http://127.0.0.1:$HTTP/v1"
 
