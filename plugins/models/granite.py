@@ -26,7 +26,7 @@ from modserve.core.contract import AttentionBackend, CausalLM, ModelArchitecture
 from modserve.plugins.models.decoder import DecoderLM, PreNormLayer
 from modserve.plugins.models.layers import MLP, Attention
 
-MODSERVE_CONTRACT = "2.0"
+MODSERVE_CONTRACT = "2.2"  # ModelSpec.attention_scale carries attention_multiplier
 
 
 @dataclass
