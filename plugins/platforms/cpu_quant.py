@@ -106,7 +106,33 @@ def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 DEQUANTIZE_FROM_ROWS = 16  # int8 weight-only: from this many rows on (always in float32), widen the weights per call
 
 
-class Int8WeightOnlyLinear(nn.Module):
+class QuantizedLinear(nn.Module):
+    """What every quantized linear shares: the layer's shape and bias, rows flattened for one
+    ``product`` (which adds the bias) and put back in the input's shape, no call for no rows."""
+
+    def __init__(self, layer: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+        self.bias = layer.bias
+
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows [M, K]`` (M >= 1) times the weight, plus the bias: ``[M, N]``."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] == 0:
+            return x.new_empty(*x.shape[:-1], self.out_features)
+        return self.product(rows).view(*x.shape[:-1], self.out_features)
+
+    def with_bias(self, out: torch.Tensor) -> torch.Tensor:
+        return out if self.bias is None else out.add_(self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class Int8WeightOnlyLinear(QuantizedLinear):
     """``y = x @ (q * scale).T + b``: int8 weights, a symmetric scale per output channel.
 
     Two products, by what is faster (micro-timing, [T, 576] x [576 -> 1536], AMX Xeon, quiet):
@@ -121,28 +147,18 @@ class Int8WeightOnlyLinear(nn.Module):
     The kernel takes the scales in the activations' dtype; they are kept in the layer's."""
 
     def __init__(self, layer: nn.Linear) -> None:
-        super().__init__()
-        self.in_features, self.out_features = layer.in_features, layer.out_features
+        super().__init__(layer)
         q, scale = quantize_per_channel_int8(layer.weight)
         self.register_buffer("qweight", q, False)
         self.register_buffer("scale", scale.to(layer.weight.dtype), False)
-        self.bias = layer.bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] == 0:
-            return x.new_empty(*x.shape[:-1], self.out_features)
-        scale = self.scale if self.scale.dtype == x.dtype else self.scale.to(x.dtype)
-        if rows.shape[0] >= DEQUANTIZE_FROM_ROWS or x.dtype == torch.float32:
-            out = F.linear(rows, self.qweight.to(x.dtype)).mul_(scale)  # int8 values are exact in bf16
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        scale = self.scale if self.scale.dtype == rows.dtype else self.scale.to(rows.dtype)
+        if rows.shape[0] >= DEQUANTIZE_FROM_ROWS or rows.dtype == torch.float32:
+            out = F.linear(rows, self.qweight.to(rows.dtype)).mul_(scale)  # int8 values are exact in bf16
         else:
             out = torch._weight_int8pack_mm(rows.contiguous(), self.qweight, scale)
-        if self.bias is not None:
-            out.add_(self.bias)
-        return out.view(*x.shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return self.with_bias(out)
 
 
 @functools.cache
@@ -159,7 +175,7 @@ def onednn_int8_available() -> bool:
     return bool((out == 16).all())
 
 
-class W8A8Linear(nn.Module):
+class W8A8Linear(QuantizedLinear):
     """``y = (s_x * q_x) @ (q_w * s_w).T + b``: int8 weights (a symmetric scale per output
     channel) times int8 activations (a symmetric scale per row, computed at every call),
     int32 accumulation.
@@ -169,8 +185,7 @@ class W8A8Linear(nn.Module):
     """
 
     def __init__(self, layer: nn.Linear, use_onednn: bool | None = None) -> None:
-        super().__init__()
-        self.in_features, self.out_features = layer.in_features, layer.out_features
+        super().__init__(layer)
         q, scale = quantize_per_channel_int8(layer.weight)
         self.onednn = onednn_int8_available() if use_onednn is None else use_onednn
         if self.onednn:  # the op is looked up here: a torch build without it still imports this module
@@ -180,24 +195,16 @@ class W8A8Linear(nn.Module):
         else:
             self.register_buffer("qweight_t", q.t(), False)  # [K, N], column-major: _int_mm's mat2
         self.register_buffer("scale", scale, False)  # float32: oneDNN's weight scales are float32
-        self.bias = layer.bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        m = rows.shape[0]
-        if m == 0:
-            return x.new_empty(*x.shape[:-1], self.out_features)
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        m, dtype = rows.shape[0], rows.dtype
         q, row_scale = quantize_rows_int8(rows)
         if not self.onednn:
-            out = torch._int_mm(q, self.qweight_t).float().mul_(row_scale).mul_(self.scale).to(x.dtype)
-        elif m == 1:  # one token: its scale is the tensor's, so the scale and the bias fuse into the call
-            out = self._gemm(q, row_scale.item(), self.bias, x.dtype)
-        else:
-            parts = [self._gemm(q[start : start + size], 1.0, None, x.dtype) for start, size in row_chunks(m)]
-            out = (parts[0] if len(parts) == 1 else torch.cat(parts)).mul_(row_scale.to(x.dtype))
-        if self.bias is not None and not (self.onednn and m == 1):
-            out.add_(self.bias)
-        return out.view(*x.shape[:-1], self.out_features)
+            return self.with_bias(torch._int_mm(q, self.qweight_t).float().mul_(row_scale).mul_(self.scale).to(dtype))
+        if m == 1:  # one token: its scale is the tensor's, so the scale and the bias fuse into the call
+            return self._gemm(q, row_scale.item(), self.bias, dtype)
+        parts = [self._gemm(q[start : start + size], 1.0, None, dtype) for start, size in row_chunks(m)]
+        return self.with_bias((parts[0] if len(parts) == 1 else torch.cat(parts)).mul_(row_scale.to(dtype)))
 
     def _gemm(self, q: torch.Tensor, x_scale: float, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         """One oneDNN call, the rows padded with zeros to a size from the fixed set (module doc)."""
@@ -208,8 +215,7 @@ class W8A8Linear(nn.Module):
         return out[:rows]
 
     def extra_repr(self) -> str:
-        kernel = "onednn" if self.onednn else "int_mm"
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, kernel={kernel}"
+        return f"{super().extra_repr()}, kernel={'onednn' if self.onednn else 'int_mm'}"
 
 
 def int4_group_size(name: str, in_features: int, out_features: int, wanted: int) -> int:
@@ -241,14 +247,14 @@ def quantize_groups_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.T
     return q.view(n, k), scale, lo
 
 
-class Int4WeightOnlyLinear(nn.Module):
+class Int4WeightOnlyLinear(QuantizedLinear):
     """``y = x @ W.T + b`` with ``W[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n]`` for
     ``g = k // group_size``: torch's CPU int4 kernel's own format (``scales_and_zeros`` is
     ``[K/g, N, 2]`` in the activations' dtype, ``zero = minimum + 8 * scale``), the 4-bit
     values packed two per byte by ``_convert_weight_to_int4pack_for_cpu``."""
 
     def __init__(self, layer: nn.Linear, group_size: int) -> None:
-        super().__init__()
+        super().__init__(layer)
         q, scale, lo = quantize_groups_int4(layer.weight, group_size)
         self._store(layer, q, scale, lo, group_size, layer.weight.dtype)
 
@@ -259,34 +265,26 @@ class Int4WeightOnlyLinear(nn.Module):
         int32 in [0, 15], ``scale`` and ``minimum`` ``[N, K/g]``): GGUF Q4_0 / Q4_1 blocks,
         packed without a float weight (``layer`` gives the shape and the bias)."""
         module = cls.__new__(cls)
-        nn.Module.__init__(module)
+        QuantizedLinear.__init__(module, layer)
         module._store(layer, q, scale, minimum, group_size, dtype)
         return module
 
     def _store(self, layer: nn.Linear, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, group_size: int,
                dtype: torch.dtype) -> None:
-        self.in_features, self.out_features, self.group_size = layer.in_features, layer.out_features, group_size
+        self.group_size = group_size
         self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q, 1), False)  # [N, K/2] uint8
         scales_and_zeros = torch.stack([scale, lo + 8.0 * scale], dim=-1).transpose(0, 1).contiguous()
         self.register_buffer("scales_and_zeros", scales_and_zeros.to(dtype), False)
-        self.bias = layer.bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] == 0:
-            return x.new_empty(*x.shape[:-1], self.out_features)
-        sz = self.scales_and_zeros if self.scales_and_zeros.dtype == x.dtype else self.scales_and_zeros.to(x.dtype)
-        out = torch._weight_int4pack_mm_for_cpu(rows.contiguous(), self.packed, self.group_size, sz)
-        if self.bias is not None:
-            out.add_(self.bias)
-        return out.view(*x.shape[:-1], self.out_features)
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        sz = self.scales_and_zeros if self.scales_and_zeros.dtype == rows.dtype else self.scales_and_zeros.to(rows.dtype)
+        return self.with_bias(torch._weight_int4pack_mm_for_cpu(rows.contiguous(), self.packed, self.group_size, sz))
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, group_size={self.group_size}")
+        return f"{super().extra_repr()}, group_size={self.group_size}"
 
 
-class Int8GroupLinear(nn.Module):
+class Int8GroupLinear(QuantizedLinear):
     """``y = x @ W.T + b`` with ``W[n, k] = q[n, k] * scale[n, k // group]``: int8 weights with a
     symmetric scale per group of ``group`` inputs of each output channel, GGUF's Q8_0 (groups
     of 32, float16 scales) kept as it is.
@@ -301,26 +299,21 @@ class Int8GroupLinear(nn.Module):
     per output channel (a quarter of float32's, plus 6%)."""
 
     def __init__(self, layer: nn.Linear, q: torch.Tensor, scale: torch.Tensor, group: int = 32) -> None:
-        super().__init__()
-        self.in_features, self.out_features, self.group = layer.in_features, layer.out_features, group
+        super().__init__(layer)
+        self.group = group
         self.register_buffer("qweight", q.view(self.out_features, -1, group), False)  # [N, K/g, g] int8
         self.register_buffer("scale", scale.to(torch.float16)[..., None], False)  # Q8_0's float16 scales, exact
-        self.bias = layer.bias
 
     def weight_as(self, dtype: torch.dtype) -> torch.Tensor:
         """The dequantized weight ``[N, K]`` in ``dtype`` (computed in float32, then cast)."""
         w = self.qweight.float().mul_(self.scale.float()).view(self.out_features, self.in_features)
         return w if dtype == torch.float32 else w.to(dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] == 0:
-            return x.new_empty(*x.shape[:-1], self.out_features)
-        out = F.linear(rows, self.weight_as(x.dtype), self.bias)
-        return out.view(*x.shape[:-1], self.out_features)
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        return F.linear(rows, self.weight_as(rows.dtype), self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, group={self.group}"
+        return f"{super().extra_repr()}, group={self.group}"
 
 
 GGUF_KEPT = ("Q8_0", "Q4_0", "Q4_1")  # the GGUF quantized types ``quantization: gguf`` keeps
