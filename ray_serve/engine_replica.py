@@ -60,14 +60,13 @@ class EngineReplica:
                 piece = (START, piece[1], [*piece[2], (b"x-modserve-replica", self.replica_id.encode())])
             yield piece
 
-    def record_routing_stats(self) -> dict[str, Any]:
-        """For the request router: the engine's own load, not Ray's count of calls."""
-        return {"active": self.engine.num_active, "waiting": self.engine.num_waiting, "kv_usage": self.engine.kv_usage}
-
-    def record_autoscaling_stats(self) -> dict[str, float]:
-        """For the autoscaling policy (:mod:`modserve.ray_serve.autoscaling`)."""
+    def record_routing_stats(self) -> dict[str, float]:
+        """The engine's own load, not Ray's count of calls: for the request router, and (as
+        ``record_autoscaling_stats``) for the autoscaling policy (:mod:`modserve.ray_serve.autoscaling`)."""
         return {"active": float(self.engine.num_active), "waiting": float(self.engine.num_waiting),
                 "kv_usage": float(self.engine.kv_usage)}
+
+    record_autoscaling_stats = record_routing_stats
 
     def check_health(self) -> None:
         if self.engine.dead_reason is not None:

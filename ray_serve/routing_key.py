@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from modserve.server.prefix_affinity import PrefixAffinity
+from modserve.server.prefix_affinity import prefix_key
 
 CHARS_PER_TOKEN = 4  # typical for English text under BPE vocabularies of 32k-150k entries
 
@@ -75,11 +75,11 @@ class RoutingKeys:
     ``block_size * CHARS_PER_TOKEN`` characters."""
 
     def __init__(self, block_size: int, max_blocks: int = 4) -> None:
-        self._tokens = PrefixAffinity(block_size, max_blocks)
-        self._chars = PrefixAffinity(block_size * CHARS_PER_TOKEN, max_blocks)
+        self.block_size, self.max_blocks = block_size, max_blocks
 
     def key(self, path: str, body: bytes) -> int | None:
         units, salt = prompt_units(path, body)
         if units is None:
             return None
-        return (self._chars if isinstance(units, str) else self._tokens).key(units, salt)
+        block = self.block_size * CHARS_PER_TOKEN if isinstance(units, str) else self.block_size
+        return prefix_key(units, block, self.max_blocks, salt)

@@ -18,6 +18,15 @@ from collections import OrderedDict
 from collections.abc import Hashable, Mapping, Sequence
 
 
+def prefix_key(units: Sequence, block_size: int, max_blocks: int, cache_salt: str | None = None) -> int | None:
+    """The key of a prompt's leading full blocks (at most ``max_blocks``) and its salt; ``None``
+    when it has no full block (nothing cacheable to share)."""
+    n = min(len(units) // block_size, max_blocks) * block_size
+    if n == 0:
+        return None
+    return hash((cache_salt, tuple(units[:n]) if not isinstance(units, str) else units[:n]))
+
+
 class PrefixAffinity:
     """Picks a replica for a prefix key; not thread-safe (one event loop owns it)."""
 
@@ -31,11 +40,8 @@ class PrefixAffinity:
         self._turn = 0  # rotates ties between equally loaded replicas
 
     def key(self, units: Sequence, cache_salt: str | None = None) -> int | None:
-        """The prefix key: ``None`` when the prompt has no full block (nothing cacheable to share)."""
-        n = min(len(units) // self.block_size, self.max_blocks) * self.block_size
-        if n == 0:
-            return None
-        return hash((cache_salt, tuple(units[:n]) if not isinstance(units, str) else units[:n]))
+        """The prefix key in this router's blocks (:func:`prefix_key`)."""
+        return prefix_key(units, self.block_size, self.max_blocks, cache_salt)
 
     def choose(self, key: int | None, loads: Mapping[Hashable, int]) -> Hashable:
         """The replica for ``key`` among ``loads`` (candidate -> requests it holds; not empty)."""
