@@ -98,8 +98,8 @@ def serve(
         print(f"modserve serve: error: {_one_line(e)}", file=sys.stderr, flush=True)
         return 2 if isinstance(e, ConfigError) else 1
     if pipeline.ray is not None:
-        print("modserve: the pipeline's ray: section applies to `modserve ray serve`; "
-              "this server runs the pipeline on this machine", flush=True)
+        print("modserve: note: the pipeline's ray: section applies to `modserve ray serve`; "
+              "this server runs the pipeline on this machine", file=sys.stderr, flush=True)
     runner = Runner(app, engine, sock, cfg.shutdown_grace_s, main_loop=engines[0])
     keys = api_keys(cfg)
     auth = f"{len(keys)} API key(s) required" if keys else "no API key configured: authentication is disabled"

@@ -137,6 +137,33 @@ def test_engine_options_from_the_ray_section():
     assert tp["placement_group_bundles"] == [{"CPU": 1.0}, {"CPU": 1.0}] and tp["placement_group_strategy"] == "STRICT_PACK"
 
 
+@pytest.mark.parametrize("ray_section, message", [
+    ({"num_replicas": 2, "autoscaling": {}}, "ray.num_replicas: give either num_replicas or autoscaling, not both"),
+    ({"autoscaling": {"min_replicas": 3}}, "ray.autoscaling.max_replicas: 2 is below min_replicas 3"),
+    ({"router": "random"}, "ray.router: expected one of prefix, power_of_two, got 'random'"),
+    ({"num_cpus_per_replica": 0}, "ray.num_cpus_per_replica: expected float > 0.0, got 0"),
+    ({"replicas": 2}, "ray.replicas: unknown key"),
+])
+def test_bad_ray_sections_name_the_key(ray_section, message):
+    with pytest.raises(ConfigError) as err:
+        load_pipeline({"ray": ray_section})
+    assert str(err.value) == message
+
+
+def test_plain_serve_says_the_ray_section_is_not_its_own(tmp_path):
+    from modserve.bench.launch import launch_server
+
+    config = tmp_path / "pipeline.yaml"
+    config.write_text(json.dumps({**pipeline(), "ray": {"num_replicas": 2}}))  # JSON is YAML
+    proc, url, _ = launch_server(["modserve.cli", "serve", "-c", str(config), "--port", "0"], tmp_path / "serve.log")
+    try:
+        assert httpx.get(f"{url}/health").status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert "the pipeline's ray: section applies to `modserve ray serve`" in (tmp_path / "serve.log").read_text()
+
+
 def test_data_parallel_size_is_refused_on_ray():
     with pytest.raises(ConfigError, match="parallel.data_parallel_size"):
         ray_app.build_application(pipeline(parallel={"data_parallel_size": 2}))
