@@ -40,9 +40,10 @@ class ForwardParts:
         directly, which module hooks would not see."""
         from torch import nn
 
+        from modserve.plugins.platforms.cpu_amx_linear import AmxLinear
         from modserve.plugins.platforms.cpu_linear import PackedLinear
 
-        targets = [(m, "linears") for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear))]
+        targets = [(m, "linears") for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear, AmxLinear))]
         targets.append((attention, "attention"))
         for obj, part in targets:
             obj.forward = self._timed(obj.forward, part)

@@ -259,16 +259,20 @@ def _time_linear(m: int, n: int, k: int, dtype, device, repeats: int) -> float:
     import torch
     import torch.nn.functional as F
 
+    from modserve.plugins.platforms import cpu_amx_linear
     from modserve.plugins.platforms.cpu_linear import PackedLinear, can_pack
 
     x = torch.randn(m, k, dtype=dtype, device=device)
     w = torch.randn(n, k, dtype=dtype, device=device)
     best = _best_time(lambda: F.linear(x, w), device, repeats)
-    if can_pack(device, dtype):  # the engine's own path on the CPU: weights packed for oneDNN
-        linear = torch.nn.Linear(k, n, bias=False, dtype=dtype)
-        linear.weight.data = w
+    linear = torch.nn.Linear(k, n, bias=False, dtype=dtype)
+    linear.weight.data = w
+    if can_pack(device, dtype):  # the engine's own paths on the CPU: weights packed for oneDNN ...
         packed = PackedLinear(linear)
         best = min(best, _best_time(lambda: packed(x), device, repeats))
+    if torch.device(device).type == "cpu" and dtype == torch.bfloat16 and cpu_amx_linear.available() is None:
+        tiles = cpu_amx_linear.AmxLinear(linear)  # ... or as AMX tiles
+        best = min(best, _best_time(lambda: tiles(x), device, repeats))
     return best
 
 
@@ -296,7 +300,8 @@ def print_platform(resolved) -> None:
     p = resolved.pipeline
     dtype = resolved.dtype + (" (model.dtype auto)" if p.model.dtype == "auto" else "")
     print(f"Platform: {resolved.plugin_name('device')} on {info.name}; dtypes {', '.join(info.dtypes)}")
-    print(f"Chose: dtype {dtype}, attention {p.attention['plugin']}, {torch.get_num_threads()} torch threads")
+    chosen = [f"dtype {dtype}", f"attention {p.attention['plugin']}", *info.kernels, f"{torch.get_num_threads()} torch threads"]
+    print(f"Chose: {', '.join(chosen)}")
 
 
 def print_machine(m: dict[str, Any]) -> None:

@@ -144,7 +144,7 @@ def test_skip_engine_measures_the_machine_only(tiny_config, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "Matmul GFLOP/s" in printed and "Memory bandwidth" in printed and "Engine:" not in printed
     platform = next(line for line in printed.splitlines() if line.startswith("Platform: cpu on "))
-    assert "Chose: dtype " in printed and ", attention " in printed
+    assert "Chose: dtype " in printed and ", attention " in printed and ", linears: " in printed
     from modserve.plugins.platforms.cpu import cpu_model_and_flags
 
     name, flags = cpu_model_and_flags()

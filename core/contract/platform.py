@@ -28,6 +28,7 @@ class DeviceInfo:
     name: str  # e.g. "Intel(R) Xeon(R) ... (avx512_bf16, amx_bf16)" or "NVIDIA H100 80GB HBM3"
     total_memory_bytes: int
     dtypes: tuple[str, ...]  # model dtypes this device runs: "float32", "bfloat16", "float16"
+    kernels: tuple[str, ...] = ()  # what the platform chose for this machine, e.g. "bfloat16 linears: AMX tiles"
 
 
 class Platform(Plugin):

@@ -1,7 +1,8 @@
-"""Platform ``cpu``: any x86/ARM CPU torch runs on, with oneDNN-packed linear layers.
+"""Platform ``cpu``: any x86/ARM CPU torch runs on, with packed linear layers.
 
-What it adds over plain torch: linear weights reordered once into oneDNN's blocked layout
-(:mod:`cpu_linear`), the model's fused C++ elementwise kernels, freed step memory kept in
+What it adds over plain torch: linear weights packed once for the product kernel (AMX tiles
+for bfloat16 where the CPU has AMX-BF16, :mod:`cpu_amx_linear`; else oneDNN's blocked
+layout, :mod:`cpu_linear`), the model's fused C++ elementwise kernels, freed step memory kept in
 the process (:mod:`cpu_memory`), and the compiled ``cpu`` paged-attention kernel as the
 default attention backend where the machine's C++ compiler can build it.
 """
@@ -19,6 +20,8 @@ import torch
 from torch import nn
 
 from modserve.core.contract import DeviceInfo, Platform, hookimpl
+from modserve.plugins.platforms import cpu_amx_linear as amx_linear
+from modserve.plugins.platforms.cpu_amx_linear import AmxLinear
 from modserve.plugins.platforms.cpu_linear import PackedLinear, can_pack
 from modserve.plugins.platforms.cpu_memory import keep_freed_memory
 from modserve.plugins.platforms.cpu_quant import gguf_linear, quantize_linear
@@ -30,7 +33,8 @@ ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_i
 
 
 class CPUConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    pack_weights: bool = True  # reorder linear weights once for oneDNN (faster matmuls)
+    pack_weights: bool = True  # hold linear weights packed for the product kernel (faster matmuls); false: plain nn.Linear
+    linear_kernel: Literal["auto", "amx", "onednn"] = "auto"  # packed products: own AMX tiles (bfloat16, AMX-BF16 CPUs), oneDNN, or auto (amx where it runs)
     fuse_ops: bool = True  # in float32 or bfloat16, run norms, SiLU·mul and RoPE as fused C++ kernels
     reuse_freed_memory: bool = True  # glibc: keep freed step memory in the process instead of faulting it in again every step
     quantization: Literal["none", "int8", "w8a8", "int4", "gguf"] = "none"  # linear weights: int8 weight-only, int8 weights and activations (per token), int4 weight-only groups, or a GGUF file's Q8_0/Q4_0/Q4_1 blocks kept as they are (docs/quantization.md)
@@ -43,6 +47,7 @@ class CPUPlatform(Platform):
 
     def __init__(self, config: CPUConfig, ctx) -> None:
         super().__init__(config, ctx)
+        self.amx_linears = _use_amx(config)
         if config.reuse_freed_memory:  # before anything is loaded: the weights too come from the kept heap
             keep_freed_memory()
 
@@ -57,7 +62,12 @@ class CPUPlatform(Platform):
         name, flags = cpu_model_and_flags()
         isa = [f for f in ISA_FLAGS if f in flags]
         dtypes = ("float32", "bfloat16", "float16") if _packs(torch.bfloat16) else ("float32", "float16")
-        return DeviceInfo(f"{name} ({', '.join(isa) or 'no AVX2'})", _total_memory(), dtypes)
+        linears = "oneDNN packed"
+        if not self.config.pack_weights:
+            linears = "plain nn.Linear"
+        elif self.amx_linears:
+            linears = "AMX tiles in bfloat16, oneDNN packed in float32"
+        return DeviceInfo(f"{name} ({', '.join(isa) or 'no AVX2'})", _total_memory(), dtypes, (f"linears: {linears}",))
 
     def default_dtype(self) -> str:
         """``model.dtype: auto``: bfloat16 where the CPU computes it natively (AMX-BF16 or
@@ -87,13 +97,33 @@ class CPUPlatform(Platform):
             kept = gguf_linear(name, layer)  # the layer itself where the file stores it as floats
             if kept is not layer:
                 return kept
-        if self.config.pack_weights and _packs(layer.weight.dtype):
+        if not self.config.pack_weights:
+            return layer
+        if self.amx_linears and layer.weight.dtype == torch.bfloat16:
+            return AmxLinear(layer)
+        if _packs(layer.weight.dtype):
             return PackedLinear(layer)
         return layer
 
     def prepare_model(self, model: nn.Module) -> None:
         if self.config.fuse_ops:
             model.use_cpu_fused_ops()
+
+
+def _use_amx(config: CPUConfig) -> bool:
+    """Whether bfloat16 linears run on :mod:`cpu_amx_linear`'s tiles: ``auto`` where the CPU
+    has AMX-BF16 and the kernel builds; ``amx`` insists (and says why it cannot)."""
+    if config.linear_kernel == "onednn" or not config.pack_weights:
+        if config.linear_kernel == "amx":
+            raise ValueError("device.linear_kernel: amx packs the weights; it cannot go with pack_weights: false")
+        return False
+    has_amx = "amx_bf16" in cpu_model_and_flags()[1]
+    why = amx_linear.available() if has_amx else f"this CPU ({cpu_model_and_flags()[0]}) has no AMX-BF16"
+    if config.linear_kernel == "amx" and why is not None:
+        raise ValueError(f"device.linear_kernel: amx cannot run here: {why}; use auto or onednn")
+    if why is not None and has_amx:
+        log.warning("device.linear_kernel auto: %s; using oneDNN's products", why)
+    return why is None
 
 
 @functools.cache

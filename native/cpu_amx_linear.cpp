@@ -1,0 +1,208 @@
+// y = x @ W.T (+ b) in bfloat16 on AMX tiles, with W packed once into the tiles' own layout.
+//
+// Why not oneDNN's packed product (cpu_linear.py), which runs the same AMX instructions: a
+// call costs ~20 us before its first product (primitive lookup, descriptors), ~30 us with
+// the padding copy the fixed shapes need. A decode step makes 121 such calls for SmolLM2,
+// so at one client that fixed cost was a sixth of the step. And oneDNN keeps a primitive per
+// row count, so the platform pads rows to one of 39 sizes (up to 63 padded rows a prefill
+// chunk, 10-25% of its products). Here a call is a ctypes call and one OpenMP region; the
+// rows need no padding (a tile takes 1-16 rows); nothing is cached per shape.
+//
+// Layout: W [N, K] is packed as [N/16][K/32][16][16][2]: for each 16 outputs and 32 inputs
+// one 1 KB B tile, row r holding inputs 2r and 2r+1 of each of the 16 outputs (the pairs
+// TDPBF16PS multiplies). N and K are padded with zeros to 16 and 32. A thread takes a
+// contiguous range of output panels, so it streams its tiles in memory order; the rows of x
+// (at most 256 at a time, so they stay in L2) go through two A tiles, two B tiles of
+// weights, four C tiles of float32 sums. Each block of C tiles is stored, and while the next
+// block's products run, the bias is added, the sums rounded to bfloat16 to nearest even (as
+// torch narrows a float32 product) and each row's 32 outputs written to y in one store: the
+// epilogue run after each block's products cost a third of the time at prefill sizes.
+//
+// x's K must be a multiple of 32 (the caller pads it: a tile row reads 32 inputs).
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "avx512.h"
+
+namespace {
+
+constexpr int kRowChunk = 256;  // rows of x per sweep over the weights (kept in L2)
+
+struct alignas(64) TileConfig {
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+// Tiles 0-3: C (float32 sums) for A0 x B0, A0 x B1, A1 x B0, A1 x B1; 4-5: A (rows of x);
+// 6-7: B (weights). A0 and its C tiles have rows0 rows, A1 and its C tiles rows1.
+void load_config(int rows0, int rows1) {
+    TileConfig cfg;
+    std::memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    const int rows[8] = {rows0, rows0, rows1, rows1, rows0, rows1, 16, 16};
+    for (int t = 0; t < 8; ++t) {
+        cfg.rows[t] = static_cast<uint8_t>(rows[t] > 0 ? rows[t] : 1);
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+// Sums for up to 32 rows (a0 with rows0 rows, a0 + 16 rows with rows1) x 32 outputs (two
+// packed panels b0, b1) over kb tiles of K, stored as four 16 x 16 float32 tiles in c.
+// `between` runs after the products are issued and before the stores wait for them: the
+// previous block's epilogue then overlaps this block's tile work.
+template <bool TwoM, bool TwoN, typename Between>
+inline void tile_block(const uint16_t* a0, int64_t a_stride_bytes, const uint16_t* b0, const uint16_t* b1, int kb,
+                       float* c, const Between& between) {
+    const uint16_t* a1 = reinterpret_cast<const uint16_t*>(reinterpret_cast<const char*>(a0) + 16 * a_stride_bytes);
+    _tile_zero(0);
+    if (TwoN) _tile_zero(1);
+    if (TwoM) _tile_zero(2);
+    if (TwoM && TwoN) _tile_zero(3);
+    for (int k = 0; k < kb; ++k) {
+        _tile_loadd(4, a0 + k * 32, a_stride_bytes);
+        _tile_loadd(6, b0 + k * 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (TwoN) {
+            _tile_loadd(7, b1 + k * 512, 64);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+        if (TwoM) {
+            _tile_loadd(5, a1 + k * 32, a_stride_bytes);
+            _tile_dpbf16ps(2, 5, 6);
+            if (TwoN) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    between();
+    _tile_stored(0, c, 64);
+    if (TwoN) _tile_stored(1, c + 256, 64);
+    if (TwoM) _tile_stored(2, c + 512, 64);
+    if (TwoM && TwoN) _tile_stored(3, c + 768, 64);
+}
+
+// 16 float32 sums plus bias, narrowed to bfloat16 to nearest even (as float_to_bf16 does).
+inline __m256i narrow16(__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+inline __mmask16 cols_mask(int64_t left) {
+    return left >= 16 ? static_cast<__mmask16>(0xFFFF) : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
+}
+
+// A stored block's rows of y: outputs [n0, n0 + 16) from c, and [n0 + 16, n0 + 32) from c + 256
+// when two_n (each row's 32 outputs written as one 64-byte store), plus the bias.
+inline void put_rows(const float* c, int rows, bool two_n, const float* bias, int64_t n0, int64_t N, uint16_t* y,
+                     int64_t y_stride) {
+    const __mmask16 m0 = cols_mask(N - n0), m1 = two_n ? cols_mask(N - n0 - 16) : 0;
+    const __m512 b0 = bias != nullptr ? _mm512_maskz_loadu_ps(m0, bias + n0) : _mm512_setzero_ps();
+    const __m512 b1 = bias != nullptr && m1 ? _mm512_maskz_loadu_ps(m1, bias + n0 + 16) : _mm512_setzero_ps();
+    const __mmask32 mask = static_cast<__mmask32>(m0) | (static_cast<__mmask32>(m1) << 16);
+    for (int r = 0; r < rows; ++r) {
+        const __m256i lo = narrow16(_mm512_add_ps(_mm512_loadu_ps(c + r * 16), b0));
+        const __m256i hi = two_n ? narrow16(_mm512_add_ps(_mm512_loadu_ps(c + 256 + r * 16), b1)) : _mm256_setzero_si256();
+        _mm512_mask_storeu_epi16(y + r * y_stride + n0, mask, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+    }
+}
+
+// A block whose sums sit in c, waiting for its epilogue.
+struct Stored {
+    const float* c = nullptr;
+    int rows0 = 0, rows1 = 0;
+    bool two_n = false;
+    int64_t n0 = 0;
+    uint16_t* y = nullptr;  // row 0 of the block
+
+    void put(const float* bias, int64_t N, int64_t y_stride) const {
+        if (c == nullptr) return;
+        put_rows(c, rows0, two_n, bias, n0, N, y, y_stride);
+        if (rows1 > 0) put_rows(c + 512, rows1, two_n, bias, n0, N, y + 16 * y_stride, y_stride);
+    }
+};
+
+void amx_linear(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_t* w, int64_t N, int K, const float* bias,
+                uint16_t* y, int64_t y_stride, int threads) {
+    const int kb = K / 32;
+    const int64_t pairs = (N + 31) / 32;  // threads take whole pairs of 16-output panels
+    const int64_t panel = static_cast<int64_t>(kb) * 512;  // elements of one 16-output panel
+    const int64_t a_stride_bytes = x_stride * 2;
+#pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t p0 = pairs * t / nt, p1 = pairs * (t + 1) / nt;
+        alignas(64) float c[2][4 * 256];
+        int cur = 0, cfg0 = -1, cfg1 = -1;
+        Stored pending;
+        for (int64_t m0 = 0; m0 < M && p0 < p1; m0 += kRowChunk) {
+            const int64_t m1 = m0 + kRowChunk < M ? m0 + kRowChunk : M;
+            for (int64_t p = p0; p < p1; ++p) {
+                const int64_t n0 = p * 32;
+                const bool two_n = n0 + 16 < N;
+                const uint16_t* b0 = w + (n0 / 16) * panel;
+                for (int64_t mb = m0; mb < m1; mb += 32) {
+                    const int rows0 = m1 - mb >= 16 ? 16 : static_cast<int>(m1 - mb);
+                    const int rows1 = m1 - mb >= 32 ? 16 : m1 - mb > 16 ? static_cast<int>(m1 - mb - 16) : 0;
+                    if (rows0 != cfg0 || rows1 != cfg1) {  // clears the tiles: the previous block is stored
+                        load_config(rows0, rows1);
+                        cfg0 = rows0;
+                        cfg1 = rows1;
+                    }
+                    const uint16_t* a = x + mb * x_stride;
+                    float* cb = c[cur];
+                    const auto previous = [&] { pending.put(bias, N, y_stride); };
+                    if (rows1 > 0) {
+                        two_n ? tile_block<true, true>(a, a_stride_bytes, b0, b0 + panel, kb, cb, previous)
+                              : tile_block<true, false>(a, a_stride_bytes, b0, b0, kb, cb, previous);
+                    } else {
+                        two_n ? tile_block<false, true>(a, a_stride_bytes, b0, b0 + panel, kb, cb, previous)
+                              : tile_block<false, false>(a, a_stride_bytes, b0, b0, kb, cb, previous);
+                    }
+                    pending = Stored{cb, rows0, rows1, two_n, n0, y + mb * y_stride};
+                    cur ^= 1;
+                }
+            }
+        }
+        pending.put(bias, N, y_stride);
+        if (p0 < p1) _tile_release();
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// 0 when this process may use AMX tiles (Linux grants the XTILEDATA state on request), else
+// an errno-style code; call once before modserve_amx_linear.
+int modserve_amx_init() {
+    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0 ? 0 : -1;
+}
+
+// y[m, n] = bf16(sum_k x[m, k] * W[n, k] + bias[n]) for m < M, n < N, W packed as described
+// above ([ceil(N/16)][K/32][16][16][2]); K a multiple of 32; bias float32 or null.
+void modserve_amx_linear(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_t* w, int64_t N, int K,
+                         const float* bias, uint16_t* y, int64_t y_stride, int threads) {
+    amx_linear(x, x_stride, M, w, N, K, bias, y, y_stride, threads);
+}
+}
+
+#else  // no AMX-BF16 in this build: the platform keeps oneDNN's product
+
+extern "C" {
+int modserve_amx_init() { return -2; }
+void modserve_amx_linear(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int, const float*, uint16_t*,
+                         int64_t, int) {}
+}
+
+#endif

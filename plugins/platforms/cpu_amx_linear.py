@@ -1,0 +1,97 @@
+"""bfloat16 linear layers on AMX tiles, weights packed once in the tiles' layout.
+
+Why, where oneDNN's packed product (:mod:`cpu_linear`) already uses AMX: each oneDNN call
+costs ~20 us before its first product, and it keeps a primitive per row count, so rows are
+padded to a fixed set of sizes. ``native/cpu_amx_linear.cpp`` is one ctypes call and one
+OpenMP region, takes any row count, and streams a thread's weights in memory order.
+Measured on SmolLM2's 30 layers plus head with weights from memory (AMX Xeon, 2 cores):
+1 row 10.1 vs 17.3 ms, 16 rows 10.9 vs 15.4, 64 rows 16.4 vs 20.2, 300 rows 54.1 vs 59.1,
+1,024 rows even (``docs/cpu_linears.md``). The weights take the same bytes as oneDNN's
+copy. Results equal ``F.linear`` up to float32 summation order.
+
+Used by the ``cpu`` platform for bfloat16 models on CPUs with AMX-BF16 (``device:
+{linear_kernel: auto}``); elsewhere, or without a C++ compiler, :class:`PackedLinear`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from modserve.native.build import SOURCES, KernelUnavailable, compile_and_load
+
+SOURCE = SOURCES / "cpu_amx_linear.cpp"
+TILE_N, TILE_K = 16, 32  # outputs and inputs per packed weight tile
+
+
+@functools.cache
+def load() -> ctypes.CDLL:
+    """The compiled kernel with this process granted AMX state; raises
+    :class:`KernelUnavailable` saying why it cannot run here."""
+    lib = compile_and_load(SOURCE, "the AMX linear kernel")
+    lib.modserve_amx_init.restype = ctypes.c_int
+    status = lib.modserve_amx_init()
+    if status == -2:
+        raise KernelUnavailable("the AMX linear kernel: the compiler does not target AMX-BF16 on this CPU (-march=native)")
+    if status != 0:
+        raise KernelUnavailable("the AMX linear kernel: Linux refused this process the AMX tile state (arch_prctl)")
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.modserve_amx_linear.argtypes = [ptr, i64, i64, ptr, i64, i32, ptr, ptr, i64, i32]
+    lib.modserve_amx_linear.restype = None
+    return lib
+
+
+def available() -> str | None:
+    """None where the kernel runs here, else why not."""
+    try:
+        load()
+    except KernelUnavailable as e:
+        return str(e)
+    return None
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` weights as ``[N/16][K/32][16][16][2]`` tiles (N, K zero-padded): tile row r
+    holds inputs 2r, 2r + 1 of each of its 16 outputs, the pairs TDPBF16PS multiplies."""
+    n, k = weight.shape
+    n_pad, k_pad = -(-n // TILE_N) * TILE_N, -(-k // TILE_K) * TILE_K
+    w = F.pad(weight.detach().to(torch.bfloat16), (0, k_pad - k, 0, n_pad - n))
+    return w.view(n_pad // TILE_N, TILE_N, k_pad // TILE_K, TILE_K // 2, 2).permute(0, 2, 3, 1, 4).contiguous()
+
+
+class AmxLinear(nn.Module):
+    """``y = x @ W.T + b`` for bfloat16 ``x`` with ``W`` held only as packed AMX tiles."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self._lib = load()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.padded_in = -(-self.in_features // TILE_K) * TILE_K
+        self.register_buffer("packed", pack(linear.weight), False)
+        self.bias = linear.bias
+        self.register_buffer("_bias32", None if linear.bias is None else linear.bias.detach().float().contiguous(), False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.bfloat16:
+            raise TypeError(f"AmxLinear takes bfloat16 inputs, got {x.dtype}")
+        rows = x.reshape(-1, self.in_features)
+        if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < self.in_features):
+            rows = rows.contiguous()
+        if self.padded_in != self.in_features:  # a tile row reads 32 inputs: pad with zeros
+            rows = F.pad(rows, (0, self.padded_in - self.in_features))
+        m = rows.shape[0]
+        out = torch.empty(m, self.out_features, dtype=torch.bfloat16)
+        if m:
+            bias = self._bias32
+            self._lib.modserve_amx_linear(
+                rows.data_ptr(), rows.stride(0), m, self.packed.data_ptr(), self.out_features, self.padded_in,
+                None if bias is None else bias.data_ptr(), out.data_ptr(), self.out_features, torch.get_num_threads(),
+            )  # fmt: skip
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
