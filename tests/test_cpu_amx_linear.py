@@ -108,6 +108,14 @@ def test_engine_serves_the_same_tokens_as_with_onednn(tiny_llama):
     assert agree / total >= 0.9
 
 
+@needs_amx
+def test_linear_kernel_amx_refuses_a_float32_model(tiny_llama):
+    """Asked for explicitly, the AMX kernel is never swapped for oneDNN behind the user's back."""
+    path, _ = tiny_llama
+    with pytest.raises(Exception, match=r"device\.linear_kernel: amx runs bfloat16 weights, not torch\.float32; use auto or onednn"):
+        LLM(model={"path": path, "dtype": "float32"}, device={"plugin": "cpu", "linear_kernel": "amx"})
+
+
 def test_linear_kernel_amx_is_refused_where_it_cannot_run(monkeypatch, tiny_llama):
     path, _ = tiny_llama
     monkeypatch.setattr(cpu, "cpu_model_and_flags", lambda: ("a CPU without AMX", frozenset({"avx2", "avx512f"})))

@@ -21,7 +21,6 @@ from torch import nn
 
 from modserve.core.contract import DeviceInfo, Platform, hookimpl
 from modserve.plugins.platforms import cpu_amx_linear as amx_linear
-from modserve.plugins.platforms.cpu_amx_linear import AmxLinear
 from modserve.plugins.platforms.cpu_linear import PackedLinear, can_pack
 from modserve.plugins.platforms.cpu_memory import keep_freed_memory
 from modserve.plugins.platforms.cpu_quant import gguf_linear, quantize_linear
@@ -34,7 +33,7 @@ ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_i
 
 class CPUConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pack_weights: bool = True  # hold linear weights packed for the product kernel (faster matmuls); false: plain nn.Linear
-    linear_kernel: Literal["auto", "amx", "onednn"] = "auto"  # packed products: own AMX tiles (bfloat16, AMX-BF16 CPUs), oneDNN, or auto (amx where it runs)
+    linear_kernel: Literal["auto", "amx", "onednn"] = "auto"  # float weights' products: own AMX tiles (bfloat16, AMX-BF16 CPUs), oneDNN, or auto (amx where it runs); quantized layers keep their own
     fuse_ops: bool = True  # in float32 or bfloat16, run norms, SiLU·mul and RoPE as fused C++ kernels
     reuse_freed_memory: bool = True  # glibc: keep freed step memory in the process instead of faulting it in again every step
     quantization: Literal["none", "int8", "w8a8", "int4", "gguf"] = "none"  # linear weights: int8 weight-only, int8 weights and activations (per token), int4 weight-only groups, or a GGUF file's Q8_0/Q4_0/Q4_1 blocks kept as they are (docs/quantization.md)
@@ -100,7 +99,9 @@ class CPUPlatform(Platform):
         if not self.config.pack_weights:
             return layer
         if self.amx_linears and layer.weight.dtype == torch.bfloat16:
-            return AmxLinear(layer)
+            return amx_linear.AmxLinear(layer)
+        if self.config.linear_kernel == "amx":
+            raise ValueError(f"device.linear_kernel: amx runs bfloat16 weights, not {layer.weight.dtype}; use auto or onednn")
         if _packs(layer.weight.dtype):
             return PackedLinear(layer)
         return layer
