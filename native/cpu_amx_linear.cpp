@@ -22,7 +22,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #include <omp.h>
 #include <sys/syscall.h>
@@ -89,30 +89,28 @@ inline void tile_block(const uint16_t* a0, int64_t a_stride_bytes, const uint16_
     if (TwoM && TwoN) _tile_stored(3, c + 768, 64);
 }
 
-// 16 float32 sums plus bias, narrowed to bfloat16 to nearest even (as float_to_bf16 does).
-inline __m256i narrow16(__m512 v) {
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-}
-
 inline __mmask16 cols_mask(int64_t left) {
     return left >= 16 ? static_cast<__mmask16>(0xFFFF) : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
 }
 
 // A stored block's rows of y: outputs [n0, n0 + 16) from c, and [n0 + 16, n0 + 32) from c + 256
-// when two_n (each row's 32 outputs written as one 64-byte store), plus the bias.
+// when two_n, plus the bias; each row's 32 outputs narrowed to bfloat16 to nearest even by one
+// VCVTNE2PS2BF16 (the same rounding as float_to_bf16 in bf16.h for all but denormal sums,
+// which it flushes) and written in one store.
+template <bool HasBias>
 inline void put_rows(const float* c, int rows, bool two_n, const float* bias, int64_t n0, int64_t N, uint16_t* y,
                      int64_t y_stride) {
     const __mmask16 m0 = cols_mask(N - n0), m1 = two_n ? cols_mask(N - n0 - 16) : 0;
-    const __m512 b0 = bias != nullptr ? _mm512_maskz_loadu_ps(m0, bias + n0) : _mm512_setzero_ps();
-    const __m512 b1 = bias != nullptr && m1 ? _mm512_maskz_loadu_ps(m1, bias + n0 + 16) : _mm512_setzero_ps();
+    const __m512 b0 = HasBias ? _mm512_maskz_loadu_ps(m0, bias + n0) : _mm512_setzero_ps();
+    const __m512 b1 = HasBias && m1 ? _mm512_maskz_loadu_ps(m1, bias + n0 + 16) : _mm512_setzero_ps();
     const __mmask32 mask = static_cast<__mmask32>(m0) | (static_cast<__mmask32>(m1) << 16);
     for (int r = 0; r < rows; ++r) {
-        const __m256i lo = narrow16(_mm512_add_ps(_mm512_loadu_ps(c + r * 16), b0));
-        const __m256i hi = two_n ? narrow16(_mm512_add_ps(_mm512_loadu_ps(c + 256 + r * 16), b1)) : _mm256_setzero_si256();
-        _mm512_mask_storeu_epi16(y + r * y_stride + n0, mask, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+        __m512 lo = _mm512_loadu_ps(c + r * 16), hi = _mm512_loadu_ps(c + 256 + r * 16);  // hi: unused lanes when !two_n
+        if (HasBias) {
+            lo = _mm512_add_ps(lo, b0);
+            hi = _mm512_add_ps(hi, b1);
+        }
+        _mm512_mask_storeu_epi16(y + r * y_stride + n0, mask, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
     }
 }
 
@@ -126,8 +124,9 @@ struct Stored {
 
     void put(const float* bias, int64_t N, int64_t y_stride) const {
         if (c == nullptr) return;
-        put_rows(c, rows0, two_n, bias, n0, N, y, y_stride);
-        if (rows1 > 0) put_rows(c + 512, rows1, two_n, bias, n0, N, y + 16 * y_stride, y_stride);
+        const auto put = bias != nullptr ? put_rows<true> : put_rows<false>;
+        put(c, rows0, two_n, bias, n0, N, y, y_stride);
+        if (rows1 > 0) put(c + 512, rows1, two_n, bias, n0, N, y + 16 * y_stride, y_stride);
     }
 };
 
