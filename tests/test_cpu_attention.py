@@ -326,3 +326,4 @@ def test_default_kernel_share_follows_the_machine(monkeypatch):
         monkeypatch.setattr(cpu_backend, "cpu_model_and_flags", lambda flags=flags: ("cpu", frozenset(flags)))
         assert cpu_backend.default_max_query_len(spec(dtype)) == want, (flags, dtype)
     assert cpu_backend.default_max_query_len(spec(torch.bfloat16, head_dim=48)) == 16
+    assert cpu_backend.default_max_query_len(spec(torch.bfloat16), amx_prefill=True) == 32  # longer: AMX prefill kernel

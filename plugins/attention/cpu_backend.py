@@ -7,7 +7,9 @@ itself. Here, rows of requests scheduled with at most ``max_query_len`` tokens g
 (GQA without copies) with an online softmax, parallel over tokens x KV heads on torch's
 OpenMP threads. With AVX-512 (head_dim 64 or 128) it takes runs of a request's rows as
 tiles, which beats SDPA's flash kernel on prefill chunks too, so by default every request
-goes there; without, chunks longer than 16 tokens keep the ``torch`` path (SDPA).
+goes there; without, chunks longer than 16 tokens keep the ``torch`` path (SDPA). On CPUs
+with AMX-BF16, bfloat16 chunks over 32 tokens go to ``cpu_amx_attention.cpp`` instead, both
+products on AMX tiles (:mod:`cpu_amx_prefill`; ``prefill_kernel: sdpa`` keeps SDPA there).
 Float32 and bfloat16 caches and the int8 cache are read directly.
 
 Per layer (:meth:`for_layer`) the kernel takes a sliding window and logit soft-capping;
@@ -22,12 +24,13 @@ then cached); without one the backend refuses to start and says so, and
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 import torch
 
 from modserve.core.contract import AttentionBackend, AttentionMetadata, AttentionSpec, BuildContext, LayerKVCache, hookimpl
+from modserve.plugins.attention import cpu_amx_prefill as amx_prefill
 from modserve.plugins.attention import cpu_kernel_build as kernel
 from modserve.plugins.attention.torch_backend import PrefillChunk, layer_view, plan_prefills, run_prefills, write_kv
 from modserve.plugins.platforms.cpu import cpu_model_and_flags
@@ -55,13 +58,18 @@ class _StepState:
 class CpuAttention(AttentionBackend):
     class Config(msgspec.Struct, forbid_unknown_fields=True):
         # Requests scheduled with at most this many tokens in a step use the kernel; longer
-        # prefill chunks use SDPA. Default: 160 for bfloat16 on a CPU with AMX-BF16 (SDPA's
+        # prefill chunks use SDPA (or the AMX prefill kernel). Default: 32 where the AMX
+        # prefill kernel runs; 160 for bfloat16 on a CPU with AMX-BF16 otherwise (SDPA's
         # flash kernel runs its products on AMX tiles and wins above ~160 tokens: 1.36x the
         # kernel at 256, 2.8x at 1024); else every request where the kernel has its tiled
         # AVX-512 path for the model's head_dim (3.4x SDPA on 256-token chunks in float32,
         # 5.3x in bfloat16 without AMX), else 16 (the portable loops lose to SDPA's flash
         # kernel on long causal blocks).
         max_query_len: Annotated[int, msgspec.Meta(ge=1, le=4096)] | None = None
+        # Longer chunks: causal attention on AMX tiles (bfloat16, head_dim 64/128, CPUs with
+        # AMX-BF16; layers with a window or soft-cap keep SDPA), SDPA's flash kernel, or auto
+        # (amx where it runs).
+        prefill_kernel: Literal["auto", "amx", "sdpa"] = "auto"
 
     window: int | None = None  # this layer's sliding window (set by for_layer)
     softcap: float | None = None  # this layer's logit soft-cap
@@ -71,7 +79,8 @@ class CpuAttention(AttentionBackend):
         spec = self.spec
         _check_spec(spec)
         self.gqa = spec.num_heads != spec.num_kv_heads
-        self.max_query_len = config.max_query_len or default_max_query_len(spec)
+        self.amx_prefill = _use_amx_prefill(config.prefill_kernel, spec)
+        self.max_query_len = config.max_query_len or default_max_query_len(spec, self.amx_prefill)
 
     def for_layer(self, sliding_window: int | None = None, logit_softcap: float | None = None) -> CpuAttention:
         return layer_view(self, sliding_window, logit_softcap)
@@ -112,20 +121,43 @@ class CpuAttention(AttentionBackend):
             q, out, cache.k, cache.v, cache.k_scale, cache.v_scale, state.block_tables, r.rows, r.seq, r.pos,
             self.spec.scale, new_kv=new_kv, window=self.window, softcap=self.softcap,
         )  # fmt: skip
-        run_prefills(q, k, v, cache, state.prefills, out, self.spec.scale, self.gqa, self.window, self.softcap)
+        if not state.prefills:
+            return out
+        if self.amx_prefill and self.window is None and self.softcap is None and not cache.quantized:
+            amx_prefill.run_prefills(q, k, v, cache, state.prefills, out, self.spec.scale)
+        else:
+            run_prefills(q, k, v, cache, state.prefills, out, self.spec.scale, self.gqa, self.window, self.softcap)
         return out
 
 
 AMX_SDPA_FROM = 161  # prefill chunks this long go to SDPA on AMX-BF16 (measured crossover ~160 tokens)
+AMX_TILES_FROM = 33  # ... and to the AMX prefill kernel from this length where it runs
 
 
-def default_max_query_len(spec: AttentionSpec) -> int:
-    """The longest chunk the kernel takes by default, by what the machine computes fastest."""
+def default_max_query_len(spec: AttentionSpec, amx_prefill: bool = False) -> int:
+    """The longest chunk the paged kernel takes by default, by what the machine computes fastest.
+    With the AMX prefill kernel, chunks over 32 tokens go there (bench roofline at 64 clients,
+    AMX Xeon, against SDPA from 161 tokens on: 1.04x; the AMX kernel from 161 on: 1.03x)."""
+    if amx_prefill:
+        return AMX_TILES_FROM - 1
     if not kernel.tiled(spec.head_dim):
         return 16
     if spec.dtype == torch.bfloat16 and "amx_bf16" in cpu_model_and_flags()[1]:
         return AMX_SDPA_FROM - 1
     return 4096
+
+
+def _use_amx_prefill(choice: str, spec: AttentionSpec) -> bool:
+    """Whether long prefill chunks run on AMX tiles: ``auto`` where the CPU has AMX-BF16 and the
+    kernel serves the model; ``amx`` insists (and says why it cannot)."""
+    if choice == "sdpa":
+        return False
+    why = amx_prefill.unavailable(spec.dtype, spec.head_dim)
+    if why is None and "amx_bf16" not in cpu_model_and_flags()[1]:
+        why = f"this CPU ({cpu_model_and_flags()[0]}) has no AMX-BF16"
+    if choice == "amx" and why is not None:
+        raise ValueError(f"attention.prefill_kernel: amx cannot run here: {why}; use auto or sdpa")
+    return why is None
 
 
 def _check_spec(spec: AttentionSpec) -> None:
