@@ -114,6 +114,33 @@ inline void put_rows(const float* c, int rows, bool two_n, const float* bias, in
     }
 }
 
+// x rounded to bfloat16 (to nearest even, as float_to_bf16) and widened back, lane-wise.
+inline __m512 round_bf16(__m512 x) {
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+    return _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// silu(x) = x * sigmoid(x) as cpu_fused_ops.cpp computes it: exp only of -|x|, then 1 / (1 + e)
+// for x >= 0, e / (1 + e) below.
+inline __m512 silu16(__m512 x) {
+    const __m512 e = modserve::exp512_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+    const __m512 r = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_add_ps(_mm512_set1_ps(1.f), e));
+    const __mmask16 pos = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ);
+    return _mm512_mul_ps(x, _mm512_mask_blend_ps(pos, _mm512_mul_ps(e, r), r));
+}
+
+// A gated block's rows: gate sums in c, up sums in c + 256 (the same 16 intermediate columns,
+// from [col0, col0 + 16) of y), each rounded to bfloat16 as the product's output would be, then
+// bf16(bf16(silu(gate)) * up) as the fused SiLU-mul rounds.
+inline void put_gated_rows(const float* c, int rows, int64_t col0, uint16_t* y, int64_t y_stride) {
+    for (int r = 0; r < rows; ++r) {
+        const __m512 g = round_bf16(_mm512_loadu_ps(c + r * 16)), u = round_bf16(_mm512_loadu_ps(c + 256 + r * 16));
+        modserve::store16(y + r * y_stride + col0, _mm512_mul_ps(round_bf16(silu16(g)), u));
+    }
+}
+
 // A block whose sums sit in c, waiting for its epilogue.
 struct Stored {
     const float* c = nullptr;
@@ -121,9 +148,15 @@ struct Stored {
     bool two_n = false;
     int64_t n0 = 0;
     uint16_t* y = nullptr;  // row 0 of the block
+    bool gated = false;     // a (gate, up) panel pair: 16 outputs at column n0 / 2
 
     void put(const float* bias, int64_t N, int64_t y_stride) const {
         if (c == nullptr) return;
+        if (gated) {
+            put_gated_rows(c, rows0, n0 / 2, y, y_stride);
+            if (rows1 > 0) put_gated_rows(c + 512, rows1, n0 / 2, y + 16 * y_stride, y_stride);
+            return;
+        }
         const auto put = bias != nullptr ? put_rows<true> : put_rows<false>;
         put(c, rows0, two_n, bias, n0, N, y, y_stride);
         if (rows1 > 0) put(c + 512, rows1, two_n, bias, n0, N, y + 16 * y_stride, y_stride);
@@ -131,7 +164,7 @@ struct Stored {
 };
 
 void amx_linear(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_t* w, int64_t N, int K, const float* bias,
-                uint16_t* y, int64_t y_stride, int threads) {
+                uint16_t* y, int64_t y_stride, int threads, bool gated) {
     const int kb = K / 32;
     const int64_t pairs = (N + 31) / 32;  // threads take whole pairs of 16-output panels
     const int64_t panel = static_cast<int64_t>(kb) * 512;  // elements of one 16-output panel
@@ -167,7 +200,7 @@ void amx_linear(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_t* 
                         two_n ? tile_block<false, true>(a, a_stride_bytes, b0, b0 + panel, kb, cb, previous)
                               : tile_block<false, false>(a, a_stride_bytes, b0, b0, kb, cb, previous);
                     }
-                    pending = Stored{cb, rows0, rows1, two_n, n0, y + mb * y_stride};
+                    pending = Stored{cb, rows0, rows1, two_n, n0, y + mb * y_stride, gated};
                     cur ^= 1;
                 }
             }
@@ -189,10 +222,12 @@ int modserve_amx_init() {
 }
 
 // y[m, n] = bf16(sum_k x[m, k] * W[n, k] + bias[n]) for m < M, n < N, W packed as described
-// above ([ceil(N/16)][K/32][16][16][2]); K a multiple of 32; bias float32 or null.
+// above ([ceil(N/16)][K/32][16][16][2]); K a multiple of 32; bias float32 or null. gated: W's
+// panels alternate gate and up columns (N / 32 pairs, no bias) and y[m, j] for j < N / 2 is
+// bf16(bf16(silu(gate_j)) * up_j), the fused SiLU-mul of the rounded outputs.
 void modserve_amx_linear(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_t* w, int64_t N, int K,
-                         const float* bias, uint16_t* y, int64_t y_stride, int threads) {
-    amx_linear(x, x_stride, M, w, N, K, bias, y, y_stride, threads);
+                         const float* bias, uint16_t* y, int64_t y_stride, int threads, int gated) {
+    amx_linear(x, x_stride, M, w, N, K, gated ? nullptr : bias, y, y_stride, threads, gated != 0);
 }
 }
 
@@ -201,7 +236,7 @@ void modserve_amx_linear(const uint16_t* x, int64_t x_stride, int64_t M, const u
 extern "C" {
 int modserve_amx_init() { return -2; }
 void modserve_amx_linear(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int, const float*, uint16_t*,
-                         int64_t, int) {}
+                         int64_t, int, int) {}
 }
 
 #endif

@@ -46,6 +46,37 @@ def test_products_are_float32_sums_rounded_once(rows, n, k, bias):
 
 
 @needs_amx
+@pytest.mark.parametrize("rows", [1, 5, 16, 33, 300])
+def test_gated_product_equals_the_fused_silu_mul_of_the_plain_product(rows):
+    """enable_silu_mul: the layer returns bf16(bf16(silu(gate)) * up) of its own rounded
+    outputs, what the fused op computes from the plain product (at most one bfloat16 step
+    apart: exp and division lane-wise instead of in the compiler's loop)."""
+    from modserve.core.models import cpu_fused
+
+    g = torch.Generator().manual_seed(rows)
+    lin = nn.Linear(96, 2 * 48, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(96, 96, generator=g))
+    x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
+    layer = cpu_amx_linear.AmxLinear(lin)
+    want = cpu_fused.silu_mul(layer(x))
+    assert layer.enable_silu_mul() and layer.enable_silu_mul()  # once enabled, stays so
+    got = layer(x)
+    assert got.shape == (rows, 48)
+    assert bf16_ulps(got, want) <= 1
+    assert (got == want).float().mean() > 0.99
+
+
+@needs_amx
+def test_gated_product_is_declined_where_the_halves_do_not_split_into_panels():
+    odd = cpu_amx_linear.AmxLinear(nn.Linear(64, 2 * 40, bias=False).to(torch.bfloat16))  # 40 is not a multiple of 16
+    biased = cpu_amx_linear.AmxLinear(nn.Linear(64, 2 * 32, bias=True).to(torch.bfloat16))
+    assert not odd.enable_silu_mul() and not biased.enable_silu_mul()
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    assert odd(x).shape == (3, 80) and biased(x).shape == (3, 64)  # plain products still
+
+
+@needs_amx
 def test_strided_and_batched_inputs_and_no_rows():
     """q/k/v-style views (rows further apart than K), 3-D inputs and an empty batch."""
     lin = nn.Linear(64, 48, bias=True).to(torch.bfloat16)
@@ -92,8 +123,10 @@ def test_engine_serves_the_same_tokens_as_with_onednn(tiny_llama):
             model={"path": path, "dtype": "bfloat16"}, device={"plugin": "cpu", "linear_kernel": kernel},
             kv_cache={"plugin": "paged", "num_blocks": 64}, scheduler={"plugin": "fcfs", "max_num_batched_tokens": 40},
         )  # fmt: skip
-        kinds = {type(m) for m in llm.engine.c.runner.model.modules()}
+        model = llm.engine.c.runner.model
+        kinds = {type(m) for m in model.modules()}
         assert (cpu_amx_linear.AmxLinear in kinds) is (kernel == "auto") and (PackedLinear in kinds) is (kernel == "onednn")
+        assert all(layer.mlp.gated_product is (kernel == "auto") for layer in model.layers)  # silu(gate) * up on tiles
         res = llm.generate(
             [[3, 4, 5, 6], [9] * 37, list(range(20, 73))],
             SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1),

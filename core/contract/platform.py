@@ -9,7 +9,7 @@ then ``cpu``). A vendor ships a whole platform out of tree with ``register_platf
 
 from __future__ import annotations
 
-from abc import abstractmethod
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -29,6 +29,20 @@ class DeviceInfo:
     total_memory_bytes: int
     dtypes: tuple[str, ...]  # model dtypes this device runs: "float32", "bfloat16", "float16"
     kernels: tuple[str, ...] = ()  # what the platform chose for this machine, e.g. "bfloat16 linears: AMX tiles"
+
+
+class GatedLinear(ABC):
+    """A linear module (what :meth:`Platform.linear` returned) of a fused ``[gate; up]``
+    projection that can return the SiLU-gated product ``silu(x @ W_gate.T) * (x @ W_up.T)``
+    itself, in one pass, so the full ``[gate; up]`` output never goes to memory. A model whose
+    MLP is SiLU-gated asks for it when it switches to fused CPU ops; the module rounds where
+    the model's own SiLU-mul would (a bfloat16 model: the outputs, ``silu(gate)``, the product).
+    """
+
+    @abstractmethod
+    def enable_silu_mul(self) -> bool:
+        """From now on ``forward`` returns the gated product (``[..., out_features // 2]``);
+        returns whether it does (False, and nothing changed, where this layer cannot)."""
 
 
 class Platform(Plugin):

@@ -122,6 +122,9 @@ class DecoderLM(CausalLM):
         for module in self.modules():
             if hasattr(module, "fused"):
                 module.fused = True
+        for module in self.modules():
+            if isinstance(module, MLP):
+                module.fuse_gated_product()
         return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

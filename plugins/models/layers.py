@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modserve.core.contract import AttentionBackend, AttentionMetadata, LayerKVCache, ModelSpec
+from modserve.core.contract import AttentionBackend, AttentionMetadata, GatedLinear, LayerKVCache, ModelSpec
 from modserve.core.models import cpu_fused
 from modserve.core.models.rope import apply_rotary
 
@@ -127,8 +127,19 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * self.intermediate, bias=False)
         self.down_proj = nn.Linear(self.intermediate, spec.hidden_size, bias=False)
         self.fused = False  # set by DecoderLM.use_cpu_fused_ops
+        self.gated_product = False  # gate_up_proj returns silu(gate) * up itself (see fuse_gated_product)
+
+    def fuse_gated_product(self) -> bool:
+        """With fused ops on, let a platform's gate_up layer that can (a
+        :class:`~modserve.core.contract.GatedLinear`) compute ``silu(gate) * up`` itself."""
+        if self.fused and self.activation == "silu" and isinstance(self.gate_up_proj, GatedLinear):
+            self.gated_product = self.gate_up_proj.enable_silu_mul()
+        return self.gated_product
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated_product:
+            out = self.down_proj.forward(self.gate_up_proj.forward(x))
+            return out if self.tp is None else self.tp.all_reduce(out)
         gate_up = self.gate_up_proj.forward(x)
         if self.fused and self.activation == "silu":
             out = self.down_proj.forward(cpu_fused.silu_mul(gate_up))

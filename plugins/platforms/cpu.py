@@ -25,7 +25,7 @@ from modserve.plugins.platforms.cpu_linear import PackedLinear, can_pack
 from modserve.plugins.platforms.cpu_memory import keep_freed_memory
 from modserve.plugins.platforms.cpu_quant import gguf_linear, quantize_linear
 
-MODSERVE_CONTRACT = "2.0"
+MODSERVE_CONTRACT = "2.3"  # DeviceInfo.kernels; its AMX linears are GatedLinear
 log = logging.getLogger("modserve.platform")
 
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8", "avx_ne_convert")

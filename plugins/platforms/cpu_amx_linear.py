@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from modserve.core.contract import GatedLinear
 from modserve.native.build import SOURCES, KernelUnavailable, compile_and_load
 
 SOURCE = SOURCES / "cpu_amx_linear.cpp"
@@ -40,7 +41,7 @@ def load() -> ctypes.CDLL:
     if status != 0:
         raise KernelUnavailable("the AMX linear kernel: Linux refused this process the AMX tile state (arch_prctl)")
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.modserve_amx_linear.argtypes = [ptr, i64, i64, ptr, i64, i32, ptr, ptr, i64, i32]
+    lib.modserve_amx_linear.argtypes = [ptr, i64, i64, ptr, i64, i32, ptr, ptr, i64, i32, i32]
     lib.modserve_amx_linear.restype = None
     return lib
 
@@ -63,8 +64,11 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return w.view(n_pad // TILE_N, TILE_N, k_pad // TILE_K, TILE_K // 2, 2).permute(0, 2, 3, 1, 4).contiguous()
 
 
-class AmxLinear(nn.Module):
-    """``y = x @ W.T + b`` for bfloat16 ``x`` with ``W`` held only as packed AMX tiles."""
+class AmxLinear(nn.Module, GatedLinear):
+    """``y = x @ W.T + b`` for bfloat16 ``x`` with ``W`` held only as packed AMX tiles; for a
+    fused ``[gate; up]`` layer, on request, ``silu(gate) * up`` straight from the tiles."""
+
+    gated = False  # forward returns the SiLU-gated product (see enable_silu_mul)
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -84,14 +88,30 @@ class AmxLinear(nn.Module):
         if self.padded_in != self.in_features:  # a tile row reads 32 inputs: pad with zeros
             rows = F.pad(rows, (0, self.padded_in - self.in_features))
         m = rows.shape[0]
-        out = torch.empty(m, self.out_features, dtype=torch.bfloat16)
+        width = self.out_features // 2 if self.gated else self.out_features
+        out = torch.empty(m, width, dtype=torch.bfloat16)
         if m:
             bias = self._bias32
             self._lib.modserve_amx_linear(
                 rows.data_ptr(), rows.stride(0), m, self.packed.data_ptr(), self.out_features, self.padded_in,
-                None if bias is None else bias.data_ptr(), out.data_ptr(), self.out_features, torch.get_num_threads(),
+                None if bias is None else bias.data_ptr(), out.data_ptr(), width, torch.get_num_threads(), int(self.gated),
             )  # fmt: skip
-        return out.view(*x.shape[:-1], self.out_features)
+        return out.view(*x.shape[:-1], width)
+
+    def enable_silu_mul(self) -> bool:
+        """Reorder the packed panels as (gate, up) pairs of the same 16 intermediate columns, so
+        that each block's epilogue computes ``bf16(bf16(silu(gate)) * up)`` (the fused op's
+        rounding) and the ``[gate; up]`` output never goes to memory: at 2,048 rows that output
+        and the separate SiLU-mul pass over it took 1.2 ms of a layer (SmolLM2). Needs an even
+        split into 16-column panels and no bias."""
+        inter = self.out_features // 2
+        if self.gated or self.bias is not None or self.out_features % 2 or inter % TILE_N:
+            return self.gated
+        panels = inter // TILE_N
+        order = torch.stack([torch.arange(panels), torch.arange(panels) + panels], dim=1).reshape(-1)
+        self.packed = self.packed.index_select(0, order).contiguous()
+        self.gated = True
+        return True
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
