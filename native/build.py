@@ -45,6 +45,19 @@ def compile_and_load(source: Path, what: str, extra_flags: tuple[str, ...] = ())
     return ctypes.CDLL(str(path))
 
 
+def compile_and_load_amx(source: Path, what: str) -> ctypes.CDLL:
+    """An AMX kernel (``source`` exports ``modserve_amx_init``, see ``amx.h``) with this
+    process granted the tile state; raises :class:`KernelUnavailable` saying why it cannot run."""
+    lib = compile_and_load(source, what)
+    lib.modserve_amx_init.restype = ctypes.c_int
+    status = lib.modserve_amx_init()
+    if status == -2:  # the source's fallback: built without AMX-BF16
+        raise KernelUnavailable(f"{what}: the compiler does not target AMX-BF16 on this CPU (-march=native)")
+    if status != 0:
+        raise KernelUnavailable(f"{what}: Linux refused this process the AMX tile state (arch_prctl)")
+    return lib
+
+
 def _cache_dir() -> Path:
     root = Path(os.environ.get("MODSERVE_CACHE_DIR") or Path.home() / ".cache" / "modserve") / "kernels"
     root.mkdir(parents=True, exist_ok=True)

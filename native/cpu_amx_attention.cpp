@@ -22,9 +22,8 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #include <omp.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
+#include "amx.h"
 #include "avx512.h"
 
 namespace {
@@ -32,23 +31,9 @@ namespace {
 constexpr int kRows = 16;   // query rows per block (one A tile)
 constexpr int kMaxD = 128;  // head sizes 64 and 128 (multiples of 32)
 
-struct alignas(64) TileConfig {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
 void load_config() {  // every tile 16 rows x 64 bytes
-    TileConfig cfg;
-    std::memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; ++t) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
+    const int rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+    modserve::configure_tiles(rows);
 }
 
 // K rows [S, D] of one head (token stride ks) copied to [S padded to 32][D], zeros past S:
@@ -208,11 +193,8 @@ void prefill(const uint16_t* q, int64_t qs, const uint16_t* k, const uint16_t* v
 
 extern "C" {
 
-// 0 when this process may use AMX tiles, else nonzero (see cpu_amx_linear.cpp).
-int modserve_amx_attention_init() {
-    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0 ? 0 : -1;
-}
+// 0 when this process may use AMX tiles, else nonzero.
+int modserve_amx_init() { return modserve::request_amx(); }
 
 // Causal attention of Q query rows (q: [Q, H, D], rows qs elements apart) over S keys
 // (k, v: [S, KVH, D], rows kvs apart; query row i at position S - Q + i) into out ([Q, H, D],
@@ -233,7 +215,7 @@ int modserve_amx_prefill(const uint16_t* q, int64_t qs, const uint16_t* k, const
 #else
 
 extern "C" {
-int modserve_amx_attention_init() { return -2; }
+int modserve_amx_init() { return -2; }
 int modserve_amx_prefill(const uint16_t*, int64_t, const uint16_t*, const uint16_t*, int64_t, uint16_t*, int64_t, int, int,
                          int, int, int, float, int) {
     return -1;

@@ -25,35 +25,19 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #include <omp.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
+#include "amx.h"
 #include "avx512.h"
 
 namespace {
 
 constexpr int kRowChunk = 256;  // rows of x per sweep over the weights (kept in L2)
 
-struct alignas(64) TileConfig {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
 // Tiles 0-3: C (float32 sums) for A0 x B0, A0 x B1, A1 x B0, A1 x B1; 4-5: A (rows of x);
 // 6-7: B (weights). A0 and its C tiles have rows0 rows, A1 and its C tiles rows1.
 void load_config(int rows0, int rows1) {
-    TileConfig cfg;
-    std::memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
     const int rows[8] = {rows0, rows0, rows1, rows1, rows0, rows1, 16, 16};
-    for (int t = 0; t < 8; ++t) {
-        cfg.rows[t] = static_cast<uint8_t>(rows[t] > 0 ? rows[t] : 1);
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
+    modserve::configure_tiles(rows);
 }
 
 // Sums for up to 32 rows (a0 with rows0 rows, a0 + 16 rows with rows1) x 32 outputs (two
@@ -216,10 +200,7 @@ extern "C" {
 
 // 0 when this process may use AMX tiles (Linux grants the XTILEDATA state on request), else
 // an errno-style code; call once before modserve_amx_linear.
-int modserve_amx_init() {
-    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0 ? 0 : -1;
-}
+int modserve_amx_init() { return modserve::request_amx(); }
 
 // y[m, n] = bf16(sum_k x[m, k] * W[n, k] + bias[n]) for m < M, n < N, W packed as described
 // above ([ceil(N/16)][K/32][16][16][2]); K a multiple of 32; bias float32 or null. gated: W's

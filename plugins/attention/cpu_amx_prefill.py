@@ -15,7 +15,7 @@ import functools
 import torch
 
 from modserve.core.contract import LayerKVCache
-from modserve.native.build import SOURCES, KernelUnavailable, compile_and_load
+from modserve.native.build import SOURCES, KernelUnavailable, compile_and_load_amx
 
 SOURCE = SOURCES / "cpu_amx_attention.cpp"
 HEAD_DIMS = (64, 128)
@@ -23,15 +23,8 @@ HEAD_DIMS = (64, 128)
 
 @functools.cache
 def load() -> ctypes.CDLL:
-    """The compiled kernel with this process granted AMX state; raises
-    :class:`KernelUnavailable` saying why it cannot run here."""
-    lib = compile_and_load(SOURCE, "the AMX prefill attention kernel")
-    lib.modserve_amx_attention_init.restype = ctypes.c_int
-    status = lib.modserve_amx_attention_init()
-    if status == -2:
-        raise KernelUnavailable("the AMX prefill kernel: the compiler does not target AMX-BF16 on this CPU (-march=native)")
-    if status != 0:
-        raise KernelUnavailable("the AMX prefill kernel: Linux refused this process the AMX tile state (arch_prctl)")
+    """The compiled kernel, this process granted AMX state; raises :class:`KernelUnavailable`."""
+    lib = compile_and_load_amx(SOURCE, "the AMX prefill attention kernel")
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     lib.modserve_amx_prefill.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64, i32, i32, i32, i32, i32, ctypes.c_float, i32]
     lib.modserve_amx_prefill.restype = i32

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from modserve.core.contract import GatedLinear
-from modserve.native.build import SOURCES, KernelUnavailable, compile_and_load
+from modserve.native.build import SOURCES, KernelUnavailable, compile_and_load_amx
 
 SOURCE = SOURCES / "cpu_amx_linear.cpp"
 TILE_N, TILE_K = 16, 32  # outputs and inputs per packed weight tile
@@ -31,15 +31,8 @@ TILE_N, TILE_K = 16, 32  # outputs and inputs per packed weight tile
 
 @functools.cache
 def load() -> ctypes.CDLL:
-    """The compiled kernel with this process granted AMX state; raises
-    :class:`KernelUnavailable` saying why it cannot run here."""
-    lib = compile_and_load(SOURCE, "the AMX linear kernel")
-    lib.modserve_amx_init.restype = ctypes.c_int
-    status = lib.modserve_amx_init()
-    if status == -2:
-        raise KernelUnavailable("the AMX linear kernel: the compiler does not target AMX-BF16 on this CPU (-march=native)")
-    if status != 0:
-        raise KernelUnavailable("the AMX linear kernel: Linux refused this process the AMX tile state (arch_prctl)")
+    """The compiled kernel, this process granted AMX state; raises :class:`KernelUnavailable`."""
+    lib = compile_and_load_amx(SOURCE, "the AMX linear kernel")
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.modserve_amx_linear.argtypes = [ptr, i64, i64, ptr, i64, i32, ptr, ptr, i64, i32, i32]
     lib.modserve_amx_linear.restype = None
