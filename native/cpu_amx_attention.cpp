@@ -2,18 +2,17 @@
 // against its keys (cached context first, then the chunk's own), GQA without copies of K/V.
 //
 // Why: torch's flash SDPA runs SmolLM2's 256-token chunks (9 heads of 64) at ~320 GFLOP/s
-// where the machine's AMX products reach ~2.8 TFLOP/s, and a 2,048-token prefill step spent
-// a quarter of its time there. Here both products of each 16-row x 32-key block run as AMX
-// tile products (Q.K^T: 4 for head size 64; P.V: 4), and the online softmax between them
-// runs on AVX-512 over the block's 16 x 32 scores.
+// where the machine's AMX products reach ~2.8 TFLOP/s. Here both products of each 16-row x
+// 32-key block run as AMX tile products, computed transposed (see attend_block): S^T = K.Q^T
+// and O^T = V^T.P^T, so that the online softmax between them is lane-wise over the 16 rows.
 //
-// Per call: K and V of each KV head are first packed into the tiles' layout ([key block of
-// 16][32 dims][16 pairs of dims x 16 keys] for K, [32 keys][16 dims][16 pairs of keys x 16
-// dims] for V; keys zero-padded to 32). Then a work item = (KV head, query head of its group,
-// block of 16 query rows), the blocks with the most keys first. Query row i sits at position
-// S - Q + i and sees keys 0..that position. Scores are scaled in float32; the weights are
-// rounded to bfloat16 for the P.V product (as torch's flash SDPA feeds its second GEMM); the
-// output row is its float32 accumulator over the sum of the weights, rounded to bfloat16.
+// Per call: each KV head's K rows are copied, zero-padded to a multiple of 32 keys (the A tiles
+// of S^T), and its V packed as A tiles of V^T ([32 keys][16 dims]: row i = dim i of the 32
+// keys). Then a work item = (KV head, query head of its group, block of 16 query rows), the
+// blocks with the most keys first. Query row i sits at position S - Q + i and sees keys
+// 0..that position. Scores are scaled in float32; the weights are rounded to bfloat16 for the
+// P.V product (as torch's flash SDPA feeds its second GEMM) and summed unrounded; the output
+// row is its float32 accumulator over that sum, rounded to bfloat16.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
