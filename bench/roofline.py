@@ -260,6 +260,7 @@ def _time_linear(m: int, n: int, k: int, dtype, device, repeats: int) -> float:
     import torch.nn.functional as F
 
     from modserve.plugins.platforms import cpu_amx_linear
+    from modserve.plugins.platforms.cpu import amx_unavailable
     from modserve.plugins.platforms.cpu_linear import PackedLinear, can_pack
 
     x = torch.randn(m, k, dtype=dtype, device=device)
@@ -270,7 +271,7 @@ def _time_linear(m: int, n: int, k: int, dtype, device, repeats: int) -> float:
     if can_pack(device, dtype):  # the engine's own paths on the CPU: weights packed for oneDNN ...
         packed = PackedLinear(linear)
         best = min(best, _best_time(lambda: packed(x), device, repeats))
-    if torch.device(device).type == "cpu" and dtype == torch.bfloat16 and cpu_amx_linear.available() is None:
+    if torch.device(device).type == "cpu" and dtype == torch.bfloat16 and amx_unavailable(cpu_amx_linear.load) is None:
         tiles = cpu_amx_linear.AmxLinear(linear)  # ... or as AMX tiles
         best = min(best, _best_time(lambda: tiles(x), device, repeats))
     return best

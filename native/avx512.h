@@ -21,14 +21,23 @@ inline __m512 load16(const int8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
-// Stores 16 float32 lanes to p: as they are, or narrowed to bfloat16 exactly as
-// float_to_bf16 in bf16.h does (to nearest even, the same integer formula lane-wise).
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(uint16_t* p, __m512 v) {
+// v's float32 bit patterns rounded to bfloat16 exactly as float_to_bf16 in bf16.h does (to
+// nearest even, the same integer formula lane-wise): the result is each lane's high 16 bits.
+inline __m512i bf16_rounded_bits(__m512 v) {
     const __m512i bits = _mm512_castps_si512(v);
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+    return _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+}
+
+// v rounded to bfloat16 and widened back to float32, lane-wise.
+inline __m512 round_bf16(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_and_si512(bf16_rounded_bits(v), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// Stores 16 float32 lanes to p: as they are, or narrowed to bfloat16 (bf16_rounded_bits).
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(uint16_t* p, __m512 v) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_rounded_bits(v), 16)));
 }
 
 // Asks for the cache line at p ahead of its use. Inline asm, not _mm_prefetch: GCC 12

@@ -27,8 +27,7 @@
 
 namespace {
 
-constexpr int kRows = 16;   // query rows per block (one A tile)
-constexpr int kMaxD = 128;  // head sizes 64 and 128 (multiples of 32)
+constexpr int kRows = 16;  // query rows per block (the lanes of S^T, one B tile of Q^T)
 
 void load_config() {  // every tile 16 rows x 64 bytes
     const int rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
@@ -192,7 +191,7 @@ void prefill(const uint16_t* q, int64_t qs, const uint16_t* k, const uint16_t* v
 
 extern "C" {
 
-// 0 when this process may use AMX tiles, else nonzero.
+// 0 when this process may use AMX tiles, -1 when refused, -2 in a build without AMX-BF16.
 int modserve_amx_init() { return modserve::request_amx(); }
 
 // Causal attention of Q query rows (q: [Q, H, D], rows qs elements apart) over S keys

@@ -15,7 +15,8 @@ import functools
 import torch
 
 from modserve.core.contract import LayerKVCache
-from modserve.native.build import SOURCES, KernelUnavailable, compile_and_load_amx
+from modserve.native.build import SOURCES, compile_and_load_amx
+from modserve.plugins.platforms.cpu import amx_unavailable
 
 SOURCE = SOURCES / "cpu_amx_attention.cpp"
 HEAD_DIMS = (64, 128)
@@ -23,7 +24,8 @@ HEAD_DIMS = (64, 128)
 
 @functools.cache
 def load() -> ctypes.CDLL:
-    """The compiled kernel, this process granted AMX state; raises :class:`KernelUnavailable`."""
+    """The compiled kernel, this process granted AMX state; raises ``KernelUnavailable``
+    (:func:`unavailable` says why it cannot run here)."""
     lib = compile_and_load_amx(SOURCE, "the AMX prefill attention kernel")
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     lib.modserve_amx_prefill.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64, i32, i32, i32, i32, i32, ctypes.c_float, i32]
@@ -32,16 +34,12 @@ def load() -> ctypes.CDLL:
 
 
 def unavailable(dtype: torch.dtype, head_dim: int) -> str | None:
-    """None where the kernel serves a model of this dtype and head size here, else why not."""
+    """None where the kernel serves a model of this dtype and head size on this CPU, else why not."""
     if dtype != torch.bfloat16:
         return f"it runs bfloat16 models, not {dtype}"
     if head_dim not in HEAD_DIMS:
         return f"it takes head_dim 64 or 128, not {head_dim}"
-    try:
-        load()
-    except KernelUnavailable as e:
-        return str(e)
-    return None
+    return amx_unavailable(load)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

@@ -153,8 +153,6 @@ def _use_amx_prefill(choice: str, spec: AttentionSpec) -> bool:
     if choice == "sdpa":
         return False
     why = amx_prefill.unavailable(spec.dtype, spec.head_dim)
-    if why is None and "amx_bf16" not in cpu_model_and_flags()[1]:
-        why = f"this CPU ({cpu_model_and_flags()[0]}) has no AMX-BF16"
     if choice == "amx" and why is not None:
         raise ValueError(f"attention.prefill_kernel: amx cannot run here: {why}; use auto or sdpa")
     return why is None

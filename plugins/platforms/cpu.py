@@ -13,6 +13,7 @@ import functools
 import logging
 import os
 import platform as host
+from collections.abc import Callable
 from typing import Literal
 
 import msgspec
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from modserve.core.contract import DeviceInfo, Platform, hookimpl
+from modserve.native.build import KernelUnavailable
 from modserve.plugins.platforms import cpu_amx_linear as amx_linear
 from modserve.plugins.platforms.cpu_linear import PackedLinear, can_pack
 from modserve.plugins.platforms.cpu_memory import keep_freed_memory
@@ -118,13 +120,25 @@ def _use_amx(config: CPUConfig) -> bool:
         if config.linear_kernel == "amx":
             raise ValueError("device.linear_kernel: amx packs the weights; it cannot go with pack_weights: false")
         return False
-    has_amx = "amx_bf16" in cpu_model_and_flags()[1]
-    why = amx_linear.available() if has_amx else f"this CPU ({cpu_model_and_flags()[0]}) has no AMX-BF16"
+    why = amx_unavailable(amx_linear.load)
     if config.linear_kernel == "amx" and why is not None:
         raise ValueError(f"device.linear_kernel: amx cannot run here: {why}; use auto or onednn")
-    if why is not None and has_amx:
+    if why is not None and "amx_bf16" in cpu_model_and_flags()[1]:  # an AMX CPU the kernel failed on
         log.warning("device.linear_kernel auto: %s; using oneDNN's products", why)
     return why is None
+
+
+def amx_unavailable(load: Callable[[], object]) -> str | None:
+    """None where this CPU has AMX-BF16 and ``load`` (an AMX kernel's loader) builds the kernel,
+    else why not: the one test behind the linear and the prefill-attention kernels' ``auto``."""
+    name, flags = cpu_model_and_flags()
+    if "amx_bf16" not in flags:
+        return f"this CPU ({name}) has no AMX-BF16"
+    try:
+        load()
+    except KernelUnavailable as e:
+        return str(e)
+    return None
 
 
 @functools.cache

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from modserve.core.contract import GatedLinear
-from modserve.native.build import SOURCES, KernelUnavailable, compile_and_load_amx
+from modserve.native.build import SOURCES, compile_and_load_amx
 
 SOURCE = SOURCES / "cpu_amx_linear.cpp"
 TILE_N, TILE_K = 16, 32  # outputs and inputs per packed weight tile
@@ -31,21 +31,13 @@ TILE_N, TILE_K = 16, 32  # outputs and inputs per packed weight tile
 
 @functools.cache
 def load() -> ctypes.CDLL:
-    """The compiled kernel, this process granted AMX state; raises :class:`KernelUnavailable`."""
+    """The compiled kernel, this process granted AMX state; raises ``KernelUnavailable``
+    (``cpu.amx_unavailable`` says why it cannot run here)."""
     lib = compile_and_load_amx(SOURCE, "the AMX linear kernel")
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.modserve_amx_linear.argtypes = [ptr, i64, i64, ptr, i64, i32, ptr, ptr, i64, i32, i32]
     lib.modserve_amx_linear.restype = None
     return lib
-
-
-def available() -> str | None:
-    """None where the kernel runs here, else why not."""
-    try:
-        load()
-    except KernelUnavailable as e:
-        return str(e)
-    return None
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
