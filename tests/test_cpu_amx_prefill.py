@@ -120,6 +120,26 @@ def test_prefill_kernel_amx_is_refused_where_it_cannot_run(monkeypatch, tiny_lla
         LLM(model={"path": path}, attention={"plugin": "cpu", "prefill_kernel": "flash"})
 
 
+@needs_amx
+def test_prefill_kernel_amx_is_refused_for_an_int8_cache_and_windowed_layers(llama_d64, tmp_path):
+    """Asked for explicitly, the AMX kernel never hands chunks to SDPA behind the user's back;
+    auto does, and says nothing (an int8 cache, Gemma's windowed and soft-capped layers)."""
+    path, _ = llama_d64
+    int8 = {"plugin": "paged", "num_blocks": 64, "kv_dtype": "int8"}
+    with pytest.raises(Exception, match=r"attention\.prefill_kernel: amx cannot run here: it reads bfloat16 KV caches, not int8"):
+        LLM(model={"path": path, "dtype": "bfloat16"}, attention={"plugin": "cpu", "prefill_kernel": "amx"}, kv_cache=int8)
+    llm = LLM(model={"path": path, "dtype": "bfloat16"}, attention={"plugin": "cpu"}, kv_cache=int8)
+    assert llm.engine.runner.attention.amx_prefill is False
+    from tiny_models import build_model
+
+    gemma = str(tmp_path / "gemma2")
+    build_model(gemma, "gemma2")
+    with pytest.raises(Exception, match=r"attention\.prefill_kernel: amx takes no sliding window or logit soft-cap"):
+        LLM(model={"path": gemma, "dtype": "bfloat16"}, attention={"plugin": "cpu", "prefill_kernel": "amx"},
+            kv_cache={"plugin": "paged", "num_blocks": 64})
+        LLM(model={"path": path}, attention={"plugin": "cpu", "prefill_kernel": "flash"})
+
+
 def test_prefill_kernel_amx_is_refused_on_a_cpu_without_amx(monkeypatch, llama_d64):
     path, _ = llama_d64
     monkeypatch.setattr(cpu, "cpu_model_and_flags", lambda: ("a CPU without AMX", frozenset({"avx2", "avx512f"})))

@@ -66,9 +66,9 @@ class CpuAttention(AttentionBackend):
         # 5.3x in bfloat16 without AMX), else 16 (the portable loops lose to SDPA's flash
         # kernel on long causal blocks).
         max_query_len: Annotated[int, msgspec.Meta(ge=1, le=4096)] | None = None
-        # Longer chunks: causal attention on AMX tiles (bfloat16, head_dim 64/128, CPUs with
-        # AMX-BF16; layers with a window or soft-cap keep SDPA), SDPA's flash kernel, or auto
-        # (amx where it runs).
+        # Longer chunks: causal attention on AMX tiles (bfloat16 model and KV cache, head_dim
+        # 64/128, CPUs with AMX-BF16, no sliding window or soft-cap), SDPA's flash kernel, or
+        # auto (amx where it runs; SDPA for layers with a window or soft-cap).
         prefill_kernel: Literal["auto", "amx", "sdpa"] = "auto"
 
     window: int | None = None  # this layer's sliding window (set by for_layer)
@@ -79,10 +79,15 @@ class CpuAttention(AttentionBackend):
         spec = self.spec
         _check_spec(spec)
         self.gqa = spec.num_heads != spec.num_kv_heads
-        self.amx_prefill = _use_amx_prefill(config.prefill_kernel, spec)
+        self.amx_prefill = _use_amx_prefill(config.prefill_kernel, spec, ctx)
         self.max_query_len = config.max_query_len or default_max_query_len(spec, self.amx_prefill)
 
     def for_layer(self, sliding_window: int | None = None, logit_softcap: float | None = None) -> CpuAttention:
+        if self.config.prefill_kernel == "amx" and (sliding_window is not None or logit_softcap is not None):
+            raise ValueError(
+                "attention.prefill_kernel: amx takes no sliding window or logit soft-cap, which this model's "
+                "layers have; use auto (SDPA for those layers) or sdpa"
+            )
         return layer_view(self, sliding_window, logit_softcap)
 
     def prepare(self, meta: AttentionMetadata) -> None:
@@ -123,7 +128,7 @@ class CpuAttention(AttentionBackend):
         )  # fmt: skip
         if not state.prefills:
             return out
-        if self.amx_prefill and self.window is None and self.softcap is None and not cache.quantized:
+        if self.amx_prefill and self.window is None and self.softcap is None:
             amx_prefill.run_prefills(q, k, v, cache, state.prefills, out, self.spec.scale)
         else:
             run_prefills(q, k, v, cache, state.prefills, out, self.spec.scale, self.gqa, self.window, self.softcap)
@@ -147,12 +152,14 @@ def default_max_query_len(spec: AttentionSpec, amx_prefill: bool = False) -> int
     return 4096
 
 
-def _use_amx_prefill(choice: str, spec: AttentionSpec) -> bool:
+def _use_amx_prefill(choice: str, spec: AttentionSpec, ctx: BuildContext) -> bool:
     """Whether long prefill chunks run on AMX tiles: ``auto`` where the CPU has AMX-BF16 and the
-    kernel serves the model; ``amx`` insists (and says why it cannot)."""
+    kernel serves the model and its KV cache; ``amx`` insists (and says why it cannot)."""
     if choice == "sdpa":
         return False
     why = amx_prefill.unavailable(spec.dtype, spec.head_dim)
+    if why is None and ctx.kv is not None and any(c.quantized for c in ctx.kv.layer_caches()[:1]):
+        why = "it reads bfloat16 KV caches, not int8 (kv_cache.kv_dtype)"
     if choice == "amx" and why is not None:
         raise ValueError(f"attention.prefill_kernel: amx cannot run here: {why}; use auto or sdpa")
     return why is None
