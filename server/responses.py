@@ -56,7 +56,7 @@ from modserve.server.responses_protocol import (
 )
 from modserve.server.state import ServerState
 from modserve.server.tool_calls import arguments_object
-from modserve.server.streaming import EventStream, iterate
+from modserve.server.streaming import EventStream, event_json, iterate
 
 # a chat field named in an error -> the Responses field it came from
 _FIELD_NAMES = [
@@ -272,7 +272,7 @@ class _Events:
     def emit(self, kind: str, **fields: Any) -> bytes:
         event = ResponseEvent(kind, self.seq, **fields)
         self.seq += 1
-        return b"event: " + kind.encode() + b"\ndata: " + encoder.encode(event) + b"\n\n"
+        return b"event: " + kind.encode() + b"\ndata: " + event_json(event) + b"\n\n"
 
     def delta(self, d: Delta) -> Iterator[bytes]:
         if d.reasoning_content:

@@ -26,8 +26,23 @@ T = TypeVar("T")
 DONE = b"data: [DONE]\n\n"
 
 
+# Characters JSON leaves raw inside strings that Python's str.splitlines, hence httpx's
+# iter_lines, takes for line ends: an event whose text held one reached such clients cut in
+# two. Escaped, the JSON means the same.
+_LINE_BREAKS_IN_STRINGS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
+
+
+def event_json(obj: Any) -> bytes:
+    """``obj`` as JSON for one SSE ``data:`` line: no byte in it that any client reads as a line end."""
+    data = encoder.encode(obj)
+    for raw, escaped in _LINE_BREAKS_IN_STRINGS:
+        if raw in data:
+            data = data.replace(raw, escaped)
+    return data
+
+
 def sse(obj: Any) -> bytes:
-    return b"data: " + encoder.encode(obj) + b"\n\n"
+    return b"data: " + event_json(obj) + b"\n\n"
 
 
 class ClientDisconnected(Exception):
