@@ -21,6 +21,7 @@ from modserve.core.fault_isolation import PluginFault, run_isolated
 from modserve.core.output_processor import OutputProcessor
 from modserve.core.outputs import RequestOutput
 from modserve.core.parallel_sampling import Parents, child_params
+from modserve.core.models.rope import long_factors_from
 from modserve.core.prompt_logprobs import record_prompt_logprobs
 from modserve.core.request import Request, RequestStatus
 from modserve.core.sample_plan import SamplePlan
@@ -73,6 +74,7 @@ class Engine:
         self.faults = PluginFault(components.chosen_plugins())
         self.tokenizer = components.tokenizer
         self.max_model_len = components.max_model_len
+        self._long_rope_from = long_factors_from(components.spec.rope_scaling)
         self.requests: dict[str, Request] = {}
         self.outputs = OutputProcessor(components.tokenizer)
         self.parents = Parents()  # n > 1: a request's sequences, merged back into one output
@@ -142,12 +144,13 @@ class Engine:
         if request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
         ids = self.parents.add(request_id, params.n)
+        kv_variant = self._kv_variant(len(prompt_token_ids))
         seqs = []
         for cid, cp in zip(ids, child_params(params)):
             if cp.seed is None:
                 cp = cp.with_changes(seed=fresh_seed(self._rng))
             eos = () if cp.ignore_eos else tuple(self.c.spec.eos_token_ids)
-            req = Request(cid, list(prompt_token_ids), cp, eos, priority, cache_salt, user, parent_id=request_id)
+            req = Request(cid, list(prompt_token_ids), cp, eos, priority, cache_salt, user, kv_variant, parent_id=request_id)
             self.requests[cid] = req
             self.outputs.add(req)
             seqs.append(req)
@@ -267,6 +270,8 @@ class Engine:
                 stats.num_accepted_tokens += ch.num_accepted
                 stats.accepted_per_position.append(ch.num_accepted)
             for i, tok in enumerate(ch.tokens):
+                if i and self._kv_variant(req.num_tokens) != req.kv_variant:
+                    break  # accepted drafts past a LongRoPE switch were scored on K/V rotated the old way
                 req.append_output_token(tok)
                 stats.num_generation_tokens += 1
                 if ch.logprobs is not None:
@@ -282,6 +287,8 @@ class Engine:
                 stats.inter_token_latencies.append(now - req.metrics.last_token_time)
             req.metrics.last_token_time = now
             (finished if req.finish_reason is not None else outputs).append(req)
+            if req.finish_reason is None and self._kv_variant(req.num_tokens) != req.kv_variant:
+                self._recompute(req)
         for leader in {e.request.request_id for e in plan.entries} & self._forks.keys():
             del self._forks[leader]
         for s in sched.scheduled:
@@ -290,6 +297,17 @@ class Engine:
             self.governor.record(stats.num_draft_tokens, stats.num_accepted_tokens)
         stats.finished_request_ids = [r.request_id for r in finished]
         return [self.outputs.output(r) for r in outputs] + self._finish(finished)
+
+    def _kv_variant(self, num_tokens: int) -> str:
+        """What besides the tokens sets a sequence's K/V at this length (``Request.kv_variant``)."""
+        return "long-rope" if self._long_rope_from is not None and num_tokens > self._long_rope_from else ""
+
+    def _recompute(self, req: Request) -> None:
+        """Drop a running request's K/V to compute it again under its new variant: HF's Phi-3
+        recomputes its cache with the long factors when generation passes the original length."""
+        req.kv_variant = self._kv_variant(req.num_tokens)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
 
     def _check_stop(self, req: Request, tok: int) -> None:
         sp = req.sampling_params

@@ -42,6 +42,7 @@ class Request:
     priority: int = 0
     cache_salt: str | None = None
     user: str | None = None
+    kv_variant: str = ""  # what besides the tokens sets this sequence's K/V ("long-rope": LongRoPE's long factors)
     parent_id: str = ""  # the request this sequence belongs to (``n > 1``); its own id when n == 1
     processor_fields: tuple[str, ...] = ()  # the logits-processor fields its params set (computed once)
     output_token_ids: list[int] = field(default_factory=list)
@@ -65,6 +66,12 @@ class Request:
             self.all_token_ids = list(self.prompt_token_ids)
         self.parent_id = self.parent_id or self.request_id
         self.processor_fields = self.sampling_params.processor_fields()
+
+    @property
+    def cache_namespace(self) -> bytes:
+        """What keys the prefix cache besides the tokens: the client's ``cache_salt`` and the
+        ``kv_variant``. Blocks are shared only between sequences with equal namespaces."""
+        return f"{self.cache_salt or ''}\x00{self.kv_variant}".encode() if self.kv_variant else (self.cache_salt or "").encode()
 
     @property
     def num_prompt_tokens(self) -> int:

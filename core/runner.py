@@ -1,7 +1,7 @@
 """Flattens one step's scheduled tokens into a varlen batch and runs the model on it.
 
 Batch layout (DESIGN.md): ``input_ids[T]``, ``positions[T]``, ``slot_mapping[T]``,
-``query_start_loc[B+1]``, ``seq_lens[B]``, ``block_tables[B, max_blocks]``.
+``query_start_loc[B+1]``, ``seq_lens[B]``, ``request_lens[B]``, ``block_tables[B, max_blocks]``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class ModelRunner:
     def prepare(self, sched: SchedulerOutput) -> StepBatch:
         input_ids: list[int] = []
         positions: list[int] = []
-        query_lens, seq_lens, tables = [], [], []
+        query_lens, seq_lens, request_lens, tables = [], [], [], []
         for s in sched.scheduled:
             req, start = s.request, s.request.num_computed_tokens
             end = start + s.num_tokens
@@ -47,6 +47,7 @@ class ModelRunner:
             positions += range(start, end)
             query_lens.append(s.num_tokens)
             seq_lens.append(end)
+            request_lens.append(req.num_tokens)
             tables.append(self.kv.block_table(req))
         dev = self.device
         width = max(len(t) for t in tables)
@@ -69,6 +70,7 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
+            request_lens=torch.tensor(request_lens, dtype=torch.int32, device=dev),
         )
         return StepBatch(torch.tensor(input_ids, dtype=torch.int64, device=dev), pos.to(dev), meta)
 

@@ -110,9 +110,10 @@ def test_grouped_experts_equal_the_loop_over_experts(models):
     torch.testing.assert_close(grouped, looped, rtol=1e-5, atol=1e-5)
 
 
-def test_longrope_uses_the_long_factors_past_the_original_length():
-    """Rows below ``original_max_position_embeddings`` (128) equal HF's short-factor table,
-    rows past it HF's long-factor one, both scaled by the attention factor."""
+def test_longrope_tables_equal_hfs_short_and_long_factor_tables():
+    """The table's first 512 rows equal HF's long-factor table, the 128 after them HF's
+    short-factor table below ``original_max_position_embeddings``, both scaled by the
+    attention factor."""
     import transformers
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -124,12 +125,51 @@ def test_longrope_uses_the_long_factors_past_the_original_length():
     )
     scaling = {**config.rope_parameters, "factor": 512 / 128}
     table = RotaryTable(12, 512, config.rope_parameters["rope_theta"], scaling, "cpu")
+    assert table.cos.shape == (512 + 128, 12)
     positions = torch.arange(512).float()[:, None]
-    for seq_len, rows in ((100, slice(0, 128)), (300, slice(128, 512))):
+    for seq_len, rows, hf_rows in ((300, slice(0, 512), slice(0, 512)), (100, slice(512, 640), slice(0, 128))):
         inv_freq, gain = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu", seq_len=seq_len)
         freqs = positions * inv_freq[None, :]
         cos = torch.cat((freqs, freqs), -1).cos() * gain
-        torch.testing.assert_close(table.cos[rows], cos[rows])
+        torch.testing.assert_close(table.cos[rows], cos[hf_rows])
+
+
+def test_longrope_past_the_original_length_keeps_hf_tokens(models):
+    """Phi-3's original length is 128 here. HF rotates a 150-token prompt with the long
+    factors throughout, and a 120-token one with the short factors until its decode steps
+    pass 128. Served in one batch in 64-token steps (the long prompt's first chunks lie below
+    128), both get HF's greedy tokens, and so does a short prompt beside them. With the
+    model drafting for itself (four tokens accepted per step), accepted drafts past 128 are
+    scored on short-rotated K/V and must be dropped: the same tokens again."""
+    path, hf = models("phi3")
+    rng = __import__("random").Random(5)
+    ps = [[rng.randrange(3, hf.config.vocab_size) for _ in range(n)] for n in (150, 120, 30)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = [hf_greedy(hf, p, 24) for p in ps]
+    for speculative in (None, {"plugin": "draft_model", "num_speculative_tokens": 4, "path": path}):
+        llm = LLM(model={"path": path, "max_model_len": 256}, kv_cache={"plugin": "paged", "block_size": 16, "num_blocks": 64},
+                  scheduler={"plugin": "fcfs", "max_num_batched_tokens": 64}, speculative=speculative)
+        got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], params)]
+        assert got == want
+
+
+def test_longrope_prefix_cache_keeps_short_and_long_rotations_apart(models):
+    """A 100-token prompt's blocks hold K rotated with the short factors: a 110-token prompt
+    sharing them reuses them, a 150-token one (long factors throughout) must not, and both
+    keep HF's tokens."""
+    path, hf = models("phi3")
+    llm = LLM(model={"path": path, "max_model_len": 256},
+              kv_cache={"plugin": "paged", "block_size": 16, "num_blocks": 64, "prefix_caching": True})
+    rng = __import__("random").Random(6)
+    base = [rng.randrange(3, hf.config.vocab_size) for _ in range(100)]
+    short, long = base + [5] * 10, base + [rng.randrange(3, hf.config.vocab_size) for _ in range(50)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm.generate({"prompt_token_ids": base}, params)
+    hits = llm.engine.scheduler.stats().prefix_hits
+    assert llm.generate({"prompt_token_ids": long}, params)[0].outputs[0].token_ids == hf_greedy(hf, long, 8)
+    assert llm.engine.scheduler.stats().prefix_hits == hits
+    assert llm.generate({"prompt_token_ids": short}, params)[0].outputs[0].token_ids == hf_greedy(hf, short, 8)
+    assert llm.engine.scheduler.stats().prefix_hits - hits == 96
 
 
 def test_a_model_that_cannot_be_sharded_is_refused_for_tensor_parallelism(models):

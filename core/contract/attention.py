@@ -50,6 +50,9 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     backend_state: object = None
+    # [B] int32 (contract 2.4), each request's length: prompt and generated tokens, drafts
+    # not counted, this step's included. LongRoPE picks its factors by it. None: not known.
+    request_lens: torch.Tensor | None = None
 
 
 class AttentionBackend(Plugin):

@@ -265,7 +265,7 @@ class TPModelRunner(ModelRunner):
             rows = torch.tensor(logits_rows, dtype=torch.int64, device=batch.input_ids.device)
             payload = torch.cat([
                 batch.input_ids, batch.positions, meta.slot_mapping, meta.query_start_loc.long(),
-                meta.seq_lens.long(), meta.context_lens.long(), meta.block_tables.long().flatten(), rows,
+                meta.seq_lens.long(), meta.context_lens.long(), meta.request_lens.long(), meta.block_tables.long().flatten(), rows,
             ]).to(self.comm_device)
             self.tp.broadcast(payload)
             logits = super().execute(batch, logits_rows)

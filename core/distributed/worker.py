@@ -56,7 +56,7 @@ def shard_stats(runner: ModelRunner, rss_before_load: dict[str, int]) -> dict[st
 
 
 def unpack(payload: torch.Tensor, t: int, b: int, w: int, r: int) -> tuple[StepBatch, list[int]]:
-    ids, pos, slots, qsl, seq, ctx, tables, rows = payload.split([t, t, t, b + 1, b, b, b * w, r])
+    ids, pos, slots, qsl, seq, ctx, lens, tables, rows = payload.split([t, t, t, b + 1, b, b, b, b * w, r])
     seq_cpu = seq.tolist()
     qsl_cpu = qsl.tolist()
     query_lens = [qsl_cpu[i + 1] - qsl_cpu[i] for i in range(b)]
@@ -71,6 +71,7 @@ def unpack(payload: torch.Tensor, t: int, b: int, w: int, r: int) -> tuple[StepB
         seq_lens_cpu=seq_cpu,
         max_query_len=max(query_lens),
         max_seq_len=max(seq_cpu),
+        request_lens=lens.to(torch.int32),
     )
     return StepBatch(ids, pos, meta), rows.tolist()
 
@@ -95,7 +96,7 @@ def main(rank: int, world_size: int, pipeline: dict[str, Any], port: int, backen
                     break
                 if msg[0] == "step":
                     _, t, b, w, r, copies = msg
-                    payload = tp.broadcast(torch.empty(3 * t + 3 * b + 1 + b * w + r, dtype=torch.int64, device=comm_device))
+                    payload = tp.broadcast(torch.empty(3 * t + 4 * b + 1 + b * w + r, dtype=torch.int64, device=comm_device))
                     kv.replay(copies)
                     batch, rows = unpack(payload.to(runner.device), t, b, w, r)
                     runner.execute(batch, rows)

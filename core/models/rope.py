@@ -3,18 +3,25 @@
 The cos/sin table is computed once; each step gathers rows for its positions once and
 every layer reuses them.
 
-LongRoPE (Phi-3): positions below ``original_max_position_embeddings`` rotate with the
-short factors, later ones with the long factors, and cos/sin carry the attention factor.
-HF switches a whole sequence to the long factors once it grows past the original length
-(and keeps the K already cached); a per-position table keeps every request's rotation
-independent of its batch and of when it was computed.
+LongRoPE (Phi-3): cos/sin carry the attention factor, and every token of a sequence longer
+than ``original_max_position_embeddings`` rotates with the long factors, a shorter one's
+with the short factors (:func:`uses_long_factors`), as in HF: its ``longrope_frequency_update``
+picks the factors by the sequence length, and Phi-3's ``prepare_inputs_for_generation``
+drops the cache to recompute everything when generation crosses the original length. The
+engine does the same (``Engine._update``); the prefix cache keeps the two rotations apart
+(``Request.kv_variant``). A token's choice never depends on its batch or prefill chunk.
 """
 
 from __future__ import annotations
 
 import math
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from modserve.core.contract.attention import AttentionMetadata
 
 
 def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -39,33 +46,67 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.
     return torch.where(medium, smoothed, scaled)
 
 
+def long_factors_from(scaling: dict | None) -> int | None:
+    """The sequence length past which LongRoPE rotates with its long factors; None without LongRoPE."""
+    if scaling is None or scaling["rope_type"] != "longrope":
+        return None
+    return int(scaling["original_max_position_embeddings"])
+
+
+def uses_long_factors(scaling: dict | None, num_tokens: int) -> bool:
+    """Whether a sequence of ``num_tokens`` tokens rotates with LongRoPE's long factors."""
+    original = long_factors_from(scaling)
+    return original is not None and num_tokens > original
+
+
 class RotaryTable:
-    """Precomputed ``cos``/``sin`` ``[max_positions, head_dim]`` in float32."""
+    """Precomputed ``cos``/``sin`` rows in float32: ``[max_positions, head_dim]``, and for
+    LongRoPE the long factors' rows followed by the short factors' rows for the positions
+    below the original length (the only ones that use them)."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None, device) -> None:
         positions = torch.arange(max_positions, dtype=torch.int64).float()[:, None]
+        self.max_positions = max_positions
+        self.original: int | None = None  # LongRoPE's original length
         if scaling is not None and scaling["rope_type"] == "longrope":
-            emb, gain = _longrope(head_dim, positions, theta, scaling)
+            self.original = long_factors_from(scaling)
+            emb, gain = _longrope(head_dim, positions, min(self.original, max_positions), theta, scaling)
         else:
             freqs = positions * inv_frequencies(head_dim, theta, scaling)[None, :]
             emb, gain = torch.cat((freqs, freqs), dim=-1), 1.0
         self.cos = (emb.cos() * gain).to(device)
         self.sin = (emb.sin() * gain).to(device)
 
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows for this step's positions, shaped to broadcast over heads: ``[T, 1, D]``."""
-        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
+    def lookup(
+        self, positions: torch.Tensor, dtype: torch.dtype, meta: AttentionMetadata | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows for this step's positions, shaped to broadcast over heads: ``[T, 1, D]``.
+        LongRoPE picks each token's factors by its request's length in ``meta`` (without
+        one, by its position alone); a position past the original length always takes the
+        long factors."""
+        rows = positions if self.original is None else self._longrope_rows(positions, meta)
+        return self.cos[rows].to(dtype).unsqueeze(1), self.sin[rows].to(dtype).unsqueeze(1)
+
+    def _longrope_rows(self, positions: torch.Tensor, meta: AttentionMetadata | None) -> torch.Tensor:
+        length = positions + 1  # drafts past a short request's length: never kept (Engine._update)
+        if meta is not None and meta.request_lens is not None:
+            query_lens = meta.query_start_loc.diff()
+            lens = torch.repeat_interleave(meta.request_lens.to(positions.dtype), query_lens, output_size=positions.shape[0])
+            length = torch.maximum(length, lens)
+        return torch.where(length > self.original, positions, positions + self.max_positions)
 
 
-def _longrope(head_dim: int, positions: torch.Tensor, theta: float, scaling: dict) -> tuple[torch.Tensor, float]:
-    original, factor = int(scaling["original_max_position_embeddings"]), float(scaling["factor"])
+def _longrope(
+    head_dim: int, positions: torch.Tensor, original: int, theta: float, scaling: dict
+) -> tuple[torch.Tensor, float]:
+    factor = float(scaling["factor"])
     gain = scaling.get("attention_factor")
     if gain is None:
-        gain = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        gain = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(int(scaling["original_max_position_embeddings"])))
     base = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
     short = 1.0 / (torch.tensor(scaling["short_factor"], dtype=torch.float32) * base)
     long = 1.0 / (torch.tensor(scaling["long_factor"], dtype=torch.float32) * base)
-    freqs = positions * torch.where(positions < original, short[None, :], long[None, :])
+    freqs = torch.cat((positions * long[None, :], positions[:original] * short[None, :]))
     return torch.cat((freqs, freqs), dim=-1), float(gain)
 
 

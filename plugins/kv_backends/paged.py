@@ -125,7 +125,7 @@ class PagedKVBackend(KVBackend):
         while len(hashes) < num_full_blocks:
             i = len(hashes)
             h = hashlib.blake2b(key=self._hash_key, digest_size=16)
-            h.update(hashes[-1] if hashes else (request.cache_salt or "").encode())
+            h.update(hashes[-1] if hashes else request.cache_namespace)
             h.update(array("q", request.all_token_ids[i * bs : (i + 1) * bs]).tobytes())
             hashes.append(h.digest())
         return hashes[:num_full_blocks]
@@ -232,8 +232,8 @@ class PagedKVBackend(KVBackend):
         released = self._released.pop(request.request_id, 0)
         self.pool.free(blocks[released:][::-1])
         self._num_published.pop(request.request_id, None)
+        self._hashes.pop(request.request_id, None)  # cheap to redo, and its namespace may change (LongRoPE)
         if request.is_finished:
-            self._hashes.pop(request.request_id, None)
             self._host_free += self._swapped.pop(request.request_id, (0, []))[1]
 
     # ----------------------------------------------------------------- swap

@@ -101,7 +101,7 @@ class DecoderLM(CausalLM):
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm."""
         residual = self.embed(input_ids)
-        cos, sin = self.rotary.lookup(positions, residual.dtype)
+        cos, sin = self.rotary.lookup(positions, residual.dtype, meta)
         add = None
         for layer, cache in zip(self.layers, caches):
             add = layer.forward(residual, add, cos, sin, cache, meta)
