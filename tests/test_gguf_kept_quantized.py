@@ -43,7 +43,8 @@ from torch import nn
 from modserve import LLM, SamplingParams
 from modserve.core.config import ConfigError
 from modserve.core.engine_factory import resolve
-from modserve.core.models.gguf_quantized import GGUFLinear, GGUFTensor, q4_blocks, q8_0_blocks
+from modserve.core.models.gguf_quantized import GGUFTensor, q4_blocks, q8_0_blocks
+from modserve.core.models.kept_weights import KeptLinear
 from modserve.plugins.platforms.cpu_amx_linear import AmxLinear
 from modserve.plugins.platforms.cpu_linear import PackedLinear
 from modserve.plugins.platforms.cpu_quant import Int4WeightOnlyLinear, Int8GroupLinear, gguf_linear
@@ -65,12 +66,12 @@ def gguf_tensor(weight: torch.Tensor, kind: T) -> GGUFTensor:
     return GGUFTensor(data, kind, tuple(weight.shape))
 
 
-def gguf_layer(parts: list[GGUFTensor], dtype: torch.dtype, bias: bool = True) -> GGUFLinear:
+def gguf_layer(parts: list[GGUFTensor], dtype: torch.dtype, bias: bool = True) -> KeptLinear:
     rows, k = sum(p.shape[0] for p in parts), parts[0].shape[1]
     base = nn.Linear(k, rows, bias=bias, device="meta")
     if bias:
         base.bias = nn.Parameter(torch.randn(rows).to(dtype), requires_grad=False)
-    return GGUFLinear(base, parts, torch.device("cpu"), dtype)
+    return KeptLinear(base, parts, torch.device("cpu"), dtype)
 
 
 def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -237,7 +238,7 @@ def test_kept_engine_matches_the_dequantized_engine(files, reference, file, dtyp
     kind = Int8GroupLinear if file == "q8_0" else Int4WeightOnlyLinear
     assert sum(type(m) is kind for m in model.layers.modules()) == 4 * len(model.layers)  # qkv, o, gate_up, down
     assert type(model.lm_head) is Int8GroupLinear  # the untied head is Q8_0 in every file
-    assert not any(isinstance(m, (GGUFLinear, nn.Linear, PackedLinear, AmxLinear)) for m in model.modules())
+    assert not any(isinstance(m, (KeptLinear, nn.Linear, PackedLinear, AmxLinear)) for m in model.modules())
     got = teacher_forced(llm, sequences)
     assert len(got) == len(want)
     agree = sum(w[0] == g[0] for w, g in zip(want, got)) / len(want)
@@ -258,7 +259,7 @@ def test_default_head_stays_float_and_none_is_the_dequantized_model(files, refer
     from modserve.core.models.gguf_reader import read_gguf
 
     model = _llm(files["q4_1"], quantization="gguf").engine.c.runner.model
-    assert type(model.lm_head) in (PackedLinear, AmxLinear, nn.Linear) and type(model.lm_head) is not GGUFLinear
+    assert type(model.lm_head) in (PackedLinear, AmxLinear, nn.Linear) and type(model.lm_head) is not KeptLinear
     plain = _llm(files["q4_1"], pack_weights=False).engine.c.runner.model
     tensors = read_gguf(files["q4_1"]).tensors
     assert torch.equal(plain.layers[1].self_attn.qkv_proj.weight, torch.cat([tensors[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"]))
@@ -297,7 +298,7 @@ def test_float_layers_stay_float_and_mixed_layers_are_refused(files, reference, 
 
 
 @pytest.mark.parametrize("device,message", [
-    ({"plugin": "cpu", "quantization": "gguf4"}, "device.quantization: expected one of none, int8, w8a8, int4, gguf, got 'gguf4'"),
+    ({"plugin": "cpu", "quantization": "gguf4"}, "device.quantization: expected one of none, int8, w8a8, int4, gguf, gptq, awq, compressed-tensors, got 'gguf4'"),
     ({"plugin": "cuda", "quantization": "gguf"}, "device.quantization: unknown key"),
 ])
 def test_bad_combinations_are_config_errors_naming_the_field(device, message):

@@ -206,7 +206,8 @@ def test_modserve_models_lists_architectures_formats_and_quantization(capsys):
     assert {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "olmo2", "phi3", "gemma2", "gemma3_text",
             "granite"} <= served
     assert any("GGUF" in f for f in listing["formats"])
-    assert listing["quantization"]["cpu"] == "'none' | 'int8' | 'w8a8' | 'int4' | 'gguf'"
+    assert listing["quantization"]["cpu"] == "'none' | 'int8' | 'w8a8' | 'int4' | 'gguf' | 'gptq' | 'awq' | 'compressed-tensors'"
+    assert any("GPTQ" in f and "AWQ" in f and "compressed-tensors" in f for f in listing["formats"])
 
 
 def test_unsupported_architectures_and_pre_quantized_checkpoints_are_refused_by_name(models, tmp_path):
@@ -217,7 +218,7 @@ def test_unsupported_architectures_and_pre_quantized_checkpoints_are_refused_by_
     for name, change, message in [
         ("falcon", {"model_type": "falcon"}, "unsupported model_type 'falcon'; supported: llama, mistral, qwen2, qwen3"),
         ("gemma3", {"model_type": "gemma3"}, "multimodal gemma3 checkpoints (a vision tower and a text_config) are not supported"),
-        ("awq", {"quantization_config": {"quant_method": "awq", "bits": 4}}, "pre-quantized checkpoints (awq) are not supported"),
+        ("bnb", {"quantization_config": {"quant_method": "bitsandbytes"}}, "pre-quantized checkpoints (bitsandbytes) are not supported"),
     ]:
         copy = tmp_path / name
         shutil.copytree(path, copy)

@@ -102,7 +102,7 @@ def read_gguf(path: str, dtype: torch.dtype = torch.float32, keep_blocks: bool =
 
     ``keep_blocks``: every 2-D tensor (but a stacked ``ffn_*_exps`` one) comes as a
     :class:`GGUFTensor`, the file's blocks with the q/k rows already un-permuted, dequantized
-    later, one at a time, by :func:`~modserve.core.models.gguf_quantized.load_keeping_blocks`
+    later, one at a time, by :func:`~modserve.core.models.kept_weights.load_keeping_weights`
     or kept as they are by a platform (``quantization: gguf``)."""
     reader = _open(path)
     meta = {name: field.contents() for name, field in reader.fields.items()}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -13,12 +14,14 @@ from safetensors import safe_open
 from torch import nn
 
 from modserve.core.contract import AttentionBackend, BuildContext, CausalLM, ModelArchitecture, ModelSpec
-from modserve.core.models.gguf_quantized import GGUFLinear, load_keeping_blocks
+from modserve.core.models.kept_weights import KeptLinear, load_keeping_weights
+from modserve.core.models.prequantized import QuantFormat, quantized_tensors, read_format
 from modserve.core.models.gguf_reader import find_smollm2_gguf, read_gguf
 from modserve.core.config import ConfigError
 from modserve.core.tokenizer import TokenizerBundle
 
 EMBEDDED_MODELS = {"smollm2-135m-instruct": find_smollm2_gguf}
+log = logging.getLogger("modserve.loader")
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -57,8 +60,9 @@ class Checkpoint:
     arch: ModelArchitecture
     spec: ModelSpec
     tokenizer: TokenizerBundle
-    tensors: Iterator[tuple[str, torch.Tensor]]  # with gguf_blocks, 2-D tensors are GGUFTensor
-    gguf_blocks: bool = False  # a GGUF read with keep_blocks: linear weights stay blocks until the platform builds them
+    tensors: Iterator[tuple[str, torch.Tensor]]  # with kept_weights, quantized linear weights are KeptTensor
+    kept_weights: bool = False  # linear weights stay as the file stores them until the platform builds them
+    quantization: QuantFormat | None = None  # a pre-quantized HF checkpoint's format
 
 
 @dataclass
@@ -90,17 +94,19 @@ def open_checkpoint(source: ModelSource, ctx: BuildContext, tokenizer_path: str 
         cfg = _hf_config_with_generation(source.path)
         where = os.path.join(source.path, "config.json")
         arch = architecture(cfg.get("model_type"), ctx, where)
-        method = (cfg.get("quantization_config") or {}).get("quant_method")
-        if method is not None:
-            raise ValueError(
-                f"{where}: pre-quantized checkpoints ({method}) are not supported; supported: unquantized "
-                "safetensors (float32, bfloat16, float16) or GGUF; quantize at load with the platform's "
-                "quantization option (see `modserve models`)"
+        quant = read_format(cfg, where) if cfg.get("quantization_config") else None
+        if quant is not None and tp is not None:
+            raise ConfigError(
+                f"parallel.tensor_parallel_size: {where} is a pre-quantized checkpoint ({quant.kind}), which is not sharded "
+                "yet; use tensor_parallel_size 1"
             )
         spec = arch.spec(cfg, where)
         tokenizer = TokenizerBundle.from_hf_dir(tokenizer_path or source.path, spec.eos_token_ids)
         tensors: Iterator[tuple[str, torch.Tensor]] = _safetensors(source.path, spec, tp)
+        if quant is not None:
+            tensors = quantized_tensors(tensors, quant)
     else:
+        quant = None
         g = read_gguf(source.path, dtype=ctx.dtype, keep_blocks=tp is None)
         arch = architecture(g.config.get("model_type"), ctx, source.path)
         spec = arch.spec(g.config, source.path)
@@ -118,7 +124,8 @@ def open_checkpoint(source: ModelSource, ctx: BuildContext, tokenizer_path: str 
         check_divisible(spec, tp.world_size)
     spec.eos_token_ids = tokenizer.eos_token_ids or spec.eos_token_ids
     tokenizer.eos_token_ids = spec.eos_token_ids
-    return Checkpoint(arch, spec, tokenizer, tensors, gguf_blocks=source.kind == "gguf" and tp is None)
+    return Checkpoint(arch, spec, tokenizer, tensors, kept_weights=(source.kind == "gguf" and tp is None) or quant is not None,
+                      quantization=quant)
 
 
 def check_max_model_len(spec: ModelSpec, max_model_len: int | None) -> int:
@@ -140,18 +147,19 @@ def build_model(
     """Build the architecture's module on the meta device, load the tensors, move it to the
     platform's device and dtype, and let the platform adapt it (its linear layers, fused ops).
 
-    From a GGUF file (``ckpt.gguf_blocks``) the linear weights are not loaded: each layer goes
-    to the platform as a :class:`GGUFLinear` holding the file's blocks, dequantized only if
-    the platform reads its ``weight`` (module doc of :mod:`~modserve.core.models.gguf_quantized`),
-    so no float copy of the whole model is ever made."""
+    From a GGUF file or a pre-quantized HF checkpoint (``ckpt.kept_weights``) the quantized
+    linear weights are not loaded: each layer goes to the platform as a :class:`KeptLinear`
+    holding the file's blocks or codes, dequantized only if the platform reads its ``weight``
+    (module doc of :mod:`~modserve.core.models.kept_weights`), so no float copy of the whole
+    model is ever made."""
     with torch.device("meta"):
         model = ckpt.arch.build(ckpt.spec, attention, max_positions, num_layers, tp)
-    if ckpt.gguf_blocks:
-        kept = load_keeping_blocks(model, ckpt.tensors, ctx.dtype)
+    if ckpt.kept_weights:
+        kept = load_keeping_weights(model, ckpt.tensors, ctx.dtype)
         for name, parts in kept.items():  # before to_device: a meta weight cannot be moved
             parent, _, attr = name.rpartition(".")
             owner = model.get_submodule(parent)
-            setattr(owner, attr, GGUFLinear(getattr(owner, attr), parts, ctx.device, ctx.dtype))
+            setattr(owner, attr, KeptLinear(getattr(owner, attr), parts, ctx.device, ctx.dtype))
     else:
         model.to_empty(device="cpu")
         model.load_weights(ckpt.tensors)
@@ -160,13 +168,21 @@ def build_model(
     swaps = [
         (parent, f"{prefix}.{name}".lstrip("."), name, child)
         for prefix, parent in model.named_modules() for name, child in parent.named_children()
-        if type(child) in (nn.Linear, GGUFLinear)
+        if type(child) in (nn.Linear, KeptLinear)
     ]
+    dequantized = 0
     for parent, qualified, name, child in swaps:
         module = ctx.platform.linear(qualified, child)
-        if module is child and isinstance(child, GGUFLinear):
+        if module is child and isinstance(child, KeptLinear):
             child.weight  # kept as an nn.Linear: dequantize it now, not in the first step
+            dequantized += 1
         setattr(parent, name, module)
+    if ckpt.quantization is not None and dequantized:
+        log.warning(
+            "%d linear layers of this %s checkpoint were dequantized to %s: the platform does not keep them "
+            "(on the cpu platform, device.quantization: %s keeps them quantized)",
+            dequantized, ckpt.quantization.kind, str(ctx.dtype).removeprefix("torch."), ckpt.quantization.method,
+        )
     ctx.platform.prepare_model(model)
     return model
 

@@ -20,11 +20,13 @@ import msgspec
 import torch
 from torch import nn
 
+from modserve.core.config import ConfigError
 from modserve.core.contract import DeviceInfo, Platform, hookimpl
 from modserve.native.build import KernelUnavailable
 from modserve.plugins.platforms import cpu_amx_linear as amx_linear
 from modserve.plugins.platforms.cpu_linear import PackedLinear, can_pack
 from modserve.plugins.platforms.cpu_memory import keep_freed_memory
+from modserve.plugins.platforms.cpu_prequantized import CHECKPOINT_SCHEMES, checkpoint_linear
 from modserve.plugins.platforms.cpu_quant import gguf_linear, quantize_linear
 
 MODSERVE_CONTRACT = "2.3"  # DeviceInfo.kernels; its AMX linears are GatedLinear
@@ -38,7 +40,7 @@ class CPUConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     linear_kernel: Literal["auto", "amx", "onednn"] = "auto"  # float weights' products: own AMX tiles (bfloat16, AMX-BF16 CPUs), oneDNN, or auto (amx where it runs); quantized layers keep their own
     fuse_ops: bool = True  # in float32 or bfloat16, run norms, SiLU·mul and RoPE as fused C++ kernels
     reuse_freed_memory: bool = True  # glibc: keep freed step memory in the process instead of faulting it in again every step
-    quantization: Literal["none", "int8", "w8a8", "int4", "gguf"] = "none"  # linear weights: int8 weight-only, int8 weights and activations (per token), int4 weight-only groups, or a GGUF file's Q8_0/Q4_0/Q4_1 blocks kept as they are (docs/quantization.md)
+    quantization: Literal["none", "int8", "w8a8", "int4", "gguf", "gptq", "awq", "compressed-tensors"] = "none"  # linear weights: int8 weight-only, int8 weights and activations (per token), int4 weight-only groups, a GGUF file's Q8_0/Q4_0/Q4_1 blocks kept as they are, or a pre-quantized HF checkpoint's weights kept (docs/quantization.md)
     int4_group_size: Literal[32, 64, 128, 256] = 128  # int4: inputs per scale/zero group; a layer whose in_features it does not divide takes the largest smaller size that does
     quantize_lm_head: bool = False  # quantize the LM head too (a tied head gets its own quantized copy; the embedding stays as loaded)
 
@@ -48,7 +50,13 @@ class CPUPlatform(Platform):
 
     def __init__(self, config: CPUConfig, ctx) -> None:
         super().__init__(config, ctx)
+        if config.quantization in CHECKPOINT_SCHEMES and config.quantize_lm_head:
+            raise ValueError(
+                f"device.quantize_lm_head: a {config.quantization} checkpoint's head is kept as the checkpoint stores it; "
+                "quantize_lm_head applies to int8, w8a8 and int4"
+            )
         self.amx_linears = _use_amx(config)
+        self.kept_layers = 0  # layers built from a pre-quantized checkpoint's codes
         if config.reuse_freed_memory:  # before anything is loaded: the weights too come from the kept heap
             keep_freed_memory()
 
@@ -92,7 +100,12 @@ class CPUPlatform(Platform):
         return "cpu"
 
     def linear(self, name: str, layer: nn.Linear) -> nn.Module:
-        if self.config.quantization != "none" and (name != "lm_head" or self.config.quantize_lm_head):
+        if self.config.quantization in CHECKPOINT_SCHEMES:
+            kept = checkpoint_linear(self.config.quantization, name, layer)
+            if kept is not layer:
+                self.kept_layers += 1
+                return kept
+        elif self.config.quantization != "none" and (name != "lm_head" or self.config.quantize_lm_head):
             if self.config.quantization != "gguf":
                 return quantize_linear(self.config.quantization, name, layer, self.config.int4_group_size)
             kept = gguf_linear(name, layer)  # the layer itself where the file stores it as floats
@@ -109,6 +122,11 @@ class CPUPlatform(Platform):
         return layer
 
     def prepare_model(self, model: nn.Module) -> None:
+        if self.config.quantization in CHECKPOINT_SCHEMES and not self.kept_layers:
+            raise ConfigError(
+                f"device.quantization: {self.config.quantization} keeps a pre-quantized checkpoint's weights, but model.path "
+                "has no quantized layer (no quantization_config); use none, int8, w8a8 or int4"
+            )
         if self.config.fuse_ops:
             model.use_cpu_fused_ops()
 

@@ -19,7 +19,7 @@ weight is not referenced, so it is freed once the model drops the ``nn.Linear``.
   ``torch._convert_weight_to_int4pack_for_cpu`` / ``torch._weight_int4pack_mm_for_cpu``.
   A quarter of bfloat16's weight memory (plus the group scales).
 - ``gguf`` (:func:`gguf_linear`): a GGUF file's blocks kept as they are, built from the
-  loader's :class:`~modserve.core.models.gguf_quantized.GGUFLinear` without a float weight:
+  loader's :class:`~modserve.core.models.kept_weights.KeptLinear` without a float weight:
   Q4_0 / Q4_1 as ``int4`` with groups of 32 (:meth:`Int4WeightOnlyLinear.from_codes`, exact),
   Q8_0 as :class:`Int8GroupLinear` (exact; widened per call).
 
@@ -108,12 +108,15 @@ DEQUANTIZE_FROM_ROWS = 16  # int8 weight-only: from this many rows on (always in
 
 class QuantizedLinear(nn.Module):
     """What every quantized linear shares: the layer's shape and bias, rows flattened for one
-    ``product`` (which adds the bias) and put back in the input's shape, no call for no rows."""
+    ``product`` (which adds the bias) and put back in the input's shape, no call for no rows.
+    ``input_order``: the order the stored weight's inputs are in, where it is not the layer's
+    (a GPTQ act-order checkpoint's groups): each call gathers the activations in it."""
 
     def __init__(self, layer: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = layer.in_features, layer.out_features
         self.bias = layer.bias
+        self.register_buffer("input_order", None, False)
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows [M, K]`` (M >= 1) times the weight, plus the bias: ``[M, N]``."""
@@ -123,6 +126,8 @@ class QuantizedLinear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] == 0:
             return x.new_empty(*x.shape[:-1], self.out_features)
+        if self.input_order is not None:
+            rows = rows.index_select(1, self.input_order)
         return self.product(rows).view(*x.shape[:-1], self.out_features)
 
     def with_bias(self, out: torch.Tensor) -> torch.Tensor:
@@ -144,13 +149,15 @@ class Int8WeightOnlyLinear(QuantizedLinear):
     float32: 1 row 93 us against 246, 64 rows 577 against 14429). The widened copy lives for
     one call: memory stays the int8 weights'.
 
-    The kernel takes the scales in the activations' dtype; they are kept in the layer's."""
+    The kernel takes the scales in the activations' dtype; they are kept in the layer's.
+    ``codes``: ``(q [N, K] int8, scale [N])`` already quantized (a pre-quantized checkpoint's),
+    with ``dtype`` the model's."""
 
-    def __init__(self, layer: nn.Linear) -> None:
+    def __init__(self, layer: nn.Linear, codes: tuple[torch.Tensor, torch.Tensor] | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__(layer)
-        q, scale = quantize_per_channel_int8(layer.weight)
+        q, scale = codes if codes is not None else quantize_per_channel_int8(layer.weight)
         self.register_buffer("qweight", q, False)
-        self.register_buffer("scale", scale.to(layer.weight.dtype), False)
+        self.register_buffer("scale", scale.to(dtype or layer.weight.dtype), False)
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         scale = self.scale if self.scale.dtype == rows.dtype else self.scale.to(rows.dtype)
@@ -182,11 +189,12 @@ class W8A8Linear(QuantizedLinear):
 
     oneDNN (``onednn.qlinear_pointwise``, weights prepacked once) where this torch can, else
     ``torch._int_mm`` (a plain int8 matrix product) with the scales applied in float32.
+    ``codes``: ``(q [N, K] int8, scale [N])`` already quantized (a pre-quantized checkpoint's).
     """
 
-    def __init__(self, layer: nn.Linear, use_onednn: bool | None = None) -> None:
+    def __init__(self, layer: nn.Linear, use_onednn: bool | None = None, codes: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         super().__init__(layer)
-        q, scale = quantize_per_channel_int8(layer.weight)
+        q, scale = codes if codes is not None else quantize_per_channel_int8(layer.weight)
         self.onednn = onednn_int8_available() if use_onednn is None else use_onednn
         if self.onednn:  # the op is looked up here: a torch build without it still imports this module
             self._qlinear = torch.ops.onednn.qlinear_pointwise.default
@@ -194,7 +202,7 @@ class W8A8Linear(QuantizedLinear):
             self.register_buffer("zero_points", torch.zeros(self.out_features, dtype=torch.long), False)
         else:
             self.register_buffer("qweight_t", q.t(), False)  # [K, N], column-major: _int_mm's mat2
-        self.register_buffer("scale", scale, False)  # float32: oneDNN's weight scales are float32
+        self.register_buffer("scale", scale.float(), False)  # float32: oneDNN's weight scales are float32
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         m, dtype = rows.shape[0], rows.dtype
@@ -298,11 +306,12 @@ class Int8GroupLinear(QuantizedLinear):
     many-row path). The widened copy lives for one call; memory stays ``K + 2 K / 32`` bytes
     per output channel (a quarter of float32's, plus 6%)."""
 
-    def __init__(self, layer: nn.Linear, q: torch.Tensor, scale: torch.Tensor, group: int = 32) -> None:
+    def __init__(self, layer: nn.Linear, q: torch.Tensor, scale: torch.Tensor, group: int = 32,
+                 scale_dtype: torch.dtype = torch.float16) -> None:
         super().__init__(layer)
         self.group = group
         self.register_buffer("qweight", q.view(self.out_features, -1, group), False)  # [N, K/g, g] int8
-        self.register_buffer("scale", scale.to(torch.float16)[..., None], False)  # Q8_0's float16 scales, exact
+        self.register_buffer("scale", scale.to(scale_dtype)[..., None], False)  # Q8_0's and GPTQ's float16 scales: exact
 
     def weight_as(self, dtype: torch.dtype) -> torch.Tensor:
         """The dequantized weight ``[N, K]`` in ``dtype`` (computed in float32, then cast)."""
@@ -337,9 +346,10 @@ def gguf_linear(name: str, layer: nn.Module) -> nn.Module:
     a fused layer mixing Q8_0 and Q4 parts or float and quantized parts, or an int4 layer
     whose ``out_features`` torch cannot pack.
     The setting is never dropped silently: pick ``none``, ``int8`` or ``int4`` for such a file."""
-    from modserve.core.models.gguf_quantized import GGUFLinear, q4_blocks, q8_0_blocks
+    from modserve.core.models.gguf_quantized import GGUFTensor, q4_blocks, q8_0_blocks
+    from modserve.core.models.kept_weights import KeptLinear
 
-    if not isinstance(layer, GGUFLinear):
+    if not isinstance(layer, KeptLinear) or not all(isinstance(p, GGUFTensor) for p in layer.parts):
         raise ConfigError(
             f"device.quantization: gguf keeps a GGUF file's blocks as they are, but layer {name!r} is not a GGUF tensor "
             "of its own (model.path is not a .gguf file, or the layer shares the embedding's weights); "
