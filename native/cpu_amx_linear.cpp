@@ -141,50 +141,94 @@ struct Stored {
     }
 };
 
-void amx_linear(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_t* w, int64_t N, int K, const float* bias,
-                uint16_t* y, int64_t y_stride, int threads, bool gated) {
+// One thread's share of y: output panel pairs [p0, p1) for every row, its weights streamed in
+// memory order once per chunk of kRowChunk rows.
+void thread_part(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_t* w, int64_t N, int K, const float* bias,
+                 uint16_t* y, int64_t y_stride, bool gated, int64_t p0, int64_t p1) {
     const int kb = K / 32;
-    const int64_t pairs = (N + 31) / 32;  // threads take whole pairs of 16-output panels
     const int64_t panel = static_cast<int64_t>(kb) * 512;  // elements of one 16-output panel
     const int64_t a_stride_bytes = x_stride * 2;
+    alignas(64) float c[2][4 * 256];
+    int cur = 0, cfg0 = -1, cfg1 = -1;
+    Stored pending;
+    for (int64_t m0 = 0; m0 < M && p0 < p1; m0 += kRowChunk) {
+        const int64_t m1 = m0 + kRowChunk < M ? m0 + kRowChunk : M;
+        for (int64_t p = p0; p < p1; ++p) {
+            const int64_t n0 = p * 32;
+            const bool two_n = n0 + 16 < N;
+            const uint16_t* b0 = w + (n0 / 16) * panel;
+            for (int64_t mb = m0; mb < m1; mb += 32) {
+                const int rows0 = m1 - mb >= 16 ? 16 : static_cast<int>(m1 - mb);
+                const int rows1 = m1 - mb >= 32 ? 16 : m1 - mb > 16 ? static_cast<int>(m1 - mb - 16) : 0;
+                if (rows0 != cfg0 || rows1 != cfg1) {  // clears the tiles: the previous block is stored
+                    load_config(rows0, rows1);
+                    cfg0 = rows0;
+                    cfg1 = rows1;
+                }
+                const uint16_t* a = x + mb * x_stride;
+                float* cb = c[cur];
+                const auto previous = [&] { pending.put(bias, N, y_stride); };
+                if (rows1 > 0) {
+                    two_n ? tile_block<true, true>(a, a_stride_bytes, b0, b0 + panel, kb, cb, previous)
+                          : tile_block<true, false>(a, a_stride_bytes, b0, b0, kb, cb, previous);
+                } else {
+                    two_n ? tile_block<false, true>(a, a_stride_bytes, b0, b0 + panel, kb, cb, previous)
+                          : tile_block<false, false>(a, a_stride_bytes, b0, b0, kb, cb, previous);
+                }
+                pending = Stored{cb, rows0, rows1, two_n, n0, y + mb * y_stride, gated};
+                cur ^= 1;
+            }
+        }
+    }
+    pending.put(bias, N, y_stride);
+    if (p0 < p1) _tile_release();
+}
+
+void amx_linear(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_t* w, int64_t N, int K, const float* bias,
+                uint16_t* y, int64_t y_stride, int threads, bool gated) {
+    const int64_t pairs = (N + 31) / 32;  // threads take whole pairs of 16-output panels
 #pragma omp parallel num_threads(threads)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t p0 = pairs * t / nt, p1 = pairs * (t + 1) / nt;
-        alignas(64) float c[2][4 * 256];
-        int cur = 0, cfg0 = -1, cfg1 = -1;
-        Stored pending;
-        for (int64_t m0 = 0; m0 < M && p0 < p1; m0 += kRowChunk) {
-            const int64_t m1 = m0 + kRowChunk < M ? m0 + kRowChunk : M;
-            for (int64_t p = p0; p < p1; ++p) {
-                const int64_t n0 = p * 32;
-                const bool two_n = n0 + 16 < N;
-                const uint16_t* b0 = w + (n0 / 16) * panel;
-                for (int64_t mb = m0; mb < m1; mb += 32) {
-                    const int rows0 = m1 - mb >= 16 ? 16 : static_cast<int>(m1 - mb);
-                    const int rows1 = m1 - mb >= 32 ? 16 : m1 - mb > 16 ? static_cast<int>(m1 - mb - 16) : 0;
-                    if (rows0 != cfg0 || rows1 != cfg1) {  // clears the tiles: the previous block is stored
-                        load_config(rows0, rows1);
-                        cfg0 = rows0;
-                        cfg1 = rows1;
-                    }
-                    const uint16_t* a = x + mb * x_stride;
-                    float* cb = c[cur];
-                    const auto previous = [&] { pending.put(bias, N, y_stride); };
-                    if (rows1 > 0) {
-                        two_n ? tile_block<true, true>(a, a_stride_bytes, b0, b0 + panel, kb, cb, previous)
-                              : tile_block<true, false>(a, a_stride_bytes, b0, b0, kb, cb, previous);
-                    } else {
-                        two_n ? tile_block<false, true>(a, a_stride_bytes, b0, b0 + panel, kb, cb, previous)
-                              : tile_block<false, false>(a, a_stride_bytes, b0, b0, kb, cb, previous);
-                    }
-                    pending = Stored{cb, rows0, rows1, two_n, n0, y + mb * y_stride, gated};
-                    cur ^= 1;
-                }
+        thread_part(x, x_stride, M, w, N, K, bias, y, y_stride, gated, pairs * t / nt, pairs * (t + 1) / nt);
+    }
+}
+
+// int4 weights in torch's CPU packing (_convert_weight_to_int4pack_for_cpu: for each block of
+// 64 outputs, [K][32] bytes, byte j holding output j in its low nibble and output j + 32 in its
+// high one) with torch's scales_and_zeros ([K/group][N][2] bfloat16: w = (q - 8) s + z),
+// widened into the packed bfloat16 layout above for 16-output panels [panel0, panel1): each
+// weight computed in float32 as q s + (z - 8 s) and rounded to nearest even.
+void widen_int4_panels(const uint8_t* q4, const uint16_t* sz, int64_t N, int K, int group, int64_t panel0,
+                       int64_t panel1, uint16_t* out) {
+    const int kb = K / 32;
+    const __m512i low_nibble = _mm512_set1_epi32(0xF), high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+    for (int64_t p = panel0; p < panel1; ++p) {
+        const int64_t n0 = p * 16;
+        const uint8_t* block = q4 + (n0 / 64) * 64 * static_cast<int64_t>(K / 2);
+        const int sub = static_cast<int>(n0 % 64) / 16, byte0 = (sub % 2) * 16;
+        const bool high = sub >= 2;
+        for (int kt = 0; kt < kb; ++kt) {
+            const int g = kt * 32 / group;
+            // 16 (scale, zero) bfloat16 pairs, one per output: a dword each
+            const __m512i pairs = _mm512_loadu_si512(sz + (static_cast<int64_t>(g) * N + n0) * 2);
+            const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+            const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_half));
+            const __m512 base = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, z);  // z - 8 s
+            uint16_t* tile = out + (p * kb + kt) * 512;
+            for (int r = 0; r < 16; ++r) {
+                const int k = kt * 32 + 2 * r;
+                __m512i qa = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + k * 32 + byte0)));
+                __m512i qb = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (k + 1) * 32 + byte0)));
+                qa = high ? _mm512_srli_epi32(qa, 4) : _mm512_and_si512(qa, low_nibble);
+                qb = high ? _mm512_srli_epi32(qb, 4) : _mm512_and_si512(qb, low_nibble);
+                const __m512 wa = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qa), s, base);
+                const __m512 wb = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qb), s, base);
+                const __m512i ha = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(wa)));
+                const __m512i hb = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(wb)));
+                _mm512_storeu_si512(tile + r * 32, _mm512_or_si512(ha, _mm512_slli_epi32(hb, 16)));
             }
         }
-        pending.put(bias, N, y_stride);
-        if (p0 < p1) _tile_release();
     }
 }
 
@@ -204,6 +248,22 @@ void modserve_amx_linear(const uint16_t* x, int64_t x_stride, int64_t M, const u
                          const float* bias, uint16_t* y, int64_t y_stride, int threads, int gated) {
     amx_linear(x, x_stride, M, w, N, K, gated ? nullptr : bias, y, y_stride, threads, gated != 0);
 }
+
+// y = x @ W.T for int4 W in torch's CPU packing and scales_and_zeros (see widen_int4_panels;
+// N a multiple of 64, K of 32, group of 32): each thread widens its own panels into `scratch`
+// ([N/16][K/32][16][16][2] bfloat16, N * K elements) and multiplies them while they are in its
+// cache. No bias (the caller adds it).
+void modserve_amx_linear_int4(const uint16_t* x, int64_t x_stride, int64_t M, const uint8_t* q4, const uint16_t* sz,
+                              int64_t N, int K, int group, uint16_t* scratch, uint16_t* y, int64_t y_stride, int threads) {
+    const int64_t pairs = N / 32;
+#pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t p0 = pairs * t / nt, p1 = pairs * (t + 1) / nt;
+        widen_int4_panels(q4, sz, N, K, group, 2 * p0, 2 * p1, scratch);
+        thread_part(x, x_stride, M, scratch, N, K, nullptr, y, y_stride, false, p0, p1);
+    }
+}
 }
 
 #else  // no AMX-BF16 in this build: the platform keeps oneDNN's product
@@ -212,6 +272,8 @@ extern "C" {
 int modserve_amx_init() { return -2; }
 void modserve_amx_linear(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int, const float*, uint16_t*,
                          int64_t, int, int) {}
+void modserve_amx_linear_int4(const uint16_t*, int64_t, int64_t, const uint8_t*, const uint16_t*, int64_t, int, int,
+                              uint16_t*, uint16_t*, int64_t, int) {}
 }
 
 #endif

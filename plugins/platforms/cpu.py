@@ -27,7 +27,7 @@ from modserve.plugins.platforms import cpu_amx_linear as amx_linear
 from modserve.plugins.platforms.cpu_linear import PackedLinear, can_pack
 from modserve.plugins.platforms.cpu_memory import keep_freed_memory
 from modserve.plugins.platforms.cpu_prequantized import CHECKPOINT_SCHEMES, checkpoint_linear
-from modserve.plugins.platforms.cpu_quant import gguf_linear, quantize_linear
+from modserve.plugins.platforms.cpu_quant import Int4WeightOnlyLinear, gguf_linear, quantize_linear
 
 MODSERVE_CONTRACT = "2.3"  # DeviceInfo.kernels; its AMX linears are GatedLinear
 log = logging.getLogger("modserve.platform")
@@ -37,7 +37,7 @@ ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_i
 
 class CPUConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pack_weights: bool = True  # hold linear weights packed for the product kernel (faster matmuls); false: plain nn.Linear
-    linear_kernel: Literal["auto", "amx", "onednn"] = "auto"  # float weights' products: own AMX tiles (bfloat16, AMX-BF16 CPUs), oneDNN, or auto (amx where it runs); quantized layers keep their own
+    linear_kernel: Literal["auto", "amx", "onednn"] = "auto"  # float weights' products: own AMX tiles (bfloat16, AMX-BF16 CPUs), oneDNN, or auto (amx where it runs); int4 layers widen to the tiles for 8+ rows where amx runs, other quantized layers keep their own kernels
     fuse_ops: bool = True  # in float32 or bfloat16, run norms, SiLU·mul and RoPE as fused C++ kernels
     reuse_freed_memory: bool = True  # glibc: keep freed step memory in the process instead of faulting it in again every step
     quantization: Literal["none", "int8", "w8a8", "int4", "gguf", "gptq", "awq", "compressed-tensors"] = "none"  # linear weights: int8 weight-only, int8 weights and activations (per token), int4 weight-only groups, a GGUF file's Q8_0/Q4_0/Q4_1 blocks kept as they are, or a pre-quantized HF checkpoint's weights kept (docs/quantization.md)
@@ -100,17 +100,11 @@ class CPUPlatform(Platform):
         return "cpu"
 
     def linear(self, name: str, layer: nn.Linear) -> nn.Module:
-        if self.config.quantization in CHECKPOINT_SCHEMES:
-            kept = checkpoint_linear(self.config.quantization, name, layer)
-            if kept is not layer:
-                self.kept_layers += 1
-                return kept
-        elif self.config.quantization != "none" and (name != "lm_head" or self.config.quantize_lm_head):
-            if self.config.quantization != "gguf":
-                return quantize_linear(self.config.quantization, name, layer, self.config.int4_group_size)
-            kept = gguf_linear(name, layer)  # the layer itself where the file stores it as floats
-            if kept is not layer:
-                return kept
+        module = self._quantized(name, layer)
+        if module is not layer:
+            if isinstance(module, Int4WeightOnlyLinear):
+                module.amx = self.amx_linears  # many rows: widened to bfloat16 tiles on AMX
+            return module
         if not self.config.pack_weights:
             return layer
         if self.amx_linears and layer.weight.dtype == torch.bfloat16:
@@ -120,6 +114,18 @@ class CPUPlatform(Platform):
         if _packs(layer.weight.dtype):
             return PackedLinear(layer)
         return layer
+
+    def _quantized(self, name: str, layer: nn.Linear) -> nn.Module:
+        """The quantized module for ``layer`` under ``quantization``, or ``layer`` itself."""
+        if self.config.quantization in CHECKPOINT_SCHEMES:
+            kept = checkpoint_linear(self.config.quantization, name, layer)
+            self.kept_layers += kept is not layer
+            return kept
+        if self.config.quantization == "none" or (name == "lm_head" and not self.config.quantize_lm_head):
+            return layer
+        if self.config.quantization != "gguf":
+            return quantize_linear(self.config.quantization, name, layer, self.config.int4_group_size)
+        return gguf_linear(name, layer)  # the layer itself where the file stores it as floats
 
     def prepare_model(self, model: nn.Module) -> None:
         if self.config.quantization in CHECKPOINT_SCHEMES and not self.kept_layers:

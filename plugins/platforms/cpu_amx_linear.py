@@ -37,6 +37,8 @@ def load() -> ctypes.CDLL:
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.modserve_amx_linear.argtypes = [ptr, i64, i64, ptr, i64, i32, ptr, ptr, i64, i32, i32]
     lib.modserve_amx_linear.restype = None
+    lib.modserve_amx_linear_int4.argtypes = [ptr, i64, i64, ptr, ptr, i64, i32, i32, ptr, ptr, i64, i32]
+    lib.modserve_amx_linear_int4.restype = None
     return lib
 
 
@@ -47,6 +49,25 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     n_pad, k_pad = -(-n // TILE_N) * TILE_N, -(-k // TILE_K) * TILE_K
     w = F.pad(weight.detach().to(torch.bfloat16), (0, k_pad - k, 0, n_pad - n))
     return w.view(n_pad // TILE_N, TILE_N, k_pad // TILE_K, TILE_K // 2, 2).permute(0, 2, 3, 1, 4).contiguous()
+
+
+def int4_product(rows: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int) -> torch.Tensor:
+    """``rows @ W.T`` in bfloat16 for int4 ``W`` held as torch's CPU int4 kernel holds it
+    (``packed`` from ``_convert_weight_to_int4pack_for_cpu``, ``[N, K/2]`` uint8, N a multiple
+    of 64; ``scales_and_zeros`` ``[K/group, N, 2]`` bfloat16; K and the group multiples of 32):
+    each thread widens its share of the weights to bfloat16 tiles in a scratch buffer and runs
+    the AMX product on them while they sit in its cache. For many rows, where torch's int4
+    kernel (a matrix-vector product per row) is slow; ``rows`` ``[M, K]`` bfloat16."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < k):
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
+    scratch = torch.empty(n * k, dtype=torch.bfloat16)
+    load().modserve_amx_linear_int4(
+        rows.data_ptr(), rows.stride(0), rows.shape[0], packed.data_ptr(), scales_and_zeros.data_ptr(), n, k, group,
+        scratch.data_ptr(), out.data_ptr(), n, torch.get_num_threads(),
+    )  # fmt: skip
+    return out
 
 
 class AmxLinear(nn.Module, GatedLinear):

@@ -104,6 +104,7 @@ def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 DEQUANTIZE_FROM_ROWS = 16  # int8 weight-only: from this many rows on (always in float32), widen the weights per call
+AMX_INT4_FROM_ROWS = 8  # int4 on AMX CPUs: from this many bfloat16 rows on, widen to bfloat16 tiles per call
 
 
 class QuantizedLinear(nn.Module):
@@ -259,7 +260,15 @@ class Int4WeightOnlyLinear(QuantizedLinear):
     """``y = x @ W.T + b`` with ``W[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n]`` for
     ``g = k // group_size``: torch's CPU int4 kernel's own format (``scales_and_zeros`` is
     ``[K/g, N, 2]`` in the activations' dtype, ``zero = minimum + 8 * scale``), the 4-bit
-    values packed two per byte by ``_convert_weight_to_int4pack_for_cpu``."""
+    values packed two per byte by ``_convert_weight_to_int4pack_for_cpu``.
+
+    That kernel is a matrix-vector product per row: the fastest at one row, 5-18x slower than
+    bfloat16 from 16 rows on. With ``amx`` (set by the platform where its bfloat16 linears run
+    on AMX tiles), from ``AMX_INT4_FROM_ROWS`` bfloat16 rows on and where ``out_features`` is a
+    multiple of 64, each call widens the weights to bfloat16 tiles, thread by thread, and runs
+    the AMX product on them (:func:`~modserve.plugins.platforms.cpu_amx_linear.int4_product`)."""
+
+    amx = False
 
     def __init__(self, layer: nn.Linear, group_size: int) -> None:
         super().__init__(layer)
@@ -286,6 +295,10 @@ class Int4WeightOnlyLinear(QuantizedLinear):
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         sz = self.scales_and_zeros if self.scales_and_zeros.dtype == rows.dtype else self.scales_and_zeros.to(rows.dtype)
+        if self.amx and rows.shape[0] >= AMX_INT4_FROM_ROWS and rows.dtype == torch.bfloat16 and self.out_features % 64 == 0:
+            from modserve.plugins.platforms.cpu_amx_linear import int4_product
+
+            return self.with_bias(int4_product(rows, self.packed, sz, self.group_size))
         return self.with_bias(torch._weight_int4pack_mm_for_cpu(rows.contiguous(), self.packed, self.group_size, sz))
 
     def extra_repr(self) -> str:

@@ -1,0 +1,81 @@
+"""SmolLM2-135M's linear layers, one pass of all 30 layers (qkv, o, gate_up, down; each layer
+its own weights, so they come from memory as in a real step), per kernel and row count.
+
+Kernels: ``onednn`` (PackedLinear, bfloat16), ``amx`` (AmxLinear, bfloat16), ``int4`` (torch's
+int4 kernel, groups of 32) and ``int4-amx`` (the same int4 layers widened to bfloat16 tiles
+per call, from AMX_INT4_FROM_ROWS rows on). Prints ms per pass and each kernel's ratio to the
+first one named, all measured in this run. Run it on a quiet machine; it prints the CPU.
+
+    python benchmarks/cpu_linears.py --kernels amx,int4,int4-amx --rows 1,8,16,64,256,1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch import nn
+
+from modserve.plugins.platforms.cpu import ISA_FLAGS, cpu_model_and_flags
+from modserve.plugins.platforms.cpu_amx_linear import AmxLinear
+from modserve.plugins.platforms.cpu_linear import PackedLinear
+from modserve.plugins.platforms.cpu_quant import Int4WeightOnlyLinear
+
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}  # (out, in)
+LAYERS = 30
+
+
+def build(kind: str) -> dict[str, list[nn.Module]]:
+    torch.manual_seed(0)
+    out = {}
+    for name, (n, k) in SHAPES.items():
+        layers = []
+        for _ in range(LAYERS):
+            lin = nn.Linear(k, n, bias=False).to(torch.bfloat16)
+            if kind == "onednn":
+                layers.append(PackedLinear(lin))
+            elif kind == "amx":
+                layers.append(AmxLinear(lin))
+            else:
+                module = Int4WeightOnlyLinear(lin, 32)
+                module.amx = kind == "int4-amx"
+                layers.append(module)
+        out[name] = layers
+    return out
+
+
+def one_pass(layers: dict[str, list[nn.Module]], xs: dict[str, torch.Tensor]) -> float:
+    t0 = time.perf_counter()
+    for i in range(LAYERS):
+        for name in SHAPES:
+            layers[name][i](xs[name])
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kernels", default="amx,int4,int4-amx")
+    ap.add_argument("--rows", default="1,8,16,64,256,1024")
+    ap.add_argument("--repeats", type=int, default=10)
+    args = ap.parse_args()
+    kernels = args.kernels.split(",")
+    name, flags = cpu_model_and_flags()
+    print(f"{name} ({', '.join(f for f in ISA_FLAGS if f in flags)}), torch {torch.__version__}, {torch.get_num_threads()} threads")
+    built = {k: build(k) for k in kernels}
+    weights = sum(n * k for n, k in SHAPES.values()) * LAYERS
+    print(f"{'rows':>6} " + " ".join(f"{k + ' ms':>12}" for k in kernels) + " " + " ".join(f"{k + '/' + kernels[0]:>16}" for k in kernels[1:]))
+    for rows in (int(r) for r in args.rows.split(",")):
+        xs = {name: torch.randn(rows, k).to(torch.bfloat16) for name, (_, k) in SHAPES.items()}
+        ms = {}
+        with torch.inference_mode():
+            for k in kernels:
+                one_pass(built[k], xs)
+                ms[k] = 1000 * sorted(one_pass(built[k], xs) for _ in range(args.repeats))[args.repeats // 2]
+        ratios = " ".join(f"{ms[kernels[0]] / ms[k]:>15.2f}x" for k in kernels[1:])
+        print(f"{rows:>6} " + " ".join(f"{ms[k]:>12.2f}" for k in kernels) + " " + ratios)
+    print(f"weights per pass: {weights / 1e6:.1f} M ({2 * weights / 1e6:.0f} MB in bfloat16)")
+
+
+if __name__ == "__main__":
+    main()
