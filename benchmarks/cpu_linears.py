@@ -20,6 +20,7 @@ from torch import nn
 from modserve.plugins.platforms.cpu import ISA_FLAGS, cpu_model_and_flags
 from modserve.plugins.platforms.cpu_amx_linear import AmxLinear
 from modserve.plugins.platforms.cpu_linear import PackedLinear
+from modserve.plugins.platforms.cpu_memory import keep_freed_memory
 from modserve.plugins.platforms.cpu_quant import Int4WeightOnlyLinear
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}  # (out, in)
@@ -60,6 +61,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     args = ap.parse_args()
     kernels = args.kernels.split(",")
+    keep_freed_memory()  # as the cpu platform does by default (reuse_freed_memory)
     name, flags = cpu_model_and_flags()
     print(f"{name} ({', '.join(f for f in ISA_FLAGS if f in flags)}), torch {torch.__version__}, {torch.get_num_threads()} threads")
     built = {k: build(k) for k in kernels}

@@ -142,9 +142,11 @@ struct Stored {
 };
 
 // One thread's share of y: output panel pairs [p0, p1) for every row, its weights streamed in
-// memory order once per chunk of kRowChunk rows.
-void thread_part(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_t* w, int64_t N, int K, const float* bias,
-                 uint16_t* y, int64_t y_stride, bool gated, int64_t p0, int64_t p1) {
+// memory order once per chunk of kRowChunk rows. `pair_weights(p)` gives pair p's two packed
+// panels (they follow each other).
+template <typename PairWeights>
+void thread_part(const uint16_t* x, int64_t x_stride, int64_t M, const PairWeights& pair_weights, int64_t N, int K,
+                 const float* bias, uint16_t* y, int64_t y_stride, bool gated, int64_t p0, int64_t p1) {
     const int kb = K / 32;
     const int64_t panel = static_cast<int64_t>(kb) * 512;  // elements of one 16-output panel
     const int64_t a_stride_bytes = x_stride * 2;
@@ -156,7 +158,7 @@ void thread_part(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_t*
         for (int64_t p = p0; p < p1; ++p) {
             const int64_t n0 = p * 32;
             const bool two_n = n0 + 16 < N;
-            const uint16_t* b0 = w + (n0 / 16) * panel;
+            const uint16_t* b0 = pair_weights(p);
             for (int64_t mb = m0; mb < m1; mb += 32) {
                 const int rows0 = m1 - mb >= 16 ? 16 : static_cast<int>(m1 - mb);
                 const int rows1 = m1 - mb >= 32 ? 16 : m1 - mb > 16 ? static_cast<int>(m1 - mb - 16) : 0;
@@ -187,22 +189,26 @@ void thread_part(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_t*
 void amx_linear(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_t* w, int64_t N, int K, const float* bias,
                 uint16_t* y, int64_t y_stride, int threads, bool gated) {
     const int64_t pairs = (N + 31) / 32;  // threads take whole pairs of 16-output panels
+    const int64_t pair = static_cast<int64_t>(K / 32) * 1024;  // elements of two packed panels
+    const auto pair_weights = [w, pair](int64_t p) { return w + p * pair; };
 #pragma omp parallel num_threads(threads)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        thread_part(x, x_stride, M, w, N, K, bias, y, y_stride, gated, pairs * t / nt, pairs * (t + 1) / nt);
+        thread_part(x, x_stride, M, pair_weights, N, K, bias, y, y_stride, gated, pairs * t / nt, pairs * (t + 1) / nt);
     }
 }
 
 // int4 weights in torch's CPU packing (_convert_weight_to_int4pack_for_cpu: for each block of
 // 64 outputs, [K][32] bytes, byte j holding output j in its low nibble and output j + 32 in its
 // high one) with torch's scales_and_zeros ([K/group][N][2] bfloat16: w = (q - 8) s + z),
-// widened into the packed bfloat16 layout above for 16-output panels [panel0, panel1): each
-// weight computed in float32 as q s + (z - 8 s) and rounded to nearest even.
+// widened into the packed bfloat16 layout above for 16-output panels [panel0, panel1), panel0
+// written at `out`: each weight computed in float32 as q s + (z - 8 s), rounded to nearest even.
 void widen_int4_panels(const uint8_t* q4, const uint16_t* sz, int64_t N, int K, int group, int64_t panel0,
                        int64_t panel1, uint16_t* out) {
     const int kb = K / 32;
     const __m512i low_nibble = _mm512_set1_epi32(0xF), high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+    const __m512i pair_order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                                 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     for (int64_t p = panel0; p < panel1; ++p) {
         const int64_t n0 = p * 16;
         const uint8_t* block = q4 + (n0 / 64) * 64 * static_cast<int64_t>(K / 2);
@@ -215,7 +221,7 @@ void widen_int4_panels(const uint8_t* q4, const uint16_t* sz, int64_t N, int K, 
             const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
             const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_half));
             const __m512 base = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, z);  // z - 8 s
-            uint16_t* tile = out + (p * kb + kt) * 512;
+            uint16_t* tile = out + ((p - panel0) * kb + kt) * 512;
             for (int r = 0; r < 16; ++r) {
                 const int k = kt * 32 + 2 * r;
                 __m512i qa = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + k * 32 + byte0)));
@@ -224,9 +230,9 @@ void widen_int4_panels(const uint8_t* q4, const uint16_t* sz, int64_t N, int K, 
                 qb = high ? _mm512_srli_epi32(qb, 4) : _mm512_and_si512(qb, low_nibble);
                 const __m512 wa = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qa), s, base);
                 const __m512 wb = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qb), s, base);
-                const __m512i ha = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(wa)));
-                const __m512i hb = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(wb)));
-                _mm512_storeu_si512(tile + r * 32, _mm512_or_si512(ha, _mm512_slli_epi32(hb, 16)));
+                // [wa 0..15 | wb 0..15] as bfloat16, then interleaved: (wa_n, wb_n) per output n
+                const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(wb, wa));
+                _mm512_storeu_si512(tile + r * 32, _mm512_permutexvar_epi16(pair_order, both));
             }
         }
     }
@@ -250,18 +256,31 @@ void modserve_amx_linear(const uint16_t* x, int64_t x_stride, int64_t M, const u
 }
 
 // y = x @ W.T for int4 W in torch's CPU packing and scales_and_zeros (see widen_int4_panels;
-// N a multiple of 64, K of 32, group of 32): each thread widens its own panels into `scratch`
-// ([N/16][K/32][16][16][2] bfloat16, N * K elements) and multiplies them while they are in its
-// cache. No bias (the caller adds it).
+// N a multiple of 64, K of 32, group of 32). Each thread widens its own panels to bfloat16
+// tiles and multiplies them while they are in its cache: pair by pair into its part of
+// `scratch` when the rows fit one chunk (a pair's tiles are then read at once, from L1/L2),
+// else all of its panels first (reused by every chunk). `scratch` holds N * K elements. No
+// bias (the caller adds it).
 void modserve_amx_linear_int4(const uint16_t* x, int64_t x_stride, int64_t M, const uint8_t* q4, const uint16_t* sz,
                               int64_t N, int K, int group, uint16_t* scratch, uint16_t* y, int64_t y_stride, int threads) {
     const int64_t pairs = N / 32;
+    const int64_t pair = static_cast<int64_t>(K / 32) * 1024;
 #pragma omp parallel num_threads(threads)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int64_t p0 = pairs * t / nt, p1 = pairs * (t + 1) / nt;
-        widen_int4_panels(q4, sz, N, K, group, 2 * p0, 2 * p1, scratch);
-        thread_part(x, x_stride, M, scratch, N, K, nullptr, y, y_stride, false, p0, p1);
+        if (M <= kRowChunk) {
+            uint16_t* mine = scratch + p0 * pair;  // one pair at a time, at the start of this thread's part
+            const auto widened = [&](int64_t p) {
+                widen_int4_panels(q4, sz, N, K, group, 2 * p, 2 * p + 2, mine);
+                return static_cast<const uint16_t*>(mine);
+            };
+            thread_part(x, x_stride, M, widened, N, K, nullptr, y, y_stride, false, p0, p1);
+        } else {
+            widen_int4_panels(q4, sz, N, K, group, 2 * p0, 2 * p1, scratch + p0 * pair);
+            const auto widened = [scratch, pair](int64_t p) { return static_cast<const uint16_t*>(scratch + p * pair); };
+            thread_part(x, x_stride, M, widened, N, K, nullptr, y, y_stride, false, p0, p1);
+        }
     }
 }
 }

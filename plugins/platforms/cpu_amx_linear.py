@@ -51,6 +51,18 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return w.view(n_pad // TILE_N, TILE_N, k_pad // TILE_K, TILE_K // 2, 2).permute(0, 2, 3, 1, 4).contiguous()
 
 
+_widened = torch.empty(0, dtype=torch.bfloat16)  # int4_product's widened tiles, shared by every layer
+
+
+def _scratch(elements: int) -> torch.Tensor:
+    """One buffer for every int4 layer's widened tiles, grown to the largest layer: it stays
+    in the caches between layers (a fresh 3.5 MB tensor per call costs page faults too)."""
+    global _widened
+    if _widened.numel() < elements:
+        _widened = torch.empty(elements, dtype=torch.bfloat16)
+    return _widened
+
+
 def int4_product(rows: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int) -> torch.Tensor:
     """``rows @ W.T`` in bfloat16 for int4 ``W`` held as torch's CPU int4 kernel holds it
     (``packed`` from ``_convert_weight_to_int4pack_for_cpu``, ``[N, K/2]`` uint8, N a multiple
@@ -62,7 +74,7 @@ def int4_product(rows: torch.Tensor, packed: torch.Tensor, scales_and_zeros: tor
     if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < k):
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
-    scratch = torch.empty(n * k, dtype=torch.bfloat16)
+    scratch = _scratch(n * k)
     load().modserve_amx_linear_int4(
         rows.data_ptr(), rows.stride(0), rows.shape[0], packed.data_ptr(), scales_and_zeros.data_ptr(), n, k, group,
         scratch.data_ptr(), out.data_ptr(), n, torch.get_num_threads(),
