@@ -311,3 +311,16 @@ def test_tensor_parallelism_refuses_a_pre_quantized_checkpoint(built):
     path, _ = built("gptq-int4-sym")
     with pytest.raises(ConfigError, match=r"parallel.tensor_parallel_size: .*config.json is a pre-quantized checkpoint \(gptq-int4-g32\), which is not sharded"):
         LLM(model=path, device={"plugin": "cpu", "quantization": "gptq"}, parallel={"tensor_parallel_size": 2})
+
+
+def test_serving_a_checkpoint_dequantized_says_so(built, caplog):
+    """``none`` dequantizes every quantized layer and warns, naming the setting that would keep
+    them; the kept engine does not warn (its float head is the checkpoint's own choice)."""
+    path, _ = built("gptq-int4-sym")
+    with caplog.at_level("WARNING", logger="modserve.loader"):
+        engine(path, "gptq")
+        assert not [r for r in caplog.records if "dequantized" in r.getMessage()]
+        engine(path, "none")
+    messages = [r.getMessage() for r in caplog.records if "dequantized" in r.getMessage()]
+    assert messages == ["8 linear layers of this gptq-int4-g32 checkpoint were dequantized to float32: the platform does not "
+                        "keep them (on the cpu platform, device.quantization: gptq keeps them quantized)"]

@@ -84,6 +84,11 @@ class KeptLinear(nn.Linear):
         return tuple(p.kind for p in self.parts)
 
     @property
+    def dequantized(self) -> bool:
+        """Whether :attr:`weight` was read (the platform did not keep the format)."""
+        return self._parameters.get("weight") is not None
+
+    @property
     def weight(self) -> nn.Parameter:  # type: ignore[override]
         w = self._parameters.get("weight")
         if w is None:

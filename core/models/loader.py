@@ -14,7 +14,7 @@ from safetensors import safe_open
 from torch import nn
 
 from modserve.core.contract import AttentionBackend, BuildContext, CausalLM, ModelArchitecture, ModelSpec
-from modserve.core.models.kept_weights import KeptLinear, load_keeping_weights
+from modserve.core.models.kept_weights import FloatWeight, KeptLinear, load_keeping_weights
 from modserve.core.models.prequantized import QuantFormat, quantized_tensors, read_format
 from modserve.core.models.gguf_reader import find_smollm2_gguf, read_gguf
 from modserve.core.config import ConfigError
@@ -173,9 +173,10 @@ def build_model(
     dequantized = 0
     for parent, qualified, name, child in swaps:
         module = ctx.platform.linear(qualified, child)
-        if module is child and isinstance(child, KeptLinear):
-            child.weight  # kept as an nn.Linear: dequantize it now, not in the first step
-            dequantized += 1
+        if isinstance(child, KeptLinear):
+            if module is child:
+                child.weight  # kept as an nn.Linear: dequantize it now, not in the first step
+            dequantized += child.dequantized and not all(isinstance(p, FloatWeight) for p in child.parts)
         setattr(parent, name, module)
     if ckpt.quantization is not None and dequantized:
         log.warning(

@@ -5,7 +5,7 @@ every layer reuses them.
 
 LongRoPE (Phi-3): cos/sin carry the attention factor, and every token of a sequence longer
 than ``original_max_position_embeddings`` rotates with the long factors, a shorter one's
-with the short factors (:func:`uses_long_factors`), as in HF: its ``longrope_frequency_update``
+with the short factors (:func:`long_factors_from`), as in HF: its ``longrope_frequency_update``
 picks the factors by the sequence length, and Phi-3's ``prepare_inputs_for_generation``
 drops the cache to recompute everything when generation crosses the original length. The
 engine does the same (``Engine._update``); the prefix cache keeps the two rotations apart
@@ -15,7 +15,6 @@ engine does the same (``Engine._update``); the prefix cache keeps the two rotati
 from __future__ import annotations
 
 import math
-
 from typing import TYPE_CHECKING
 
 import torch
@@ -52,11 +51,6 @@ def long_factors_from(scaling: dict | None) -> int | None:
         return None
     return int(scaling["original_max_position_embeddings"])
 
-
-def uses_long_factors(scaling: dict | None, num_tokens: int) -> bool:
-    """Whether a sequence of ``num_tokens`` tokens rotates with LongRoPE's long factors."""
-    original = long_factors_from(scaling)
-    return original is not None and num_tokens > original
 
 
 class RotaryTable:
