@@ -208,6 +208,61 @@ def test_int4_engine_on_tiles_stays_with_torchs_int4_kernel(tiny_llama):
 
 
 @needs_amx
+@pytest.mark.parametrize("rows", [1, 3, 16, 37, 64, 300])
+@pytest.mark.parametrize("n,k", [(1536, 576), (576, 1536), (48, 100)])
+def test_w8a8_on_int8_tiles_equals_the_exact_int8_product(rows, n, k):
+    """W8A8 on AMX-INT8 tiles quantizes each row as ``quantize_rows_int8`` does and sums
+    int8 products exactly: within two bfloat16 steps of ``s_x s_w (q_x . q_w) + b`` computed
+    in float32 and rounded once (the scales are applied in another order), for row counts
+    off the tiles and K off the 64-input tiles; strided and 3-D inputs give the same rows."""
+    from modserve.plugins.platforms.cpu_quant import W8A8Linear, quantize_per_channel_int8, quantize_rows_int8
+
+    g = torch.Generator().manual_seed(rows * 7 + n)
+    lin = nn.Linear(k, n, bias=True).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, generator=g) * 0.05)
+        lin.bias.copy_(torch.randn(n, generator=g))
+    module = W8A8Linear(lin, amx=True)
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    got = module(x)
+    q, s = quantize_per_channel_int8(lin.weight)
+    qx, sx = quantize_rows_int8(x)
+    exact = qx.double() @ q.double().t()  # int32 sums exceed float32's 24 bits
+    want = (exact * sx.double() * s.double() + lin.bias.double()).to(torch.bfloat16)
+    big = want.abs() > 1e-2
+    assert got.dtype == torch.bfloat16 and bf16_ulps(got[big], want[big]) <= 2
+    wide = torch.randn(rows, 2 * k, generator=g).to(torch.bfloat16)
+    wide[:, ::2] = x
+    assert torch.equal(module(wide[:, ::2]), got)
+    assert torch.equal(module(x.view(1, rows, k))[0], got)
+
+
+@needs_amx
+def test_w8a8_engine_on_int8_tiles_stays_with_onednns(tiny_llama):
+    """``quantization: w8a8`` in bfloat16: on AMX-INT8 tiles (auto) against oneDNN's int8
+    product (onednn), teacher-forced over the same sequences: top-1 agreement >= 95%, logprobs
+    within 0.3 nats, 0.05 on average (the two apply the scales in different precisions)."""
+    from modserve.plugins.platforms.cpu_quant import W8A8Linear
+
+    path, _ = tiny_llama
+    seqs = [[3, 4, 5, 6] * 5, [9] * 37, list(range(20, 73)), list(range(100, 180))]
+    preds = {}
+    for kernel in ("auto", "onednn"):
+        llm = LLM(
+            model={"path": path, "dtype": "bfloat16"}, kv_cache={"plugin": "paged", "num_blocks": 64},
+            device={"plugin": "cpu", "linear_kernel": kernel, "quantization": "w8a8"},
+            scheduler={"plugin": "fcfs", "max_num_batched_tokens": 40},
+        )  # fmt: skip
+        w8a8 = [m for m in llm.engine.c.runner.model.modules() if isinstance(m, W8A8Linear)]
+        assert w8a8 and all(m.amx is (kernel == "auto") for m in w8a8)
+        preds[kernel] = teacher_forced(llm, seqs)
+    pairs = list(zip(preds["auto"], preds["onednn"]))
+    nats = [abs(a[1] - b[1]) for a, b in pairs]
+    assert sum(a[0] == b[0] for a, b in pairs) / len(pairs) >= 0.95
+    assert max(nats) <= 0.3 and sum(nats) / len(nats) <= 0.05
+
+
+@needs_amx
 def test_linear_kernel_amx_refuses_a_float32_model(tiny_llama):
     """Asked for explicitly, the AMX kernel is never swapped for oneDNN behind the user's back."""
     path, _ = tiny_llama

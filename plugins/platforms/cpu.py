@@ -118,13 +118,13 @@ class CPUPlatform(Platform):
     def _quantized(self, name: str, layer: nn.Linear) -> nn.Module:
         """The quantized module for ``layer`` under ``quantization``, or ``layer`` itself."""
         if self.config.quantization in CHECKPOINT_SCHEMES:
-            kept = checkpoint_linear(self.config.quantization, name, layer)
+            kept = checkpoint_linear(self.config.quantization, name, layer, self.amx_linears)
             self.kept_layers += kept is not layer
             return kept
         if self.config.quantization == "none" or (name == "lm_head" and not self.config.quantize_lm_head):
             return layer
         if self.config.quantization != "gguf":
-            return quantize_linear(self.config.quantization, name, layer, self.config.int4_group_size)
+            return quantize_linear(self.config.quantization, name, layer, self.config.int4_group_size, self.amx_linears)
         return gguf_linear(name, layer)  # the layer itself where the file stores it as floats
 
     def prepare_model(self, model: nn.Module) -> None:

@@ -41,9 +41,9 @@ from modserve.plugins.platforms.cpu_quant import (
 CHECKPOINT_SCHEMES = ("gptq", "awq", "compressed-tensors")
 
 
-def checkpoint_linear(scheme: str, name: str, layer: nn.Module) -> nn.Module:
+def checkpoint_linear(scheme: str, name: str, layer: nn.Module, amx: bool = False) -> nn.Module:
     """The module for ``layer`` (qualified ``name``) of a ``scheme`` checkpoint, or ``layer``
-    itself where the checkpoint stores it unquantized."""
+    itself where the checkpoint stores it unquantized; ``amx``: W8A8 on AMX-INT8 tiles (bfloat16)."""
     if not isinstance(layer, KeptLinear) or all(isinstance(p, FloatWeight) for p in layer.parts):
         return layer
     if any(isinstance(p, FloatWeight) for p in layer.parts):
@@ -64,7 +64,8 @@ def checkpoint_linear(scheme: str, name: str, layer: nn.Module) -> nn.Module:
         raise ConfigError(f"device.quantization: layer {name!r} fuses parts of different formats ({', '.join(sorted(f.kind for f in formats))})")
     fmt = formats.pop()
     codes = _fused(name, [p.codes() for p in layer.parts])
-    module = _int4(name, layer, codes) if fmt.bits == 4 else _int8(name, layer, codes, fmt.activations is not None)
+    w8a8 = fmt.activations is not None
+    module = _int4(name, layer, codes) if fmt.bits == 4 else _int8(name, layer, codes, w8a8, amx and layer.dtype == torch.bfloat16)
     module.input_order = codes.perm
     return module
 
@@ -104,12 +105,12 @@ def _int4(name: str, layer: KeptLinear, c: Codes) -> QuantizedLinear:
     return Int4WeightOnlyLinear.from_codes(layer, c.q, scale, -zero * scale, group, layer.dtype)
 
 
-def _int8(name: str, layer: KeptLinear, c: Codes, w8a8: bool) -> QuantizedLinear:
+def _int8(name: str, layer: KeptLinear, c: Codes, w8a8: bool, amx: bool) -> QuantizedLinear:
     if not bool((c.zero == 128).all()):
         raise ConfigError(f"device.quantization: layer {name!r} has asymmetric int8 weights; the int8 kernels are symmetric")
     q = (c.q - 128).to(torch.int8)
     if c.scale.shape[1] == 1:
         if w8a8:
-            return W8A8Linear(layer, codes=(q, c.scale[:, 0]))
+            return W8A8Linear(layer, codes=(q, c.scale[:, 0]), amx=amx)
         return Int8WeightOnlyLinear(layer, codes=(q, c.scale[:, 0]), dtype=layer.dtype)
     return Int8GroupLinear(layer, q, c.scale, c.group_size, scale_dtype=torch.float32)

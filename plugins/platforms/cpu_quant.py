@@ -188,16 +188,27 @@ class W8A8Linear(QuantizedLinear):
     channel) times int8 activations (a symmetric scale per row, computed at every call),
     int32 accumulation.
 
-    oneDNN (``onednn.qlinear_pointwise``, weights prepacked once) where this torch can, else
-    ``torch._int_mm`` (a plain int8 matrix product) with the scales applied in float32.
-    ``codes``: ``(q [N, K] int8, scale [N])`` already quantized (a pre-quantized checkpoint's).
+    ``amx`` (bfloat16 models where the platform's linears run on AMX tiles): one call of
+    :mod:`cpu_amx_int8` quantizes the rows, multiplies on AMX-INT8 tiles and applies the scales
+    and bias. Else oneDNN (``onednn.qlinear_pointwise``, weights prepacked once) where this
+    torch can, else ``torch._int_mm`` (a plain int8 matrix product) with the scales applied in
+    float32. ``codes``: ``(q [N, K] int8, scale [N])`` already quantized (a pre-quantized
+    checkpoint's).
     """
 
-    def __init__(self, layer: nn.Linear, use_onednn: bool | None = None, codes: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    def __init__(self, layer: nn.Linear, use_onednn: bool | None = None, codes: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 amx: bool = False) -> None:
         super().__init__(layer)
         q, scale = codes if codes is not None else quantize_per_channel_int8(layer.weight)
-        self.onednn = onednn_int8_available() if use_onednn is None else use_onednn
-        if self.onednn:  # the op is looked up here: a torch build without it still imports this module
+        self.amx = amx
+        self.onednn = not amx and (onednn_int8_available() if use_onednn is None else use_onednn)
+        if amx:  # bfloat16 rows on AMX-INT8 tiles, quantized inside the call (cpu_amx_int8)
+            from modserve.plugins.platforms import cpu_amx_int8
+
+            self._amx_product = cpu_amx_int8.w8a8_product
+            self.register_buffer("amx_packed", cpu_amx_int8.pack(q), False)
+            self.register_buffer("_bias32", None if self.bias is None else self.bias.detach().float().contiguous(), False)
+        elif self.onednn:  # the op is looked up here: a torch build without it still imports this module
             self._qlinear = torch.ops.onednn.qlinear_pointwise.default
             self.register_buffer("packed", torch.ops.onednn.qlinear_prepack(q, None), False)
             self.register_buffer("zero_points", torch.zeros(self.out_features, dtype=torch.long), False)
@@ -207,6 +218,10 @@ class W8A8Linear(QuantizedLinear):
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         m, dtype = rows.shape[0], rows.dtype
+        if self.amx:
+            if dtype != torch.bfloat16:
+                raise TypeError(f"W8A8Linear on AMX tiles takes bfloat16 rows, got {dtype}")
+            return self._amx_product(rows, self.amx_packed, self.scale, self._bias32, self.out_features)
         q, row_scale = quantize_rows_int8(rows)
         if not self.onednn:
             return self.with_bias(torch._int_mm(q, self.qweight_t).float().mul_(row_scale).mul_(self.scale).to(dtype))
@@ -224,7 +239,7 @@ class W8A8Linear(QuantizedLinear):
         return out[:rows]
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, kernel={'onednn' if self.onednn else 'int_mm'}"
+        return f"{super().extra_repr()}, kernel={'amx' if self.amx else 'onednn' if self.onednn else 'int_mm'}"
 
 
 def int4_group_size(name: str, in_features: int, out_features: int, wanted: int) -> int:
@@ -388,12 +403,13 @@ def gguf_linear(name: str, layer: nn.Module) -> nn.Module:
     return Int4WeightOnlyLinear.from_codes(layer, q, d, m, 32, layer.dtype)
 
 
-def quantize_linear(scheme: str, name: str, layer: nn.Linear, int4_group: int = 128) -> nn.Module:
-    """The quantized module for ``layer`` (qualified name ``name``) under ``scheme``."""
+def quantize_linear(scheme: str, name: str, layer: nn.Linear, int4_group: int = 128, amx: bool = False) -> nn.Module:
+    """The quantized module for ``layer`` (qualified name ``name``) under ``scheme``; ``amx``:
+    a bfloat16 ``w8a8`` layer runs on AMX-INT8 tiles."""
     if scheme == "int8":
         return Int8WeightOnlyLinear(layer)
     if scheme == "w8a8":
-        return W8A8Linear(layer)
+        return W8A8Linear(layer, amx=amx and layer.weight.dtype == torch.bfloat16)
     if scheme == "int4":
         group = int4_group_size(name, layer.in_features, layer.out_features, int4_group)
         if group != int4_group:

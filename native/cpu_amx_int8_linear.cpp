@@ -1,0 +1,191 @@
+// W8A8 on AMX-INT8 tiles: y = (s_x * q_x) @ (q_w * s_w).T + b for bfloat16 x, int8 weights
+// with one scale per output channel, int8 activations with one scale per row, int32 sums.
+//
+// Why not oneDNN's int8 linear (cpu_quant.py's W8A8Linear), which also runs AMX-INT8: it takes
+// one activation scale per call, so the rows are quantized by separate torch ops (absmax,
+// multiply, round, cast: as long as the product itself) and the per-row scales applied to its
+// output afterwards; each call also pays oneDNN's primitive lookup and the padding to fixed
+// row counts. Here one call quantizes the rows (each row's absmax, x * (127 / absmax) rounded
+// to nearest even, saturated: bit for bit what quantize_rows_int8 computes), runs the tile products and
+// applies both scales and the bias while narrowing to bfloat16.
+//
+// Layout: W [N, K] int8 is packed as [N/16][K/64][16][16][4]: for each 16 outputs and 64
+// inputs one 1 KB B tile, row r holding inputs 4r..4r+3 of each of the 16 outputs (the
+// quadruples TDPBSSD multiplies). N is padded to 16 and K to 64 with zeros, as are the
+// quantized rows' K. The loop is cpu_amx_linear.cpp's: two A tiles, two B tiles, four C tiles.
+#include <cfloat>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <omp.h>
+
+#include "amx.h"
+#include "avx512.h"
+
+namespace {
+
+constexpr int kRowChunk = 256;  // quantized rows per sweep over the weights (kept in L2)
+
+void load_config(int rows0, int rows1) {
+    const int rows[8] = {rows0, rows0, rows1, rows1, rows0, rows1, 16, 16};
+    modserve::configure_tiles(rows);
+}
+
+inline __m512 bf16_to_ps(__m256i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)); }
+
+// Row m of x quantized into q (Kp bytes, zero past K) and its scale: absmax / 127.
+void quantize_row(const uint16_t* x, int K, int Kp, int8_t* q, float* scale) {
+    __m512 amax = _mm512_setzero_ps();
+    for (int k = 0; k < K; k += 16) {
+        const __mmask16 m = K - k >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (K - k)) - 1);
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(bf16_to_ps(_mm256_maskz_loadu_epi16(m, x + k))));
+    }
+    float absmax = _mm512_reduce_max_ps(amax);
+    absmax = absmax > FLT_MIN ? absmax : FLT_MIN;
+    const __m512 inv = _mm512_set1_ps((1.f / absmax) * 127.f);  // torch's 127.0 / absmax: a reciprocal, then * 127
+    for (int k = 0; k < K; k += 16) {
+        const __mmask16 m = K - k >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (K - k)) - 1);
+        const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(bf16_to_ps(_mm256_maskz_loadu_epi16(m, x + k)), inv));
+        _mm_mask_storeu_epi8(q + k, m, _mm512_cvtsepi32_epi8(r));
+    }
+    if (Kp > K) std::memset(q + K, 0, Kp - K);
+    *scale = absmax * (1.f / 127.f);
+}
+
+template <bool TwoM, bool TwoN, typename Between>
+inline void tile_block(const int8_t* a0, int64_t a_stride, const int8_t* b0, const int8_t* b1, int kb, int32_t* c,
+                       const Between& between) {
+    const int8_t* a1 = a0 + 16 * a_stride;
+    _tile_zero(0);
+    if (TwoN) _tile_zero(1);
+    if (TwoM) _tile_zero(2);
+    if (TwoM && TwoN) _tile_zero(3);
+    for (int k = 0; k < kb; ++k) {
+        _tile_loadd(4, a0 + k * 64, a_stride);
+        _tile_loadd(6, b0 + k * 1024, 64);
+        _tile_dpbssd(0, 4, 6);
+        if (TwoN) {
+            _tile_loadd(7, b1 + k * 1024, 64);
+            _tile_dpbssd(1, 4, 7);
+        }
+        if (TwoM) {
+            _tile_loadd(5, a1 + k * 64, a_stride);
+            _tile_dpbssd(2, 5, 6);
+            if (TwoN) _tile_dpbssd(3, 5, 7);
+        }
+    }
+    between();
+    _tile_stored(0, c, 64);
+    if (TwoN) _tile_stored(1, c + 256, 64);
+    if (TwoM) _tile_stored(2, c + 512, 64);
+    if (TwoM && TwoN) _tile_stored(3, c + 768, 64);
+}
+
+inline __mmask16 cols_mask(int64_t left) {
+    return left >= 16 ? static_cast<__mmask16>(0xFFFF) : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
+}
+
+// A stored block waiting for its epilogue: rows' sums times the row's and the column's scale,
+// plus the bias, rounded to bfloat16 (32 outputs a row, one store).
+struct Stored {
+    const int32_t* c = nullptr;
+    int rows0 = 0, rows1 = 0;
+    bool two_n = false;
+    int64_t m0 = 0, n0 = 0;
+
+    void put(const float* row_scale, const float* col_scale, const float* bias, int64_t N, uint16_t* y, int64_t y_stride) const {
+        if (c == nullptr) return;
+        const __mmask16 k0 = cols_mask(N - n0), k1 = two_n ? cols_mask(N - n0 - 16) : 0;
+        const __m512 w0 = _mm512_maskz_loadu_ps(k0, col_scale + n0), w1 = _mm512_maskz_loadu_ps(k1, col_scale + n0 + 16);
+        const __m512 b0 = bias ? _mm512_maskz_loadu_ps(k0, bias + n0) : _mm512_setzero_ps();
+        const __m512 b1 = bias ? _mm512_maskz_loadu_ps(k1, bias + n0 + 16) : _mm512_setzero_ps();
+        const __mmask32 mask = static_cast<__mmask32>(k0) | (static_cast<__mmask32>(k1) << 16);
+        for (int half = 0; half < 2; ++half) {
+            const int rows = half ? rows1 : rows0;
+            const int32_t* cc = c + half * 512;
+            for (int r = 0; r < rows; ++r) {
+                const int64_t m = m0 + half * 16 + r;
+                const __m512 s = _mm512_set1_ps(row_scale[m]);
+                const __m512 lo = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(cc + r * 16)), w0), s, b0);
+                const __m512 hi = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(cc + 256 + r * 16)), w1), s, b1);
+                _mm512_mask_storeu_epi16(y + m * y_stride + n0, mask, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+            }
+        }
+    }
+};
+
+void thread_part(const int8_t* q, int64_t q_stride, int64_t M, const float* row_scale, const int8_t* w, const float* col_scale,
+                 int64_t N, int Kp, const float* bias, uint16_t* y, int64_t y_stride, int64_t p0, int64_t p1) {
+    const int kb = Kp / 64;
+    const int64_t panel = static_cast<int64_t>(kb) * 1024;  // bytes of one 16-output panel
+    alignas(64) int32_t c[2][4 * 256];
+    int cur = 0, cfg0 = -1, cfg1 = -1;
+    Stored pending;
+    for (int64_t m0 = 0; m0 < M && p0 < p1; m0 += kRowChunk) {
+        const int64_t m1 = m0 + kRowChunk < M ? m0 + kRowChunk : M;
+        for (int64_t p = p0; p < p1; ++p) {
+            const int64_t n0 = p * 32;
+            const bool two_n = n0 + 16 < N;
+            const int8_t* b0 = w + (n0 / 16) * panel;
+            for (int64_t mb = m0; mb < m1; mb += 32) {
+                const int rows0 = m1 - mb >= 16 ? 16 : static_cast<int>(m1 - mb);
+                const int rows1 = m1 - mb >= 32 ? 16 : m1 - mb > 16 ? static_cast<int>(m1 - mb - 16) : 0;
+                if (rows0 != cfg0 || rows1 != cfg1) {
+                    load_config(rows0, rows1);
+                    cfg0 = rows0;
+                    cfg1 = rows1;
+                }
+                const int8_t* a = q + mb * q_stride;
+                int32_t* cb = c[cur];
+                const auto previous = [&] { pending.put(row_scale, col_scale, bias, N, y, y_stride); };
+                if (rows1 > 0) {
+                    two_n ? tile_block<true, true>(a, q_stride, b0, b0 + panel, kb, cb, previous)
+                          : tile_block<true, false>(a, q_stride, b0, b0, kb, cb, previous);
+                } else {
+                    two_n ? tile_block<false, true>(a, q_stride, b0, b0 + panel, kb, cb, previous)
+                          : tile_block<false, false>(a, q_stride, b0, b0, kb, cb, previous);
+                }
+                pending = Stored{cb, rows0, rows1, two_n, mb, n0};
+                cur ^= 1;
+            }
+        }
+    }
+    pending.put(row_scale, col_scale, bias, N, y, y_stride);
+    if (p0 < p1) _tile_release();
+}
+
+}  // namespace
+
+extern "C" {
+
+int modserve_amx_init() { return modserve::request_amx(); }
+
+// y[m, n] = bf16(s_x[m] * s_w[n] * sum_k q_x[m, k] q_w[n, k] + bias[n]) for bfloat16 x [M, K]
+// (row stride x_stride), W packed as above ([ceil(N/16)][Kp/64][16][16][4], Kp = K rounded up
+// to 64), col_scale s_w [N] and bias [N] (or null) float32. scratch: M * Kp bytes for the
+// quantized rows and M floats for their scales (q, then row_scale).
+void modserve_amx_w8a8(const uint16_t* x, int64_t x_stride, int64_t M, int K, const int8_t* w, const float* col_scale,
+                       int64_t N, const float* bias, int8_t* q, float* row_scale, uint16_t* y, int64_t y_stride, int threads) {
+    const int Kp = (K + 63) / 64 * 64;
+    const int64_t pairs = (N + 31) / 32;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; ++m) quantize_row(x + m * x_stride, K, Kp, q + m * Kp, row_scale + m);
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        thread_part(q, Kp, M, row_scale, w, col_scale, N, Kp, bias, y, y_stride, pairs * t / nt, pairs * (t + 1) / nt);
+    }
+}
+}
+
+#else  // no AMX-INT8 in this build: W8A8 keeps oneDNN's product
+
+extern "C" {
+int modserve_amx_init() { return -2; }
+void modserve_amx_w8a8(const uint16_t*, int64_t, int64_t, int, const int8_t*, const float*, int64_t, const float*, int8_t*,
+                       float*, uint16_t*, int64_t, int) {}
+}
+
+#endif
