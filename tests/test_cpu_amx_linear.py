@@ -209,7 +209,7 @@ def test_int4_engine_on_tiles_stays_with_torchs_int4_kernel(tiny_llama):
 
 @needs_amx
 @pytest.mark.parametrize("rows", [1, 3, 16, 37, 64, 300])
-@pytest.mark.parametrize("n,k", [(1536, 576), (576, 1536), (48, 100)])
+@pytest.mark.parametrize("n,k", [(1536, 576), (576, 1536), (48, 100), (33, 64)])
 def test_w8a8_on_int8_tiles_equals_the_exact_int8_product(rows, n, k):
     """W8A8 on AMX-INT8 tiles quantizes each row as ``quantize_rows_int8`` does and sums
     int8 products exactly: within two bfloat16 steps of ``s_x s_w (q_x . q_w) + b`` computed

@@ -324,3 +324,16 @@ def test_serving_a_checkpoint_dequantized_says_so(built, caplog):
     messages = [r.getMessage() for r in caplog.records if "dequantized" in r.getMessage()]
     assert messages == ["8 linear layers of this gptq-int4-g32 checkpoint were dequantized to float32: the platform does not "
                         "keep them (on the cpu platform, device.quantization: gptq keeps them quantized)"]
+
+
+def test_bfloat16_w8a8_checkpoint_agrees_with_its_dequantized_engine(built):
+    """compressed-tensors W8A8 in bfloat16 (on AMX CPUs the AMX-INT8 kernel): teacher-forced
+    top-1 agreement >= 90% with the bfloat16 ``none`` engine."""
+    path, oracle = built("ct-w8a8")
+    ps = prompts(oracle.config.vocab_size, count=4, seed=8)
+    sequences = [p + hf_greedy(oracle, p, 12) for p in ps]
+    kept = engine(path, "compressed-tensors", "bfloat16")
+    w8a8 = [m for m in kept.engine.runner.model.modules() if isinstance(m, W8A8Linear)]
+    assert w8a8 and len({m.amx for m in w8a8}) == 1
+    ours, theirs = teacher_forced(kept, sequences), teacher_forced(engine(path, "none", "bfloat16"), sequences)
+    assert sum(a[0] == b[0] for a, b in zip(ours, theirs)) / len(ours) >= 0.9
