@@ -263,6 +263,18 @@ def test_w8a8_engine_on_int8_tiles_stays_with_onednns(tiny_llama):
 
 
 @needs_amx
+def test_the_platform_names_the_quantized_kernels_it_chose():
+    """``bench roofline``'s Chose: line (``DeviceInfo.kernels``) says where W8A8 and int4 run."""
+    def kernels(**options):
+        return cpu.CPUPlatform(cpu.CPUConfig(**options), None).info().kernels
+
+    assert kernels()[1:] == ()
+    assert kernels(quantization="w8a8")[1] == "quantized linears (w8a8): AMX-INT8 tiles in bfloat16, oneDNN int8 in float32"
+    assert kernels(quantization="w8a8", linear_kernel="onednn")[1] == "quantized linears (w8a8): oneDNN int8"
+    assert kernels(quantization="int4")[1] == "quantized linears (int4): torch's int4 kernel, AMX tiles from 8 bfloat16 rows"
+
+
+@needs_amx
 def test_linear_kernel_amx_refuses_a_float32_model(tiny_llama):
     """Asked for explicitly, the AMX kernel is never swapped for oneDNN behind the user's back."""
     path, _ = tiny_llama

@@ -76,7 +76,10 @@ class CPUPlatform(Platform):
             linears = "plain nn.Linear"
         elif self.amx_linears:
             linears = "AMX tiles in bfloat16, oneDNN packed in float32"
-        return DeviceInfo(f"{name} ({', '.join(isa) or 'no AVX2'})", _total_memory(), dtypes, (f"linears: {linears}",))
+        kernels = [f"linears: {linears}"]
+        if self.config.quantization != "none":
+            kernels.append(f"quantized linears ({self.config.quantization}): {_quantized_kernels(self.config.quantization, self.amx_linears)}")
+        return DeviceInfo(f"{name} ({', '.join(isa) or 'no AVX2'})", _total_memory(), dtypes, tuple(kernels))
 
     def default_dtype(self) -> str:
         """``model.dtype: auto``: bfloat16 where the CPU computes it natively (AMX-BF16 or
@@ -135,6 +138,18 @@ class CPUPlatform(Platform):
             )
         if self.config.fuse_ops:
             model.use_cpu_fused_ops()
+
+
+def _quantized_kernels(scheme: str, amx: bool) -> str:
+    """What runs a quantization scheme's products here (for ``bench roofline``'s Chose: line)."""
+    int4 = "torch's int4 kernel" + (", AMX tiles from 8 bfloat16 rows" if amx else "")
+    w8a8 = "AMX-INT8 tiles in bfloat16, oneDNN int8 in float32" if amx else "oneDNN int8"
+    return {
+        "int8": "torch's int8 kernel below 16 rows, widened weights from 16",
+        "w8a8": w8a8,
+        "int4": int4,
+        "gguf": f"Q4: {int4}; Q8_0: widened per call",
+    }.get(scheme, f"int4 layers: {int4}; W8A8 layers: {w8a8}; int8 weight-only layers: torch's int8 kernel")
 
 
 def _use_amx(config: CPUConfig) -> bool:
