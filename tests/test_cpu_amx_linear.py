@@ -238,28 +238,60 @@ def test_w8a8_on_int8_tiles_equals_the_exact_int8_product(rows, n, k):
 
 
 @needs_amx
-def test_w8a8_engine_on_int8_tiles_stays_with_onednns(tiny_llama):
-    """``quantization: w8a8`` in bfloat16: on AMX-INT8 tiles (auto) against oneDNN's int8
-    product (onednn), teacher-forced over the same sequences: top-1 agreement >= 95%, logprobs
-    within 0.3 nats, 0.05 on average (the two apply the scales in different precisions)."""
-    from modserve.plugins.platforms.cpu_quant import W8A8Linear
+@pytest.mark.parametrize("rows", [1, 2, 16, 37, 300])
+@pytest.mark.parametrize("n,k", [(1536, 576), (576, 1536), (33, 64)])
+def test_int8_weights_on_tiles_equal_the_exact_product(rows, n, k):
+    """int8 weight-only on AMX (the codes widened exactly to bfloat16; one row by the VDPBF16PS
+    loop, more on tiles): within two bfloat16 steps of ``s (x . q) + b`` computed exactly and
+    rounded once, with the scales kept in float32."""
+    from modserve.plugins.platforms.cpu_quant import Int8WeightOnlyLinear, quantize_per_channel_int8
 
+    g = torch.Generator().manual_seed(rows * 5 + n)
+    lin = nn.Linear(k, n, bias=True).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, generator=g) * 0.05)
+        lin.bias.copy_(torch.randn(n, generator=g))
+    module = Int8WeightOnlyLinear(lin, amx=True)
+    assert module.amx and not hasattr(module, "qweight")  # one copy of the codes, in the tiles' order
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    got = module(x)
+    q, s = quantize_per_channel_int8(lin.weight)
+    want = ((x.double() @ q.double().t()) * s.double() + lin.bias.double()).to(torch.bfloat16)
+    big = want.abs() > 1e-2
+    assert got.shape == (rows, n) and bf16_ulps(got[big], want[big]) <= 2
+
+
+@needs_amx
+@pytest.mark.parametrize("scheme", ["w8a8", "int8"])
+def test_int8_engines_on_tiles_stay_with_the_oneDNN_and_torch_kernels(tiny_llama, scheme):
+    """``quantization: w8a8`` / ``int8`` in bfloat16: on AMX tiles (auto) against oneDNN's int8
+    product and torch's int8 kernel (onednn), teacher-forced over the same sequences: top-1
+    agreement >= 95%, logprobs within 0.3 nats, 0.05 on average (the two apply the scales in
+    different precisions)."""
+    from modserve.plugins.platforms.cpu_quant import Int8WeightOnlyLinear, W8A8Linear
+
+    kind = W8A8Linear if scheme == "w8a8" else Int8WeightOnlyLinear
     path, _ = tiny_llama
     seqs = [[3, 4, 5, 6] * 5, [9] * 37, list(range(20, 73)), list(range(100, 180))]
     preds = {}
     for kernel in ("auto", "onednn"):
         llm = LLM(
             model={"path": path, "dtype": "bfloat16"}, kv_cache={"plugin": "paged", "num_blocks": 64},
-            device={"plugin": "cpu", "linear_kernel": kernel, "quantization": "w8a8"},
+            device={"plugin": "cpu", "linear_kernel": kernel, "quantization": scheme},
             scheduler={"plugin": "fcfs", "max_num_batched_tokens": 40},
         )  # fmt: skip
-        w8a8 = [m for m in llm.engine.c.runner.model.modules() if isinstance(m, W8A8Linear)]
-        assert w8a8 and all(m.amx is (kernel == "auto") for m in w8a8)
+        layers = [m for m in llm.engine.c.runner.model.modules() if isinstance(m, kind)]
+        assert layers and all(m.amx is (kernel == "auto") for m in layers)
         preds[kernel] = teacher_forced(llm, seqs)
+        if scheme == "int8":  # decode rows: one at a time, the VDPBF16PS loop
+            outs = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+            preds[kernel + "-decode"] = outs[0].outputs[0].token_ids
     pairs = list(zip(preds["auto"], preds["onednn"]))
     nats = [abs(a[1] - b[1]) for a, b in pairs]
     assert sum(a[0] == b[0] for a, b in pairs) / len(pairs) >= 0.95
     assert max(nats) <= 0.3 and sum(nats) / len(nats) <= 0.05
+    if scheme == "int8":
+        assert preds["auto-decode"][:3] == preds["onednn-decode"][:3]
 
 
 @needs_amx

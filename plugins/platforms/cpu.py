@@ -144,12 +144,14 @@ def _quantized_kernels(scheme: str, amx: bool) -> str:
     """What runs a quantization scheme's products here (for ``bench roofline``'s Chose: line)."""
     int4 = "torch's int4 kernel" + (", AMX tiles from 8 bfloat16 rows" if amx else "")
     w8a8 = "AMX-INT8 tiles in bfloat16, oneDNN int8 in float32" if amx else "oneDNN int8"
+    torch_int8 = "torch's int8 kernel below 16 rows, widened weights from 16"
+    int8 = f"bfloat16 tiles (one row: VDPBF16PS) in bfloat16, {torch_int8} in float32" if amx else torch_int8
     return {
-        "int8": "torch's int8 kernel below 16 rows, widened weights from 16",
+        "int8": int8,
         "w8a8": w8a8,
         "int4": int4,
         "gguf": f"Q4: {int4}; Q8_0: widened per call",
-    }.get(scheme, f"int4 layers: {int4}; W8A8 layers: {w8a8}; int8 weight-only layers: torch's int8 kernel")
+    }.get(scheme, f"int4 layers: {int4}; W8A8 layers: {w8a8}; int8 weight-only layers: {int8}")
 
 
 def _use_amx(config: CPUConfig) -> bool:

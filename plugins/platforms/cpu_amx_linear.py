@@ -39,15 +39,22 @@ def load() -> ctypes.CDLL:
     lib.modserve_amx_linear.restype = None
     lib.modserve_amx_linear_int4.argtypes = [ptr, i64, i64, ptr, ptr, i64, i32, i32, ptr, ptr, i64, i32]
     lib.modserve_amx_linear_int4.restype = None
+    lib.modserve_amx_linear_int8.argtypes = [ptr, i64, i64, ptr, ptr, i64, i32, ptr, ptr, ptr, i64, i32]
+    lib.modserve_amx_linear_int8.restype = None
     return lib
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """``[N, K]`` weights as ``[N/16][K/32][16][16][2]`` tiles (N, K zero-padded): tile row r
-    holds inputs 2r, 2r + 1 of each of its 16 outputs, the pairs TDPBF16PS multiplies."""
+    """``[N, K]`` weights as ``[N/16][K/32][16][16][2]`` bfloat16 tiles (N, K zero-padded): tile
+    row r holds inputs 2r, 2r + 1 of each of its 16 outputs, the pairs TDPBF16PS multiplies."""
+    return pack_pairs(weight.detach().to(torch.bfloat16))
+
+
+def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """:func:`pack`'s order in ``weight``'s own dtype (int8 codes the kernel widens per call)."""
     n, k = weight.shape
     n_pad, k_pad = -(-n // TILE_N) * TILE_N, -(-k // TILE_K) * TILE_K
-    w = F.pad(weight.detach().to(torch.bfloat16), (0, k_pad - k, 0, n_pad - n))
+    w = F.pad(weight, (0, k_pad - k, 0, n_pad - n))
     return w.view(n_pad // TILE_N, TILE_N, k_pad // TILE_K, TILE_K // 2, 2).permute(0, 2, 3, 1, 4).contiguous()
 
 
@@ -78,6 +85,24 @@ def int4_product(rows: torch.Tensor, packed: torch.Tensor, scales_and_zeros: tor
     load().modserve_amx_linear_int4(
         rows.data_ptr(), rows.stride(0), rows.shape[0], packed.data_ptr(), scales_and_zeros.data_ptr(), n, k, group,
         scratch.data_ptr(), out.data_ptr(), n, torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def int8_product(rows: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """``(rows @ q.T) * scale + bias`` in bfloat16 for int8 ``q`` packed by :func:`pack_pairs`
+    (``[N/16][K/32][16][16][2]``), ``scale [N]`` and ``bias [N]`` float32: each thread widens its
+    share of ``q`` to bfloat16 tiles (exact) in a scratch buffer and runs the AMX product on
+    them, the channel scales and the bias applied to the float32 sums. ``rows`` ``[M, K]``
+    bfloat16 with K a multiple of 32."""
+    k = packed.shape[1] * TILE_K
+    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < k):
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
+    scratch = _scratch(-(-n // 32) * 32 * k)
+    load().modserve_amx_linear_int8(
+        rows.data_ptr(), rows.stride(0), rows.shape[0], packed.data_ptr(), scale.data_ptr(), n, k,
+        None if bias is None else bias.data_ptr(), scratch.data_ptr(), out.data_ptr(), n, torch.get_num_threads(),
     )  # fmt: skip
     return out
 

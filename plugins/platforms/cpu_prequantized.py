@@ -112,5 +112,5 @@ def _int8(name: str, layer: KeptLinear, c: Codes, w8a8: bool, amx: bool) -> Quan
     if c.scale.shape[1] == 1:
         if w8a8:
             return W8A8Linear(layer, codes=(q, c.scale[:, 0]), amx=amx)
-        return Int8WeightOnlyLinear(layer, codes=(q, c.scale[:, 0]), dtype=layer.dtype)
+        return Int8WeightOnlyLinear(layer, codes=(q, c.scale[:, 0]), dtype=layer.dtype, amx=amx)
     return Int8GroupLinear(layer, q, c.scale, c.group_size, scale_dtype=torch.float32)

@@ -152,16 +152,34 @@ class Int8WeightOnlyLinear(QuantizedLinear):
     one call: memory stays the int8 weights'.
 
     The kernel takes the scales in the activations' dtype; they are kept in the layer's.
+    ``amx`` (bfloat16 models where the platform's linears run on AMX tiles, K a multiple of 32):
+    every call instead widens the int8 codes (held in the tiles' order) to bfloat16 tiles,
+    exactly, thread by thread, and runs the AMX product with the channel scales and the bias
+    applied to its float32 sums (:func:`~modserve.plugins.platforms.cpu_amx_linear.int8_product`).
     ``codes``: ``(q [N, K] int8, scale [N])`` already quantized (a pre-quantized checkpoint's),
     with ``dtype`` the model's."""
 
-    def __init__(self, layer: nn.Linear, codes: tuple[torch.Tensor, torch.Tensor] | None = None, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, layer: nn.Linear, codes: tuple[torch.Tensor, torch.Tensor] | None = None, dtype: torch.dtype | None = None,
+                 amx: bool = False) -> None:
         super().__init__(layer)
         q, scale = codes if codes is not None else quantize_per_channel_int8(layer.weight)
-        self.register_buffer("qweight", q, False)
         self.register_buffer("scale", scale.to(dtype or layer.weight.dtype), False)
+        self.amx = amx and self.in_features % 32 == 0
+        if self.amx:  # bfloat16 rows on AMX tiles: int8 codes in the tiles' order, widened per call
+            from modserve.plugins.platforms import cpu_amx_linear
+
+            self._amx_product = cpu_amx_linear.int8_product
+            self.register_buffer("amx_packed", cpu_amx_linear.pack_pairs(q), False)
+            self.register_buffer("_scale32", scale.float().contiguous(), False)  # not rounded to the model dtype
+            self.register_buffer("_bias32", None if self.bias is None else self.bias.detach().float().contiguous(), False)
+        else:
+            self.register_buffer("qweight", q, False)
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.amx:
+            if rows.dtype != torch.bfloat16:
+                raise TypeError(f"Int8WeightOnlyLinear on AMX tiles takes bfloat16 rows, got {rows.dtype}")
+            return self._amx_product(rows, self.amx_packed, self._scale32, self._bias32, self.out_features)
         scale = self.scale if self.scale.dtype == rows.dtype else self.scale.to(rows.dtype)
         if rows.shape[0] >= DEQUANTIZE_FROM_ROWS or rows.dtype == torch.float32:
             out = F.linear(rows, self.qweight.to(rows.dtype)).mul_(scale)  # int8 values are exact in bf16
@@ -406,9 +424,9 @@ def gguf_linear(name: str, layer: nn.Module) -> nn.Module:
 
 def quantize_linear(scheme: str, name: str, layer: nn.Linear, int4_group: int = 128, amx: bool = False) -> nn.Module:
     """The quantized module for ``layer`` (qualified name ``name``) under ``scheme``; ``amx``:
-    a bfloat16 ``w8a8`` layer runs on AMX-INT8 tiles."""
+    bfloat16 ``int8`` and ``w8a8`` layers run on AMX tiles."""
     if scheme == "int8":
-        return Int8WeightOnlyLinear(layer)
+        return Int8WeightOnlyLinear(layer, amx=amx and layer.weight.dtype == torch.bfloat16)
     if scheme == "w8a8":
         return W8A8Linear(layer, amx=amx and layer.weight.dtype == torch.bfloat16)
     if scheme == "int4":
