@@ -286,41 +286,45 @@ void widened_product(const uint16_t* x, int64_t x_stride, int64_t M, int64_t N, 
 }
 
 // One row (a decode step of one request) times int8 codes in the tiles' order, without tiles:
-// each tile row (16 outputs x inputs 2r, 2r + 1) widened to bfloat16 in registers and
-// multiplied into per-output float32 sums by VDPBF16PS against the row's broadcast input pair
-// (two sums, even and odd tile rows, for two dependency chains), so the codes are read once
-// and nothing is written but y. Outputs [16 * panel0, 16 * panel1). SmolLM2's layers: 6.9 ms
-// against 8.3 through the tiles and 7.5 with torch's int8 kernel (benchmarks/cpu_linears.py);
-// from two rows on the tiles win.
-void int8_row(const uint16_t* x, const int8_t* q8, const float* scale, const float* bias, int64_t N, int K, int64_t panel0,
+// each tile row (16 outputs x inputs 2r, 2r + 1) widened to float32 in registers and
+// multiplied into float32 sums per (output, input parity) by FMA (four chains) against the row's inputs 2r,
+// 2r + 1 (xf: the row in float32, broadcast a pair at a time); the two parities are added at
+// the end. The codes are read once and nothing is written but y. Outputs [16 * panel0,
+// 16 * panel1). From two rows on the tiles win.
+void int8_row(const float* xf, const int8_t* q8, const float* scale, const float* bias, int64_t N, int K, int64_t panel0,
               int64_t panel1, uint16_t* y) {
     const int kb = K / 32;
+    // lanes 2i and 2i + 1 of a sum hold output i's even and odd inputs: add them, keep even lanes
+    const __m512i even_lanes = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd_lanes = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
     for (int64_t p = panel0; p < panel1; ++p) {
-        __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+        __m512 lo_acc[4], hi_acc[4];
+        for (int c = 0; c < 4; ++c) lo_acc[c] = hi_acc[c] = _mm512_setzero_ps();
         const int8_t* src = q8 + p * kb * 512;
-        for (int k = 0; k < kb * 32; k += 4, src += 64) {  // two tile rows: inputs k..k+3
-            int32_t pairs[2];
-            std::memcpy(pairs, x + k, 8);
-            for (int h = 0; h < 2; ++h) {
-                const __m128i* row = reinterpret_cast<const __m128i*>(src + 32 * h);
-                const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(row)));
-                const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(row + 1)));
-                const __m512bh w = _mm512_cvtne2ps_pbh(hi, lo);
-                const __m512bh xb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pairs[h]));
-                if (h == 0) even = _mm512_dpbf16_ps(even, w, xb);
-                else odd = _mm512_dpbf16_ps(odd, w, xb);
-            }
+        for (int k = 0; k < kb * 32; k += 2, src += 32) {  // one tile row: inputs k, k + 1 of 16 outputs
+            const __m512 xp = _mm512_castpd_ps(_mm512_set1_pd(*reinterpret_cast<const double*>(xf + k)));
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
+            const int c = (k >> 1) & 3;  // four chains each
+            lo_acc[c] = _mm512_fmadd_ps(lo, xp, lo_acc[c]);
+            hi_acc[c] = _mm512_fmadd_ps(hi, xp, hi_acc[c]);
         }
+        const __m512 lo = _mm512_add_ps(_mm512_add_ps(lo_acc[0], lo_acc[1]), _mm512_add_ps(lo_acc[2], lo_acc[3]));
+        const __m512 hi = _mm512_add_ps(_mm512_add_ps(hi_acc[0], hi_acc[1]), _mm512_add_ps(hi_acc[2], hi_acc[3]));
+        const __m512 sums = _mm512_add_ps(_mm512_permutex2var_ps(lo, even_lanes, hi), _mm512_permutex2var_ps(lo, odd_lanes, hi));
         const int64_t n0 = p * 16;
         const __mmask16 mask = cols_mask(N - n0);
         const __m512 s = _mm512_maskz_loadu_ps(mask, scale + n0);
         const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
-        const __m512 out = _mm512_fmadd_ps(_mm512_add_ps(even, odd), s, b);
-        _mm256_mask_storeu_epi16(y + n0, mask, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(out)));
+        _mm256_mask_storeu_epi16(y + n0, mask, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_fmadd_ps(sums, s, b))));
     }
 }
 
 }  // namespace
+
+inline __m512 modserve_bf16x16(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
 
 extern "C" {
 
@@ -355,10 +359,12 @@ void modserve_amx_linear_int8(const uint16_t* x, int64_t x_stride, int64_t M, co
                               int threads) {
     const int64_t panels = (N + 15) / 16;
     if (M == 1) {  // one row: widening into tiles would cost more than it saves
+        float* xf = reinterpret_cast<float*>(scratch);  // the row in float32
+        for (int k = 0; k < K; k += 16) _mm512_storeu_ps(xf + k, modserve_bf16x16(x + k));
 #pragma omp parallel num_threads(threads)
         {
             const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-            int8_row(x, q8, scale, bias, N, K, panels * t / nt, panels * (t + 1) / nt, y);
+            int8_row(xf, q8, scale, bias, N, K, panels * t / nt, panels * (t + 1) / nt, y);
         }
         return;
     }
