@@ -12,7 +12,8 @@
 // Layout: W [N, K] int8 is packed as [N/16][K/64][16][16][4]: for each 16 outputs and 64
 // inputs one 1 KB B tile, row r holding inputs 4r..4r+3 of each of the 16 outputs (the
 // quadruples TDPBSSD multiplies). N is padded to 16 and K to 64 with zeros, as are the
-// quantized rows' K. The loop is cpu_amx_linear.cpp's: two A tiles, two B tiles, four C tiles.
+// quantized rows' K. The tile loop is cpu_amx_linear.cpp's (amx_gemm.h): two A tiles, two B
+// tiles, four C tiles.
 #include <cfloat>
 #include <cstdint>
 #include <cstring>
@@ -21,17 +22,12 @@
 #include <immintrin.h>
 #include <omp.h>
 
-#include "amx.h"
+#include "amx_gemm.h"
 #include "avx512.h"
 
 namespace {
 
-constexpr int kRowChunk = 256;  // quantized rows per sweep over the weights (kept in L2)
-
-void load_config(int rows0, int rows1) {
-    const int rows[8] = {rows0, rows0, rows1, rows1, rows0, rows1, 16, 16};
-    modserve::configure_tiles(rows);
-}
+using modserve::cols_mask;
 
 inline __m512 bf16_to_ps(__m256i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)); }
 
@@ -54,41 +50,8 @@ void quantize_row(const uint16_t* x, int K, int Kp, int8_t* q, float* scale) {
     *scale = absmax * (1.f / 127.f);
 }
 
-template <bool TwoM, bool TwoN, typename Between>
-inline void tile_block(const int8_t* a0, int64_t a_stride, const int8_t* b0, const int8_t* b1, int kb, int32_t* c,
-                       const Between& between) {
-    const int8_t* a1 = a0 + 16 * a_stride;
-    _tile_zero(0);
-    if (TwoN) _tile_zero(1);
-    if (TwoM) _tile_zero(2);
-    if (TwoM && TwoN) _tile_zero(3);
-    for (int k = 0; k < kb; ++k) {
-        _tile_loadd(4, a0 + k * 64, a_stride);
-        _tile_loadd(6, b0 + k * 1024, 64);
-        _tile_dpbssd(0, 4, 6);
-        if (TwoN) {
-            _tile_loadd(7, b1 + k * 1024, 64);
-            _tile_dpbssd(1, 4, 7);
-        }
-        if (TwoM) {
-            _tile_loadd(5, a1 + k * 64, a_stride);
-            _tile_dpbssd(2, 5, 6);
-            if (TwoN) _tile_dpbssd(3, 5, 7);
-        }
-    }
-    between();
-    _tile_stored(0, c, 64);
-    if (TwoN) _tile_stored(1, c + 256, 64);
-    if (TwoM) _tile_stored(2, c + 512, 64);
-    if (TwoM && TwoN) _tile_stored(3, c + 768, 64);
-}
-
-inline __mmask16 cols_mask(int64_t left) {
-    return left >= 16 ? static_cast<__mmask16>(0xFFFF) : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
-}
-
-// A stored block waiting for its epilogue: rows' sums times the row's and the column's scale,
-// plus the bias, rounded to bfloat16 (32 outputs a row, one store).
+// A block's int32 sums and where they go: times the row's and the column's scale, plus the
+// bias, rounded to bfloat16 (32 outputs a row, one store).
 struct Stored {
     const int32_t* c = nullptr;
     int rows0 = 0, rows1 = 0;
@@ -116,44 +79,16 @@ struct Stored {
     }
 };
 
+// One thread's share of y: output panel pairs [p0, p1) for every quantized row
+// (modserve::sweep), each block's sums finished by Stored::put.
 void thread_part(const int8_t* q, int64_t q_stride, int64_t M, const float* row_scale, const int8_t* w, const float* col_scale,
                  int64_t N, int Kp, const float* bias, uint16_t* y, int64_t y_stride, int64_t p0, int64_t p1) {
-    const int kb = Kp / 64;
-    const int64_t panel = static_cast<int64_t>(kb) * 1024;  // bytes of one 16-output panel
-    alignas(64) int32_t c[2][4 * 256];
-    int cur = 0, cfg0 = -1, cfg1 = -1;
-    Stored pending;
-    for (int64_t m0 = 0; m0 < M && p0 < p1; m0 += kRowChunk) {
-        const int64_t m1 = m0 + kRowChunk < M ? m0 + kRowChunk : M;
-        for (int64_t p = p0; p < p1; ++p) {
-            const int64_t n0 = p * 32;
-            const bool two_n = n0 + 16 < N;
-            const int8_t* b0 = w + (n0 / 16) * panel;
-            for (int64_t mb = m0; mb < m1; mb += 32) {
-                const int rows0 = m1 - mb >= 16 ? 16 : static_cast<int>(m1 - mb);
-                const int rows1 = m1 - mb >= 32 ? 16 : m1 - mb > 16 ? static_cast<int>(m1 - mb - 16) : 0;
-                if (rows0 != cfg0 || rows1 != cfg1) {
-                    load_config(rows0, rows1);
-                    cfg0 = rows0;
-                    cfg1 = rows1;
-                }
-                const int8_t* a = q + mb * q_stride;
-                int32_t* cb = c[cur];
-                const auto previous = [&] { pending.put(row_scale, col_scale, bias, N, y, y_stride); };
-                if (rows1 > 0) {
-                    two_n ? tile_block<true, true>(a, q_stride, b0, b0 + panel, kb, cb, previous)
-                          : tile_block<true, false>(a, q_stride, b0, b0, kb, cb, previous);
-                } else {
-                    two_n ? tile_block<false, true>(a, q_stride, b0, b0 + panel, kb, cb, previous)
-                          : tile_block<false, false>(a, q_stride, b0, b0, kb, cb, previous);
-                }
-                pending = Stored{cb, rows0, rows1, two_n, mb, n0};
-                cur ^= 1;
-            }
-        }
-    }
-    pending.put(row_scale, col_scale, bias, N, y, y_stride);
-    if (p0 < p1) _tile_release();
+    const int64_t pair = static_cast<int64_t>(Kp / 64) * 2048;  // bytes of two packed panels
+    const auto weights = [&](int64_t p) { return reinterpret_cast<const char*>(w) + p * pair; };
+    const auto put = [&](const int32_t* c, int rows0, int rows1, bool two_n, int64_t m, int64_t n0) {
+        Stored{c, rows0, rows1, two_n, m, n0}.put(row_scale, col_scale, bias, N, y, y_stride);
+    };
+    modserve::sweep<true>(reinterpret_cast<const char*>(q), q_stride, M, weights, N, Kp / 64, p0, p1, put);
 }
 
 }  // namespace

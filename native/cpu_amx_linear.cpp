@@ -27,56 +27,13 @@
 #include <immintrin.h>
 #include <omp.h>
 
-#include "amx.h"
+#include "amx_gemm.h"
 #include "avx512.h"
 
 namespace {
 
-constexpr int kRowChunk = 256;  // rows of x per sweep over the weights (kept in L2)
-
-// Tiles 0-3: C (float32 sums) for A0 x B0, A0 x B1, A1 x B0, A1 x B1; 4-5: A (rows of x);
-// 6-7: B (weights). A0 and its C tiles have rows0 rows, A1 and its C tiles rows1.
-void load_config(int rows0, int rows1) {
-    const int rows[8] = {rows0, rows0, rows1, rows1, rows0, rows1, 16, 16};
-    modserve::configure_tiles(rows);
-}
-
-// Sums for up to 32 rows (a0 with rows0 rows, a0 + 16 rows with rows1) x 32 outputs (two
-// packed panels b0, b1) over kb tiles of K, stored as four 16 x 16 float32 tiles in c.
-// `between` runs after the products are issued and before the stores wait for them: the
-// previous block's epilogue then overlaps this block's tile work.
-template <bool TwoM, bool TwoN, typename Between>
-inline void tile_block(const uint16_t* a0, int64_t a_stride_bytes, const uint16_t* b0, const uint16_t* b1, int kb,
-                       float* c, const Between& between) {
-    const uint16_t* a1 = reinterpret_cast<const uint16_t*>(reinterpret_cast<const char*>(a0) + 16 * a_stride_bytes);
-    _tile_zero(0);
-    if (TwoN) _tile_zero(1);
-    if (TwoM) _tile_zero(2);
-    if (TwoM && TwoN) _tile_zero(3);
-    for (int k = 0; k < kb; ++k) {
-        _tile_loadd(4, a0 + k * 32, a_stride_bytes);
-        _tile_loadd(6, b0 + k * 512, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        if (TwoN) {
-            _tile_loadd(7, b1 + k * 512, 64);
-            _tile_dpbf16ps(1, 4, 7);
-        }
-        if (TwoM) {
-            _tile_loadd(5, a1 + k * 32, a_stride_bytes);
-            _tile_dpbf16ps(2, 5, 6);
-            if (TwoN) _tile_dpbf16ps(3, 5, 7);
-        }
-    }
-    between();
-    _tile_stored(0, c, 64);
-    if (TwoN) _tile_stored(1, c + 256, 64);
-    if (TwoM) _tile_stored(2, c + 512, 64);
-    if (TwoM && TwoN) _tile_stored(3, c + 768, 64);
-}
-
-inline __mmask16 cols_mask(int64_t left) {
-    return left >= 16 ? static_cast<__mmask16>(0xFFFF) : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
-}
+using modserve::cols_mask;
+using modserve::kRowChunk;
 
 // A stored block's rows of y: outputs [n0, n0 + 16) from c, and [n0 + 16, n0 + 32) from c + 256
 // when two_n, times the column scales (int8 weights' per-channel scales) and plus the bias;
@@ -126,7 +83,7 @@ inline void put_gated_rows(const float* c, int rows, int64_t col0, uint16_t* y, 
     }
 }
 
-// A block whose sums sit in c, waiting for its epilogue.
+// A block's sums in c and where its rows of y go: the epilogue.
 struct Stored {
     const float* c = nullptr;
     int rows0 = 0, rows1 = 0;
@@ -149,49 +106,16 @@ struct Stored {
     }
 };
 
-// One thread's share of y: output panel pairs [p0, p1) for every row, its weights streamed in
-// memory order once per chunk of kRowChunk rows. `pair_weights(p)` gives pair p's two packed
-// panels (they follow each other).
+// One thread's share of y: output panel pairs [p0, p1) for every row (modserve::sweep), each
+// block's sums finished by Stored::put. `pair_weights(p)` gives pair p's two packed panels.
 template <typename PairWeights>
 void thread_part(const uint16_t* x, int64_t x_stride, int64_t M, const PairWeights& pair_weights, int64_t N, int K,
                  const float* bias, const float* scale, uint16_t* y, int64_t y_stride, bool gated, int64_t p0, int64_t p1) {
-    const int kb = K / 32;
-    const int64_t panel = static_cast<int64_t>(kb) * 512;  // elements of one 16-output panel
-    const int64_t a_stride_bytes = x_stride * 2;
-    alignas(64) float c[2][4 * 256];
-    int cur = 0, cfg0 = -1, cfg1 = -1;
-    Stored pending;
-    for (int64_t m0 = 0; m0 < M && p0 < p1; m0 += kRowChunk) {
-        const int64_t m1 = m0 + kRowChunk < M ? m0 + kRowChunk : M;
-        for (int64_t p = p0; p < p1; ++p) {
-            const int64_t n0 = p * 32;
-            const bool two_n = n0 + 16 < N;
-            const uint16_t* b0 = pair_weights(p);
-            for (int64_t mb = m0; mb < m1; mb += 32) {
-                const int rows0 = m1 - mb >= 16 ? 16 : static_cast<int>(m1 - mb);
-                const int rows1 = m1 - mb >= 32 ? 16 : m1 - mb > 16 ? static_cast<int>(m1 - mb - 16) : 0;
-                if (rows0 != cfg0 || rows1 != cfg1) {  // clears the tiles: the previous block is stored
-                    load_config(rows0, rows1);
-                    cfg0 = rows0;
-                    cfg1 = rows1;
-                }
-                const uint16_t* a = x + mb * x_stride;
-                float* cb = c[cur];
-                const auto previous = [&] { pending.put(bias, scale, N, y_stride); };
-                if (rows1 > 0) {
-                    two_n ? tile_block<true, true>(a, a_stride_bytes, b0, b0 + panel, kb, cb, previous)
-                          : tile_block<true, false>(a, a_stride_bytes, b0, b0, kb, cb, previous);
-                } else {
-                    two_n ? tile_block<false, true>(a, a_stride_bytes, b0, b0 + panel, kb, cb, previous)
-                          : tile_block<false, false>(a, a_stride_bytes, b0, b0, kb, cb, previous);
-                }
-                pending = Stored{cb, rows0, rows1, two_n, n0, y + mb * y_stride, gated};
-                cur ^= 1;
-            }
-        }
-    }
-    pending.put(bias, scale, N, y_stride);
-    if (p0 < p1) _tile_release();
+    const auto weights = [&](int64_t p) { return reinterpret_cast<const char*>(pair_weights(p)); };
+    const auto put = [&](const int32_t* c, int rows0, int rows1, bool two_n, int64_t m, int64_t n0) {
+        Stored{reinterpret_cast<const float*>(c), rows0, rows1, two_n, n0, y + m * y_stride, gated}.put(bias, scale, N, y_stride);
+    };
+    modserve::sweep<false>(reinterpret_cast<const char*>(x), x_stride * 2, M, weights, N, K / 32, p0, p1, put);
 }
 
 void amx_linear(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_t* w, int64_t N, int K, const float* bias,

@@ -145,7 +145,7 @@ def _quantized_kernels(scheme: str, amx: bool) -> str:
     int4 = "torch's int4 kernel" + (", AMX tiles from 8 bfloat16 rows" if amx else "")
     w8a8 = "AMX-INT8 tiles in bfloat16, oneDNN int8 in float32" if amx else "oneDNN int8"
     torch_int8 = "torch's int8 kernel below 16 rows, widened weights from 16"
-    int8 = f"bfloat16 tiles (one row: VDPBF16PS) in bfloat16, {torch_int8} in float32" if amx else torch_int8
+    int8 = f"bfloat16 tiles (one row: float32 FMAs) in bfloat16, {torch_int8} in float32" if amx else torch_int8
     return {
         "int8": int8,
         "w8a8": w8a8,
