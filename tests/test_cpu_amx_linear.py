@@ -295,6 +295,28 @@ def test_the_platform_names_the_quantized_kernels_it_chose():
 
 
 @needs_amx
+def test_w8a8_keeps_onednn_where_the_int8_tile_kernel_does_not_build(monkeypatch, tiny_llama, caplog):
+    """The AMX-INT8 kernel is a build of its own: where it fails, W8A8 layers take oneDNN's
+    int8 product and a warning says why; the bfloat16 layers stay on tiles."""
+    from modserve.native.build import KernelUnavailable
+    from modserve.plugins.platforms import cpu_amx_int8
+    from modserve.plugins.platforms.cpu_quant import W8A8Linear
+
+    def broken():
+        raise KernelUnavailable("compiling the AMX int8 linear kernel failed (test)")
+
+    monkeypatch.setattr(cpu_amx_int8, "load", broken)
+    path, _ = tiny_llama
+    with caplog.at_level("WARNING", logger="modserve.platform"):
+        llm = LLM(model={"path": path, "dtype": "bfloat16"}, device={"plugin": "cpu", "quantization": "w8a8"},
+                  kv_cache={"plugin": "paged", "num_blocks": 64})
+    layers = [m for m in llm.engine.c.runner.model.modules() if isinstance(m, W8A8Linear)]
+    assert layers and not any(m.amx for m in layers)
+    assert "W8A8 layers use oneDNN's int8 product" in caplog.text and "failed (test)" in caplog.text
+    assert isinstance(llm.engine.c.runner.model.lm_head, cpu_amx_linear.AmxLinear)
+
+
+@needs_amx
 def test_linear_kernel_amx_refuses_a_float32_model(tiny_llama):
     """Asked for explicitly, the AMX kernel is never swapped for oneDNN behind the user's back."""
     path, _ = tiny_llama

@@ -37,7 +37,7 @@ ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_i
 
 class CPUConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pack_weights: bool = True  # hold linear weights packed for the product kernel (faster matmuls); false: plain nn.Linear
-    linear_kernel: Literal["auto", "amx", "onednn"] = "auto"  # float weights' products: own AMX tiles (bfloat16, AMX-BF16 CPUs), oneDNN, or auto (amx where it runs); int4 layers widen to the tiles for 8+ rows where amx runs, other quantized layers keep their own kernels
+    linear_kernel: Literal["auto", "amx", "onednn"] = "auto"  # float weights' products: own AMX tiles (bfloat16, AMX-BF16 CPUs), oneDNN, or auto (amx where it runs); where amx runs, bfloat16 int8, w8a8 and int4 layers use tiles too
     fuse_ops: bool = True  # in float32 or bfloat16, run norms, SiLU·mul and RoPE as fused C++ kernels
     reuse_freed_memory: bool = True  # glibc: keep freed step memory in the process instead of faulting it in again every step
     quantization: Literal["none", "int8", "w8a8", "int4", "gguf", "gptq", "awq", "compressed-tensors"] = "none"  # linear weights: int8 weight-only, int8 weights and activations (per token), int4 weight-only groups, a GGUF file's Q8_0/Q4_0/Q4_1 blocks kept as they are, or a pre-quantized HF checkpoint's weights kept (docs/quantization.md)
@@ -56,6 +56,7 @@ class CPUPlatform(Platform):
                 "quantize_lm_head applies to int8, w8a8 and int4"
             )
         self.amx_linears = _use_amx(config)
+        self.amx_int8 = self.amx_linears and _int8_tiles_build(config)  # W8A8 on AMX-INT8 tiles
         self.kept_layers = 0  # layers built from a pre-quantized checkpoint's codes
         if config.reuse_freed_memory:  # before anything is loaded: the weights too come from the kept heap
             keep_freed_memory()
@@ -78,7 +79,7 @@ class CPUPlatform(Platform):
             linears = "AMX tiles in bfloat16, oneDNN packed in float32"
         kernels = [f"linears: {linears}"]
         if self.config.quantization != "none":
-            kernels.append(f"quantized linears ({self.config.quantization}): {_quantized_kernels(self.config.quantization, self.amx_linears)}")
+            kernels.append(f"quantized linears ({self.config.quantization}): {_quantized_kernels(self.config.quantization, self.amx_linears, self.amx_int8)}")
         return DeviceInfo(f"{name} ({', '.join(isa) or 'no AVX2'})", _total_memory(), dtypes, tuple(kernels))
 
     def default_dtype(self) -> str:
@@ -121,13 +122,14 @@ class CPUPlatform(Platform):
     def _quantized(self, name: str, layer: nn.Linear) -> nn.Module:
         """The quantized module for ``layer`` under ``quantization``, or ``layer`` itself."""
         if self.config.quantization in CHECKPOINT_SCHEMES:
-            kept = checkpoint_linear(self.config.quantization, name, layer, self.amx_linears)
+            kept = checkpoint_linear(self.config.quantization, name, layer, self.amx_linears, self.amx_int8)
             self.kept_layers += kept is not layer
             return kept
         if self.config.quantization == "none" or (name == "lm_head" and not self.config.quantize_lm_head):
             return layer
         if self.config.quantization != "gguf":
-            return quantize_linear(self.config.quantization, name, layer, self.config.int4_group_size, self.amx_linears)
+            amx = self.amx_int8 if self.config.quantization == "w8a8" else self.amx_linears
+            return quantize_linear(self.config.quantization, name, layer, self.config.int4_group_size, amx)
         return gguf_linear(name, layer)  # the layer itself where the file stores it as floats
 
     def prepare_model(self, model: nn.Module) -> None:
@@ -140,10 +142,10 @@ class CPUPlatform(Platform):
             model.use_cpu_fused_ops()
 
 
-def _quantized_kernels(scheme: str, amx: bool) -> str:
+def _quantized_kernels(scheme: str, amx: bool, amx_int8: bool) -> str:
     """What runs a quantization scheme's products here (for ``bench roofline``'s Chose: line)."""
     int4 = "torch's int4 kernel" + (", AMX tiles from 8 bfloat16 rows" if amx else "")
-    w8a8 = "AMX-INT8 tiles in bfloat16, oneDNN int8 in float32" if amx else "oneDNN int8"
+    w8a8 = "AMX-INT8 tiles in bfloat16, oneDNN int8 in float32" if amx_int8 else "oneDNN int8"
     torch_int8 = "torch's int8 kernel below 16 rows, widened weights from 16"
     int8 = f"bfloat16 tiles (one row: float32 FMAs) in bfloat16, {torch_int8} in float32" if amx else torch_int8
     return {
@@ -152,6 +154,19 @@ def _quantized_kernels(scheme: str, amx: bool) -> str:
         "int4": int4,
         "gguf": f"Q4: {int4}; Q8_0: widened per call",
     }.get(scheme, f"int4 layers: {int4}; W8A8 layers: {w8a8}; int8 weight-only layers: {int8}")
+
+
+def _int8_tiles_build(config: CPUConfig) -> bool:
+    """Whether W8A8 layers can run on the AMX-INT8 kernel (built only where a scheme has W8A8
+    layers); where it fails to build they keep oneDNN's int8 product, and a warning says why."""
+    if config.quantization not in ("w8a8", "compressed-tensors"):
+        return False
+    from modserve.plugins.platforms import cpu_amx_int8
+
+    why = amx_unavailable(cpu_amx_int8.load)
+    if why is not None:
+        log.warning("device.quantization %s: %s; W8A8 layers use oneDNN's int8 product", config.quantization, why)
+    return why is None
 
 
 def _use_amx(config: CPUConfig) -> bool:

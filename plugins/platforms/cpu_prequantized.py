@@ -41,9 +41,10 @@ from modserve.plugins.platforms.cpu_quant import (
 CHECKPOINT_SCHEMES = ("gptq", "awq", "compressed-tensors")
 
 
-def checkpoint_linear(scheme: str, name: str, layer: nn.Module, amx: bool = False) -> nn.Module:
+def checkpoint_linear(scheme: str, name: str, layer: nn.Module, amx: bool = False, amx_int8: bool = False) -> nn.Module:
     """The module for ``layer`` (qualified ``name``) of a ``scheme`` checkpoint, or ``layer``
-    itself where the checkpoint stores it unquantized; ``amx``: W8A8 on AMX-INT8 tiles (bfloat16)."""
+    itself where the checkpoint stores it unquantized; ``amx``: bfloat16 int4 and int8 layers on
+    AMX tiles, ``amx_int8``: W8A8 layers on AMX-INT8 tiles."""
     if not isinstance(layer, KeptLinear) or all(isinstance(p, FloatWeight) for p in layer.parts):
         return layer
     if any(isinstance(p, FloatWeight) for p in layer.parts):
@@ -64,8 +65,8 @@ def checkpoint_linear(scheme: str, name: str, layer: nn.Module, amx: bool = Fals
         raise ConfigError(f"device.quantization: layer {name!r} fuses parts of different formats ({', '.join(sorted(f.kind for f in formats))})")
     fmt = formats.pop()
     codes = _fused(name, [p.codes() for p in layer.parts])
-    w8a8 = fmt.activations is not None
-    module = _int4(name, layer, codes) if fmt.bits == 4 else _int8(name, layer, codes, w8a8, amx and layer.dtype == torch.bfloat16)
+    w8a8, bf16 = fmt.activations is not None, layer.dtype == torch.bfloat16
+    module = _int4(name, layer, codes) if fmt.bits == 4 else _int8(name, layer, codes, w8a8, (amx_int8 if w8a8 else amx) and bf16)
     module.input_order = codes.perm
     return module
 
