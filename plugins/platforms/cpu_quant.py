@@ -19,6 +19,10 @@ weight is not referenced, so it is freed once the model drops the ``nn.Linear``.
   per group of ``group_size`` inputs of each output channel), torch's CPU int4 kernels
   ``torch._convert_weight_to_int4pack_for_cpu`` / ``torch._weight_int4pack_mm_for_cpu``.
   A quarter of bfloat16's weight memory (plus the group scales).
+
+On AMX CPUs, bfloat16 ``int8`` and ``int4`` layers (int4 from 8 rows) widen their codes to
+bfloat16 tiles per call and multiply on them (:mod:`cpu_amx_linear`), and ``w8a8`` layers
+run on AMX-INT8 tiles (:mod:`cpu_amx_int8`); the platform decides (``amx``).
 - ``gguf`` (:func:`gguf_linear`): a GGUF file's blocks kept as they are, built from the
   loader's :class:`~modserve.core.models.kept_weights.KeptLinear` without a float weight:
   Q4_0 / Q4_1 as ``int4`` with groups of 32 (:meth:`Int4WeightOnlyLinear.from_codes`, exact),
