@@ -4,7 +4,8 @@ its own weights, so they come from memory as in a real step), per kernel and row
 Kernels: ``onednn`` (PackedLinear, bfloat16), ``amx`` (AmxLinear, bfloat16), ``int4`` (torch's
 int4 kernel, groups of 32), ``int4-amx`` (the same int4 layers widened to bfloat16 tiles per
 call, from AMX_INT4_FROM_ROWS rows on), ``int8`` (torch's int8 kernel, widened weights and
-F.linear from 16 rows) and ``int8-amx`` (int8 codes widened to bfloat16 tiles per call). Prints ms per pass and each kernel's ratio to the
+F.linear from 16 rows), ``int8-amx`` (int8 codes widened to bfloat16 tiles per call), ``w8a8``
+(oneDNN's int8 product) and ``w8a8-amx`` (the AMX-INT8 kernel). Prints ms per pass and each kernel's ratio to the
 first one named, all measured in this run. Run it on a quiet machine; it prints the CPU.
 
     python benchmarks/cpu_linears.py --kernels amx,int4,int4-amx --rows 1,8,16,64,256,1024
@@ -22,7 +23,7 @@ from modserve.plugins.platforms.cpu import ISA_FLAGS, cpu_model_and_flags
 from modserve.plugins.platforms.cpu_amx_linear import AmxLinear
 from modserve.plugins.platforms.cpu_linear import PackedLinear
 from modserve.plugins.platforms.cpu_memory import keep_freed_memory
-from modserve.plugins.platforms.cpu_quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear
+from modserve.plugins.platforms.cpu_quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear, W8A8Linear
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}  # (out, in)
 LAYERS = 30
@@ -39,6 +40,8 @@ def build(kind: str) -> dict[str, list[nn.Module]]:
                 layers.append(PackedLinear(lin))
             elif kind == "amx":
                 layers.append(AmxLinear(lin))
+            elif kind.startswith("w8a8"):
+                layers.append(W8A8Linear(lin, amx=kind == "w8a8-amx"))
             elif kind.startswith("int8"):
                 layers.append(Int8WeightOnlyLinear(lin, amx=kind == "int8-amx"))
             else:
