@@ -1,4 +1,5 @@
-// AMX tile helpers shared by the AMX kernels (cpu_amx_linear.cpp, cpu_amx_attention.cpp);
+// AMX tile helpers shared by the AMX kernels (cpu_amx_linear.cpp, cpu_amx_int8_linear.cpp,
+// cpu_amx_attention.cpp);
 // included only where the compiler targets AMX-TILE.
 #pragma once
 

@@ -51,8 +51,8 @@ def compile_and_load_amx(source: Path, what: str) -> ctypes.CDLL:
     lib = compile_and_load(source, what)
     lib.modserve_amx_init.restype = ctypes.c_int
     status = lib.modserve_amx_init()
-    if status == -2:  # the source's fallback: built without AMX-BF16
-        raise KernelUnavailable(f"{what}: the compiler does not target AMX-BF16 on this CPU (-march=native)")
+    if status == -2:  # the source's fallback: built without the AMX instructions it needs
+        raise KernelUnavailable(f"{what}: the compiler does not target the AMX instructions it needs on this CPU (-march=native)")
     if status != 0:
         raise KernelUnavailable(f"{what}: Linux refused this process the AMX tile state (arch_prctl)")
     return lib

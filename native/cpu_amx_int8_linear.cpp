@@ -35,14 +35,14 @@ inline __m512 bf16_to_ps(__m256i v) { return _mm512_castsi512_ps(_mm512_slli_epi
 void quantize_row(const uint16_t* x, int K, int Kp, int8_t* q, float* scale) {
     __m512 amax = _mm512_setzero_ps();
     for (int k = 0; k < K; k += 16) {
-        const __mmask16 m = K - k >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (K - k)) - 1);
+        const __mmask16 m = cols_mask(K - k);
         amax = _mm512_max_ps(amax, _mm512_abs_ps(bf16_to_ps(_mm256_maskz_loadu_epi16(m, x + k))));
     }
     float absmax = _mm512_reduce_max_ps(amax);
     absmax = absmax > FLT_MIN ? absmax : FLT_MIN;
     const __m512 inv = _mm512_set1_ps((1.f / absmax) * 127.f);  // torch's 127.0 / absmax: a reciprocal, then * 127
     for (int k = 0; k < K; k += 16) {
-        const __mmask16 m = K - k >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (K - k)) - 1);
+        const __mmask16 m = cols_mask(K - k);
         const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(bf16_to_ps(_mm256_maskz_loadu_epi16(m, x + k)), inv));
         _mm_mask_storeu_epi8(q + k, m, _mm512_cvtsepi32_epi8(r));
     }
@@ -53,13 +53,12 @@ void quantize_row(const uint16_t* x, int K, int Kp, int8_t* q, float* scale) {
 // A block's int32 sums and where they go: times the row's and the column's scale, plus the
 // bias, rounded to bfloat16 (32 outputs a row, one store).
 struct Stored {
-    const int32_t* c = nullptr;
-    int rows0 = 0, rows1 = 0;
-    bool two_n = false;
-    int64_t m0 = 0, n0 = 0;
+    const int32_t* c;
+    int rows0, rows1;
+    bool two_n;
+    int64_t m0, n0;
 
     void put(const float* row_scale, const float* col_scale, const float* bias, int64_t N, uint16_t* y, int64_t y_stride) const {
-        if (c == nullptr) return;
         const __mmask16 k0 = cols_mask(N - n0), k1 = two_n ? cols_mask(N - n0 - 16) : 0;
         const __m512 w0 = _mm512_maskz_loadu_ps(k0, col_scale + n0), w1 = _mm512_maskz_loadu_ps(k1, col_scale + n0 + 16);
         const __m512 b0 = bias ? _mm512_maskz_loadu_ps(k0, bias + n0) : _mm512_setzero_ps();

@@ -85,15 +85,14 @@ inline void put_gated_rows(const float* c, int rows, int64_t col0, uint16_t* y, 
 
 // A block's sums in c and where its rows of y go: the epilogue.
 struct Stored {
-    const float* c = nullptr;
-    int rows0 = 0, rows1 = 0;
-    bool two_n = false;
-    int64_t n0 = 0;
-    uint16_t* y = nullptr;  // row 0 of the block
-    bool gated = false;     // a (gate, up) panel pair: 16 outputs at column n0 / 2
+    const float* c;
+    int rows0, rows1;
+    bool two_n;
+    int64_t n0;
+    uint16_t* y;  // row 0 of the block
+    bool gated;   // a (gate, up) panel pair: 16 outputs at column n0 / 2
 
     void put(const float* bias, const float* scale, int64_t N, int64_t y_stride) const {
-        if (c == nullptr) return;
         if (gated) {
             put_gated_rows(c, rows0, n0 / 2, y, y_stride);
             if (rows1 > 0) put_gated_rows(c + 512, rows1, n0 / 2, y + 16 * y_stride, y_stride);
@@ -171,14 +170,14 @@ void widen_int4_panels(const uint8_t* q4, const uint16_t* sz, int64_t N, int K, 
 }
 
 // int8 weights packed in the bfloat16 tiles' own order ([N/16][K/32][16][16][2] int8, see
-// pack_pairs in cpu_amx_linear.py) widened to those tiles, exactly (every int8 is a bfloat16),
+// pack_tiles in cpu_amx_linear.py) widened to those tiles, exactly (every int8 is a bfloat16),
 // for 16-output panels [panel0, panel1), panel0 written at `out`.
 void widen_int8_panels(const int8_t* q8, int K, int64_t panel0, int64_t panel1, uint16_t* out) {
     const int64_t panel = static_cast<int64_t>(K / 32) * 512;  // elements (bytes of q8) of one panel
     const int8_t* src = q8 + panel0 * panel;
     for (int64_t i = 0; i < (panel1 - panel0) * panel; i += 32) {
-        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16))));
+        const __m512 lo = modserve::load16(src + i);
+        const __m512 hi = modserve::load16(src + i + 16);
         _mm512_storeu_si512(out + i, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
     }
 }
@@ -227,8 +226,8 @@ void int8_row(const float* xf, const int8_t* q8, const float* scale, const float
         const int8_t* src = q8 + p * kb * 512;
         for (int k = 0; k < kb * 32; k += 2, src += 32) {  // one tile row: inputs k, k + 1 of 16 outputs
             const __m512 xp = _mm512_castpd_ps(_mm512_set1_pd(*reinterpret_cast<const double*>(xf + k)));
-            const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
-            const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
+            const __m512 lo = modserve::load16(src);
+            const __m512 hi = modserve::load16(src + 16);
             const int c = (k >> 1) & 3;  // four chains each
             lo_acc[c] = _mm512_fmadd_ps(lo, xp, lo_acc[c]);
             hi_acc[c] = _mm512_fmadd_ps(hi, xp, hi_acc[c]);
@@ -245,10 +244,6 @@ void int8_row(const float* xf, const int8_t* q8, const float* scale, const float
 }
 
 }  // namespace
-
-inline __m512 modserve_bf16x16(const uint16_t* p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
 
 extern "C" {
 
@@ -284,7 +279,7 @@ void modserve_amx_linear_int8(const uint16_t* x, int64_t x_stride, int64_t M, co
     const int64_t panels = (N + 15) / 16;
     if (M == 1) {  // one row: widening into tiles would cost more than it saves
         float* xf = reinterpret_cast<float*>(scratch);  // the row in float32
-        for (int k = 0; k < K; k += 16) _mm512_storeu_ps(xf + k, modserve_bf16x16(x + k));
+        for (int k = 0; k < K; k += 16) _mm512_storeu_ps(xf + k, modserve::load16(x + k));
 #pragma omp parallel num_threads(threads)
         {
             const int t = omp_get_thread_num(), nt = omp_get_num_threads();

@@ -10,12 +10,12 @@ import ctypes
 import functools
 
 import torch
-import torch.nn.functional as F
 
 from modserve.native.build import SOURCES, compile_and_load_amx
+from modserve.plugins.platforms.cpu_amx_linear import pack_tiles, tile_rows
 
 SOURCE = SOURCES / "cpu_amx_int8_linear.cpp"
-TILE_N, TILE_K = 16, 64  # outputs and int8 inputs per packed weight tile
+TILE_K = 64  # int8 inputs per packed weight tile
 
 
 @functools.cache
@@ -31,18 +31,14 @@ def load() -> ctypes.CDLL:
 def pack(q: torch.Tensor) -> torch.Tensor:
     """int8 ``[N, K]`` weights as ``[N/16][K/64][16][16][4]`` tiles (zero-padded): tile row r
     holds inputs 4r..4r+3 of each of its 16 outputs, the quadruples TDPBSSD multiplies."""
-    n, k = q.shape
-    n_pad, k_pad = -(-n // TILE_N) * TILE_N, -(-k // TILE_K) * TILE_K
-    w = F.pad(q, (0, k_pad - k, 0, n_pad - n))
-    return w.view(n_pad // TILE_N, TILE_N, k_pad // TILE_K, TILE_K // 4, 4).permute(0, 2, 3, 1, 4).contiguous()
+    return pack_tiles(q, 4)
 
 
 def w8a8_product(rows: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
     """``rows [M, K]`` bfloat16 quantized per row and multiplied by the packed int8 weights
     (``scale [N]`` float32, ``bias [N]`` float32 or None): ``[M, N]`` bfloat16."""
     m, k = rows.shape
-    if rows.stride(-1) != 1 or (m > 1 and rows.stride(0) < k):
-        rows = rows.contiguous()
+    rows = tile_rows(rows)
     k_pad = -(-k // TILE_K) * TILE_K
     q = torch.empty(m * k_pad, dtype=torch.int8)
     row_scale = torch.empty(m, dtype=torch.float32)

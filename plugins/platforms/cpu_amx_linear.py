@@ -47,23 +47,35 @@ def load() -> ctypes.CDLL:
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """``[N, K]`` weights as ``[N/16][K/32][16][16][2]`` bfloat16 tiles (N, K zero-padded): tile
     row r holds inputs 2r, 2r + 1 of each of its 16 outputs, the pairs TDPBF16PS multiplies."""
-    return pack_pairs(weight.detach().to(torch.bfloat16))
+    return pack_tiles(weight.detach().to(torch.bfloat16))
 
 
-def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
-    """:func:`pack`'s order in ``weight``'s own dtype (int8 codes the kernel widens per call)."""
+def pack_tiles(weight: torch.Tensor, per: int = 2) -> torch.Tensor:
+    """``[N, K]`` in ``weight``'s own dtype as ``[N/16][K/(16 per)][16][16][per]`` tiles (N, K
+    zero-padded): tile row r holds inputs ``per r .. per r + per - 1`` of each of its 16 outputs.
+    ``per`` 2: bfloat16 pairs (TDPBF16PS; also the int8 codes the kernel widens to them), 4:
+    int8 quadruples (TDPBSSD)."""
     n, k = weight.shape
-    n_pad, k_pad = -(-n // TILE_N) * TILE_N, -(-k // TILE_K) * TILE_K
+    k_tile = TILE_N * per
+    n_pad, k_pad = -(-n // TILE_N) * TILE_N, -(-k // k_tile) * k_tile
     w = F.pad(weight, (0, k_pad - k, 0, n_pad - n))
-    return w.view(n_pad // TILE_N, TILE_N, k_pad // TILE_K, TILE_K // 2, 2).permute(0, 2, 3, 1, 4).contiguous()
+    return w.view(n_pad // TILE_N, TILE_N, k_pad // k_tile, TILE_N, per).permute(0, 2, 3, 1, 4).contiguous()
 
 
-_widened = torch.empty(0, dtype=torch.bfloat16)  # int4_product's widened tiles, shared by every layer
+def tile_rows(rows: torch.Tensor) -> torch.Tensor:
+    """``rows [M, K]`` as the kernels read them: unit stride along K and rows that do not
+    overlap (any stride between rows); a copy only where the view is not."""
+    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < rows.shape[1]):
+        return rows.contiguous()
+    return rows
+
+
+_widened = torch.empty(0, dtype=torch.bfloat16)  # int4/int8_product's widened tiles, shared by every layer
 
 
 def _scratch(elements: int) -> torch.Tensor:
-    """One buffer for every int4 layer's widened tiles, grown to the largest layer: it stays
-    in the caches between layers (a fresh 3.5 MB tensor per call costs page faults too)."""
+    """One buffer for every int4 and int8 layer's widened tiles, grown to the largest layer: it
+    stays in the caches between layers (a fresh 3.5 MB tensor per call costs page faults too)."""
     global _widened
     if _widened.numel() < elements:
         _widened = torch.empty(elements, dtype=torch.bfloat16)
@@ -78,8 +90,7 @@ def int4_product(rows: torch.Tensor, packed: torch.Tensor, scales_and_zeros: tor
     the AMX product on them while they sit in its cache. For many rows, where torch's int4
     kernel (a matrix-vector product per row) is slow; ``rows`` ``[M, K]`` bfloat16."""
     n, k = packed.shape[0], packed.shape[1] * 2
-    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < k):
-        rows = rows.contiguous()
+    rows = tile_rows(rows)
     out = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
     scratch = _scratch(n * k)
     load().modserve_amx_linear_int4(
@@ -90,14 +101,13 @@ def int4_product(rows: torch.Tensor, packed: torch.Tensor, scales_and_zeros: tor
 
 
 def int8_product(rows: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
-    """``(rows @ q.T) * scale + bias`` in bfloat16 for int8 ``q`` packed by :func:`pack_pairs`
+    """``(rows @ q.T) * scale + bias`` in bfloat16 for int8 ``q`` packed by :func:`pack_tiles`
     (``[N/16][K/32][16][16][2]``), ``scale [N]`` and ``bias [N]`` float32: each thread widens its
     share of ``q`` to bfloat16 tiles (exact) in a scratch buffer and runs the AMX product on
     them, the channel scales and the bias applied to the float32 sums. ``rows`` ``[M, K]``
     bfloat16 with K a multiple of 32."""
     k = packed.shape[1] * TILE_K
-    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < k):
-        rows = rows.contiguous()
+    rows = tile_rows(rows)
     out = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
     scratch = _scratch(-(-n // 32) * 32 * k)
     load().modserve_amx_linear_int8(
@@ -125,9 +135,7 @@ class AmxLinear(nn.Module, GatedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.bfloat16:
             raise TypeError(f"AmxLinear takes bfloat16 inputs, got {x.dtype}")
-        rows = x.reshape(-1, self.in_features)
-        if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < self.in_features):
-            rows = rows.contiguous()
+        rows = tile_rows(x.reshape(-1, self.in_features))
         if self.padded_in != self.in_features:  # a tile row reads 32 inputs: pad with zeros
             rows = F.pad(rows, (0, self.padded_in - self.in_features))
         m = rows.shape[0]

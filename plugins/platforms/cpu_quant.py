@@ -173,7 +173,7 @@ class Int8WeightOnlyLinear(QuantizedLinear):
             from modserve.plugins.platforms import cpu_amx_linear
 
             self._amx_product = cpu_amx_linear.int8_product
-            self.register_buffer("amx_packed", cpu_amx_linear.pack_pairs(q), False)
+            self.register_buffer("amx_packed", cpu_amx_linear.pack_tiles(q), False)
             self.register_buffer("_scale32", scale.float().contiguous(), False)  # not rounded to the model dtype
             self.register_buffer("_bias32", None if self.bias is None else self.bias.detach().float().contiguous(), False)
         else:
