@@ -42,9 +42,13 @@ def unavailable(dtype: torch.dtype, head_dim: int) -> str | None:
     return amx_unavailable(load)
 
 
+def _heads_packed(t: torch.Tensor) -> bool:
+    """Whether ``[tokens, heads, head_dim]`` has heads and dims packed (any stride between tokens)."""
+    return t.stride(2) == 1 and t.stride(1) == t.shape[2]
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
-    """``[tokens, heads, head_dim]`` with heads and dims packed (any stride between tokens)."""
-    return t if t.stride(2) == 1 and t.stride(1) == t.shape[2] else t.contiguous()
+    return t if _heads_packed(t) else t.contiguous()
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, scale: float) -> None:
@@ -53,7 +57,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     q, k, v = _rows(q), _rows(k), _rows(v)
     if k.stride(0) != v.stride(0):
         k, v = k.contiguous(), v.contiguous()
-    target = out if out.stride(2) == 1 and out.stride(1) == out.shape[2] else torch.empty_like(q)
+    target = out if _heads_packed(out) else torch.empty_like(q)
     n_q, heads, d = q.shape
     rc = load().modserve_amx_prefill(
         q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), target.data_ptr(), target.stride(0),

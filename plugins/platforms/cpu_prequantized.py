@@ -84,8 +84,8 @@ def _fused(name: str, parts: list[Codes]) -> Codes:
             )
     if len(parts) == 1:
         return first
-    cat = lambda xs: torch.cat(xs)  # noqa: E731 - rows of each part in order
-    return Codes(cat([p.q for p in parts]), cat([p.scale for p in parts]), cat([p.zero for p in parts]), first.group_size, first.perm)
+    rows = [torch.cat([getattr(p, name) for p in parts]) for name in ("q", "scale", "zero")]  # each part's rows in order
+    return Codes(*rows, first.group_size, first.perm)
 
 
 def _int4(name: str, layer: KeptLinear, c: Codes) -> QuantizedLinear:
