@@ -92,13 +92,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def device(args: argparse.Namespace, scheme: str) -> dict:
+    """The scheme's cpu platform settings: the group size for int4 only, the head quantized
+    where something is (gguf: a tied head has no blocks of its own)."""
+    quantization, group = SCHEMES[scheme]
+    dev = {"plugin": "cpu", "quantization": quantization, "quantize_lm_head": args.quantize_lm_head and scheme not in ("bf16", "gguf")}
+    if quantization == "int4":
+        dev["int4_group_size"] = group or args.int4_group_size
+    return dev
+
+
 def pipeline(args: argparse.Namespace, scheme: str) -> dict:
     concurrency = max(args.concurrency)
     kv_tokens = max(2 * args.max_model_len, concurrency * (args.input_len + args.output_len))  # windows queue if short
     return {
         "model": {"path": SMOLLM2, "dtype": "bfloat16", "max_model_len": args.max_model_len},
-        "device": {"plugin": "cpu", "quantization": SCHEMES[scheme][0], "int4_group_size": SCHEMES[scheme][1] or args.int4_group_size,
-                   "quantize_lm_head": args.quantize_lm_head and scheme != "gguf"},  # gguf: a tied head has no blocks of its own
+        "device": device(args, scheme),
         "scheduler": {"plugin": "fcfs", "max_num_seqs": concurrency, "max_num_batched_tokens": 2048},
         "kv_cache": {"plugin": "paged", "block_size": 16,
                      "num_blocks": kv_tokens // 16 + 2 * concurrency + 16},

@@ -267,7 +267,7 @@ def test_quantized_engines_on_tiles_stay_with_the_oneDNN_and_torch_kernels(tiny_
     for kernel in ("auto", "onednn"):
         llm = LLM(
             model={"path": path, "dtype": "bfloat16"}, kv_cache={"plugin": "paged", "num_blocks": 64},
-            device={"plugin": "cpu", "linear_kernel": kernel, "quantization": scheme, "int4_group_size": 32},
+            device={"plugin": "cpu", "linear_kernel": kernel, "quantization": scheme, **({"int4_group_size": 32} if scheme == "int4" else {})},
             scheduler={"plugin": "fcfs", "max_num_batched_tokens": 40},
         )  # fmt: skip
         layers = [m for m in llm.engine.c.runner.model.modules() if isinstance(m, kind)]

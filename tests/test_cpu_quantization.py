@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import shutil
 import weakref
 
@@ -179,6 +180,21 @@ def test_bad_option_is_a_config_error_naming_the_field(device, message):
     assert message in str(e.value)
 
 
+@pytest.mark.parametrize("options,message", [
+    ({"quantization": "int8", "int4_group_size": 32}, "device.int4_group_size: applies to quantization: int4, not int8"),
+    ({"quantization": "gguf", "int4_group_size": 128}, "device.int4_group_size: applies to quantization: int4, not gguf"),
+    ({"int4_group_size": 64}, "device.int4_group_size: applies to quantization: int4, not none"),
+    ({"quantize_lm_head": True}, "device.quantize_lm_head: nothing is quantized (quantization: none)"),
+])
+def test_an_option_the_scheme_would_not_use_is_refused(options, message):
+    """Set and unused is an error, not a silent no-op: the group size belongs to int4 alone,
+    the head's quantization to a scheme that quantizes."""
+    from modserve.plugins.platforms.cpu import CPUConfig, CPUPlatform
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        CPUPlatform(CPUConfig(**options), None)
+
+
 # ----------------------------------------------------------------------------- engine level
 
 
@@ -278,7 +294,7 @@ def test_quantized_tied_head_leaves_the_embedding_alone(calm_llama):
     path, _ = calm_llama
     ref = _llm(path).engine.c.runner.model
     for scheme in SCHEMES:
-        model = _llm(path, quantization=scheme, quantize_lm_head=True, int4_group_size=32).engine.c.runner.model
+        model = _llm(path, quantization=scheme, quantize_lm_head=True, **({"int4_group_size": 32} if scheme == "int4" else {})).engine.c.runner.model
         assert not isinstance(model.lm_head, (nn.Linear, PackedLinear, AmxLinear))
         assert not any(t is model.embed_tokens.weight for t in model.lm_head.buffers())
         assert torch.equal(model.embed_tokens.weight, ref.embed_tokens.weight)

@@ -41,7 +41,7 @@ class CPUConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     fuse_ops: bool = True  # in float32 or bfloat16, run norms, SiLU·mul and RoPE as fused C++ kernels
     reuse_freed_memory: bool = True  # glibc: keep freed step memory in the process instead of faulting it in again every step
     quantization: Literal["none", "int8", "w8a8", "int4", "gguf", "gptq", "awq", "compressed-tensors"] = "none"  # linear weights: int8 weight-only, int8 weights and activations (per token), int4 weight-only groups, a GGUF file's Q8_0/Q4_0/Q4_1 blocks kept as they are, or a pre-quantized HF checkpoint's weights kept (docs/quantization.md)
-    int4_group_size: Literal[32, 64, 128, 256] = 128  # int4: inputs per scale/zero group; a layer whose in_features it does not divide takes the largest smaller size that does
+    int4_group_size: Literal[32, 64, 128, 256] | None = None  # quantization: int4 only (default 128): inputs per scale/zero group; a layer whose in_features it does not divide takes the largest smaller size that does
     quantize_lm_head: bool = False  # quantize the LM head too (a tied head gets its own quantized copy; the embedding stays as loaded)
 
 
@@ -54,6 +54,13 @@ class CPUPlatform(Platform):
             raise ValueError(
                 f"device.quantize_lm_head: a {config.quantization} checkpoint's head is kept as the checkpoint stores it; "
                 "quantize_lm_head applies to int8, w8a8 and int4"
+            )
+        if config.quantization == "none" and config.quantize_lm_head:
+            raise ValueError("device.quantize_lm_head: nothing is quantized (quantization: none); set a quantization scheme")
+        if config.int4_group_size is not None and config.quantization != "int4":
+            raise ValueError(
+                f"device.int4_group_size: applies to quantization: int4, not {config.quantization} "
+                "(gguf and pre-quantized checkpoints keep the file's groups)"
             )
         self.amx_linears = _use_amx(config)
         self.amx_int8 = self.amx_linears and _int8_tiles_build(config)  # W8A8 on AMX-INT8 tiles
@@ -129,7 +136,7 @@ class CPUPlatform(Platform):
             return layer
         if self.config.quantization != "gguf":
             amx = self.amx_int8 if self.config.quantization == "w8a8" else self.amx_linears
-            return quantize_linear(self.config.quantization, name, layer, self.config.int4_group_size, amx)
+            return quantize_linear(self.config.quantization, name, layer, self.config.int4_group_size or 128, amx)
         return gguf_linear(name, layer)  # the layer itself where the file stores it as floats
 
     def prepare_model(self, model: nn.Module) -> None:
