@@ -40,10 +40,10 @@ class ForwardParts:
         directly, which module hooks would not see."""
         from torch import nn
 
-        from modserve.plugins.platforms.cpu_amx_linear import AmxLinear
         from modserve.plugins.platforms.cpu_linear import PackedLinear
+        from modserve.plugins.platforms.cpu_panel_linear import PanelLinear
 
-        targets = [(m, "linears") for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear, AmxLinear))]
+        targets = [(m, "linears") for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear, PanelLinear))]
         targets.append((attention, "attention"))
         for obj, part in targets:
             obj.forward = self._timed(obj.forward, part)

@@ -259,8 +259,8 @@ def _time_linear(m: int, n: int, k: int, dtype, device, repeats: int) -> float:
     import torch
     import torch.nn.functional as F
 
-    from modserve.plugins.platforms import cpu_amx_linear
-    from modserve.plugins.platforms.cpu import amx_unavailable
+    from modserve.plugins.platforms import cpu_amx_linear, cpu_avx512_linear
+    from modserve.plugins.platforms.cpu import amx_unavailable, avx512_bf16_unavailable
     from modserve.plugins.platforms.cpu_linear import PackedLinear, can_pack
 
     x = torch.randn(m, k, dtype=dtype, device=device)
@@ -271,9 +271,12 @@ def _time_linear(m: int, n: int, k: int, dtype, device, repeats: int) -> float:
     if can_pack(device, dtype):  # the engine's own paths on the CPU: weights packed for oneDNN ...
         packed = PackedLinear(linear)
         best = min(best, _best_time(lambda: packed(x), device, repeats))
-    if torch.device(device).type == "cpu" and dtype == torch.bfloat16 and amx_unavailable(cpu_amx_linear.load) is None:
-        tiles = cpu_amx_linear.AmxLinear(linear)  # ... or as AMX tiles
-        best = min(best, _best_time(lambda: tiles(x), device, repeats))
+    if torch.device(device).type == "cpu" and dtype == torch.bfloat16:  # ... or as panels for our AMX or AVX512_BF16 kernel
+        for module, unavailable in ((cpu_amx_linear.AmxLinear, lambda: amx_unavailable(cpu_amx_linear.load)),
+                                    (cpu_avx512_linear.Avx512Linear, avx512_bf16_unavailable)):  # fmt: skip
+            if unavailable() is None:
+                panels = module(linear)
+                best = min(best, _best_time(lambda: panels(x), device, repeats))
     return best
 
 

@@ -1,7 +1,8 @@
 """SmolLM2-135M's linear layers, one pass of all 30 layers (qkv, o, gate_up, down; each layer
 its own weights, so they come from memory as in a real step), per kernel and row count.
 
-Kernels: ``onednn`` (PackedLinear, bfloat16), ``amx`` (AmxLinear, bfloat16), ``int4`` (torch's
+Kernels: ``onednn`` (PackedLinear, bfloat16), ``amx`` (AmxLinear, bfloat16), ``avx512bf16``
+(Avx512Linear, bfloat16), ``int4`` (torch's
 int4 kernel, groups of 32), ``int4-amx`` (the same int4 layers widened to bfloat16 tiles per
 call, from AMX_INT4_FROM_ROWS rows on), ``int8`` (torch's int8 kernel, widened weights and
 F.linear from 16 rows), ``int8-amx`` (int8 codes widened to bfloat16 tiles per call), ``w8a8``
@@ -21,6 +22,7 @@ from torch import nn
 
 from modserve.plugins.platforms.cpu import ISA_FLAGS, cpu_model_and_flags
 from modserve.plugins.platforms.cpu_amx_linear import AmxLinear
+from modserve.plugins.platforms.cpu_avx512_linear import Avx512Linear
 from modserve.plugins.platforms.cpu_linear import PackedLinear
 from modserve.plugins.platforms.cpu_memory import keep_freed_memory
 from modserve.plugins.platforms.cpu_quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear, W8A8Linear
@@ -40,6 +42,8 @@ def build(kind: str) -> dict[str, list[nn.Module]]:
                 layers.append(PackedLinear(lin))
             elif kind == "amx":
                 layers.append(AmxLinear(lin))
+            elif kind == "avx512bf16":
+                layers.append(Avx512Linear(lin))
             elif kind.startswith("w8a8"):
                 layers.append(W8A8Linear(lin, amx=kind == "w8a8-amx"))
             elif kind.startswith("int8"):

@@ -10,15 +10,11 @@
 #include <cstdint>
 
 #include "amx.h"
+#include "avx512.h"
 
 namespace modserve {
 
 constexpr int kRowChunk = 256;  // rows of A per sweep over the weights (kept in L2)
-
-// The first `left` of 16 lanes (an output panel's columns that exist).
-inline __mmask16 cols_mask(int64_t left) {
-    return left >= 16 ? static_cast<__mmask16>(0xFFFF) : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
-}
 
 // Tiles 0-3: C for A0 x B0, A0 x B1, A1 x B0, A1 x B1; 4-5: A; 6-7: B. A0 and its C tiles have
 // rows0 rows, A1 and its C tiles rows1.

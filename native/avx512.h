@@ -40,6 +40,11 @@ inline void store16(uint16_t* p, __m512 v) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_rounded_bits(v), 16)));
 }
 
+// The first `left` of 16 lanes (an output panel's columns that exist).
+inline __mmask16 cols_mask(int64_t left) {
+    return left >= 16 ? static_cast<__mmask16>(0xFFFF) : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
+}
+
 // Asks for the cache line at p ahead of its use. Inline asm, not _mm_prefetch: GCC 12
 // dropped every _mm_prefetch from the attention kernel's loops without a word (so an
 // earlier trial of software prefetch there measured nothing).
@@ -61,6 +66,22 @@ inline __m512 exp512_nonpositive(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
     const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
     return _mm512_scalef_ps(y, n);
+}
+
+// silu(x) = x * sigmoid(x) as cpu_fused_ops.cpp computes it: exp only of -|x|, then 1 / (1 + e)
+// for x >= 0, e / (1 + e) below.
+inline __m512 silu16(__m512 x) {
+    const __m512 e = exp512_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+    const __m512 r = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_add_ps(_mm512_set1_ps(1.f), e));
+    const __mmask16 pos = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ);
+    return _mm512_mul_ps(x, _mm512_mask_blend_ps(pos, _mm512_mul_ps(e, r), r));
+}
+
+// A gated linear's output from float32 gate and up sums of the same 16 columns: each rounded to
+// bfloat16 as the product's output would be, then bf16(silu(gate)) * up, the fused SiLU-mul's
+// rounding up to the final narrowing (store16).
+inline __m512 silu_mul_bf16(__m512 gate, __m512 up) {
+    return _mm512_mul_ps(round_bf16(silu16(round_bf16(gate))), round_bf16(up));
 }
 
 // transpose_sum16 after its first step, where a[i] holds v[2i] and v[2i + 1] folded as

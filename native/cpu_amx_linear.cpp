@@ -63,24 +63,11 @@ inline void put_rows(const float* c, int rows, bool two_n, const float* bias, co
     }
 }
 
-// silu(x) = x * sigmoid(x) as cpu_fused_ops.cpp computes it: exp only of -|x|, then 1 / (1 + e)
-// for x >= 0, e / (1 + e) below.
-inline __m512 silu16(__m512 x) {
-    const __m512 e = modserve::exp512_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
-    const __m512 r = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_add_ps(_mm512_set1_ps(1.f), e));
-    const __mmask16 pos = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ);
-    return _mm512_mul_ps(x, _mm512_mask_blend_ps(pos, _mm512_mul_ps(e, r), r));
-}
-
 // A gated block's rows: gate sums in c, up sums in c + 256 (the same 16 intermediate columns,
-// from [col0, col0 + 16) of y), each rounded to bfloat16 as the product's output would be, then
-// bf16(bf16(silu(gate)) * up) as the fused SiLU-mul rounds.
+// from [col0, col0 + 16) of y), as modserve::silu_mul_bf16 rounds them.
 inline void put_gated_rows(const float* c, int rows, int64_t col0, uint16_t* y, int64_t y_stride) {
-    for (int r = 0; r < rows; ++r) {
-        const __m512 g = modserve::round_bf16(_mm512_loadu_ps(c + r * 16));
-        const __m512 u = modserve::round_bf16(_mm512_loadu_ps(c + 256 + r * 16));
-        modserve::store16(y + r * y_stride + col0, _mm512_mul_ps(modserve::round_bf16(silu16(g)), u));
-    }
+    for (int r = 0; r < rows; ++r)
+        modserve::store16(y + r * y_stride + col0, modserve::silu_mul_bf16(_mm512_loadu_ps(c + r * 16), _mm512_loadu_ps(c + 256 + r * 16)));
 }
 
 // A block's sums in c and where its rows of y go: the epilogue.

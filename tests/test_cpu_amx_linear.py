@@ -1,8 +1,8 @@
-"""bfloat16 linears on AMX tiles (``device: {linear_kernel: auto | amx | onednn}``): the
-products equal float32 products of the same bfloat16 values to within one rounding, for any
-row count and shape; the engine serves the same tokens as with oneDNN's products; asking for
-AMX where it cannot run is refused by name. The kernel tests run where the CPU has AMX-BF16;
-the configuration tests run everywhere."""
+"""Quantized products on AMX tiles (int4 and int8 weights widened to bfloat16 tiles, W8A8 on
+AMX-INT8 tiles): each within its stated bound of the exact product, engines on tiles against
+torch's and oneDNN's kernels; every AMX kernel builds where the CPU has AMX. The bfloat16
+products on tiles are tested with the AVX512_BF16 kernel's in test_cpu_panel_linear.py. The
+kernel tests run where the CPU has AMX-BF16."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from torch import nn
 
 from modserve import LLM, SamplingParams
 from modserve.plugins.platforms import cpu, cpu_amx_linear
-from modserve.plugins.platforms.cpu_linear import PackedLinear
 from tiny_models import teacher_forced
 
 HAS_AMX = cpu.amx_unavailable(cpu_amx_linear.load) is None
@@ -47,124 +46,6 @@ def small_bf16_layer(n: int, k: int, seed: int) -> tuple[nn.Linear, torch.Genera
 def bf16_ulps(got: torch.Tensor, want: torch.Tensor) -> int:
     """Largest distance in bfloat16 steps between two bfloat16 tensors (same-sign values)."""
     return int((got.view(torch.int16).int() - want.view(torch.int16).int()).abs().max())
-
-
-@needs_amx
-@pytest.mark.parametrize("rows", [1, 2, 3, 15, 16, 17, 31, 32, 33, 64, 100, 257, 300])
-@pytest.mark.parametrize("n,k", [(960, 576), (40, 1536), (100, 50), (16, 32), (33, 96)])
-@pytest.mark.parametrize("bias", [False, True])
-def test_products_are_float32_sums_rounded_once(rows, n, k, bias):
-    """Against the float32 product of the same bfloat16 values, rounded to bfloat16: at most
-    one step apart (the sums' order differs), for row counts off and on the tiles' 16 and 32,
-    outputs off the 16-wide panels and inputs off the 32-wide tiles (padded with zeros)."""
-    g = torch.Generator().manual_seed(rows * 1000 + n + k)
-    lin = nn.Linear(k, n, bias=bias).to(torch.bfloat16)
-    with torch.no_grad():
-        lin.weight.copy_(torch.randn(n, k, generator=g))
-        if bias:
-            lin.bias.copy_(torch.randn(n, generator=g))
-    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
-    want = (x.float() @ lin.weight.float().T + (lin.bias.float() if bias else 0)).to(torch.bfloat16)
-    got = cpu_amx_linear.AmxLinear(lin)(x)
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
-    assert bf16_ulps(got[want.abs() > 1e-2], want[want.abs() > 1e-2]) <= 1
-    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=1e-2)
-
-
-@needs_amx
-@pytest.mark.parametrize("rows", [1, 5, 16, 33, 300])
-def test_gated_product_equals_the_fused_silu_mul_of_the_plain_product(rows):
-    """enable_silu_mul: the layer returns bf16(bf16(silu(gate)) * up) of its own rounded
-    outputs, what the fused op computes from the plain product (at most one bfloat16 step
-    apart: exp and division lane-wise instead of in the compiler's loop)."""
-    from modserve.core.models import cpu_fused
-
-    g = torch.Generator().manual_seed(rows)
-    lin = nn.Linear(96, 2 * 48, bias=False).to(torch.bfloat16)
-    with torch.no_grad():
-        lin.weight.copy_(torch.randn(96, 96, generator=g))
-    x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
-    layer = cpu_amx_linear.AmxLinear(lin)
-    want = cpu_fused.silu_mul(layer(x))
-    assert layer.enable_silu_mul() and layer.enable_silu_mul()  # once enabled, stays so
-    got = layer(x)
-    assert got.shape == (rows, 48)
-    assert bf16_ulps(got, want) <= 1
-    assert (got == want).float().mean() > 0.99
-
-
-@needs_amx
-def test_gated_product_is_declined_where_the_halves_do_not_split_into_panels():
-    odd = cpu_amx_linear.AmxLinear(nn.Linear(64, 2 * 40, bias=False).to(torch.bfloat16))  # 40 is not a multiple of 16
-    biased = cpu_amx_linear.AmxLinear(nn.Linear(64, 2 * 32, bias=True).to(torch.bfloat16))
-    assert not odd.enable_silu_mul() and not biased.enable_silu_mul()
-    x = torch.randn(3, 64).to(torch.bfloat16)
-    assert odd(x).shape == (3, 80) and biased(x).shape == (3, 64)  # plain products still
-
-
-@needs_amx
-def test_strided_and_batched_inputs_and_no_rows():
-    """q/k/v-style views (rows further apart than K), 3-D inputs and an empty batch."""
-    lin = nn.Linear(64, 48, bias=True).to(torch.bfloat16)
-    amx = cpu_amx_linear.AmxLinear(lin)
-    wide = torch.randn(7, 200).to(torch.bfloat16)
-    view = wide[:, 10:74]  # stride 200 between rows
-    torch.testing.assert_close(amx(view), lin(view.contiguous()), atol=2e-2, rtol=1e-2)
-    x3 = torch.randn(2, 5, 64).to(torch.bfloat16)
-    assert amx(x3).shape == (2, 5, 48)
-    torch.testing.assert_close(amx(x3), lin(x3), atol=2e-2, rtol=1e-2)
-    assert amx(torch.empty(0, 64, dtype=torch.bfloat16)).shape == (0, 48)
-    with pytest.raises(TypeError, match="bfloat16 inputs, got torch.float32"):
-        amx(torch.randn(2, 64))
-
-
-@needs_amx
-def test_any_row_count_keeps_memory_flat():
-    """Nothing is kept per row count (oneDNN keeps a primitive per shape, hence its padding)."""
-    import random
-
-    lin = cpu_amx_linear.AmxLinear(nn.Linear(576, 1536, bias=False).to(torch.bfloat16))
-
-    def rss_mb():
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * 4096 / 2**20
-
-    rng = random.Random(0)
-    for m in range(1, 200):
-        lin(torch.randn(m, 576).to(torch.bfloat16))
-    before = rss_mb()
-    for _ in range(200):
-        lin(torch.randn(rng.randrange(1, 1500), 576).to(torch.bfloat16))
-    assert rss_mb() - before < 40
-
-
-@needs_amx
-def test_engine_serves_the_same_tokens_as_with_onednn(tiny_llama):
-    """A bfloat16 engine on AMX tiles by default; its greedy tokens and logprobs match the
-    oneDNN engine's (mixed batch: a lone decode row and prefill chunks of odd lengths)."""
-    path, _ = tiny_llama
-    outs = {}
-    for kernel in ("auto", "onednn"):
-        llm = LLM(
-            model={"path": path, "dtype": "bfloat16"}, device={"plugin": "cpu", "linear_kernel": kernel},
-            kv_cache={"plugin": "paged", "num_blocks": 64}, scheduler={"plugin": "fcfs", "max_num_batched_tokens": 40},
-        )  # fmt: skip
-        model = llm.engine.c.runner.model
-        kinds = {type(m) for m in model.modules()}
-        assert (cpu_amx_linear.AmxLinear in kinds) is (kernel == "auto") and (PackedLinear in kinds) is (kernel == "onednn")
-        assert all(layer.mlp.gated_product is (kernel == "auto") for layer in model.layers)  # silu(gate) * up on tiles
-        res = llm.generate(
-            [[3, 4, 5, 6], [9] * 37, list(range(20, 73))],
-            SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1),
-        )
-        outs[kernel] = res
-    agree = total = 0
-    for a, b in zip(outs["auto"], outs["onednn"]):
-        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
-        total += len(ta)
-        agree += sum(x == y for x, y in zip(ta, tb))
-        assert ta[:4] == tb[:4]  # bf16 rounding may flip a near-tie later on, never at once
-    assert agree / total >= 0.9
 
 
 @needs_amx
@@ -314,24 +195,3 @@ def test_w8a8_keeps_onednn_where_the_int8_tile_kernel_does_not_build(monkeypatch
     assert layers and not any(m.amx for m in layers)
     assert "W8A8 layers use oneDNN's int8 product" in caplog.text and "failed (test)" in caplog.text
     assert isinstance(llm.engine.c.runner.model.lm_head, cpu_amx_linear.AmxLinear)
-
-
-@needs_amx
-def test_linear_kernel_amx_refuses_a_float32_model(tiny_llama):
-    """Asked for explicitly, the AMX kernel is never swapped for oneDNN behind the user's back."""
-    path, _ = tiny_llama
-    with pytest.raises(Exception, match=r"device\.linear_kernel: amx runs bfloat16 weights, not torch\.float32; use auto or onednn"):
-        LLM(model={"path": path, "dtype": "float32"}, device={"plugin": "cpu", "linear_kernel": "amx"})
-
-
-def test_linear_kernel_amx_is_refused_where_it_cannot_run(monkeypatch, tiny_llama):
-    path, _ = tiny_llama
-    monkeypatch.setattr(cpu, "cpu_model_and_flags", lambda: ("a CPU without AMX", frozenset({"avx2", "avx512f"})))
-    with pytest.raises(Exception, match=r"device\.linear_kernel: amx cannot run here: this CPU \(a CPU without AMX\) has no AMX-BF16"):
-        LLM(model={"path": path}, device={"plugin": "cpu", "linear_kernel": "amx"})
-    with pytest.raises(Exception, match=r"device\.linear_kernel: amx packs the weights; it cannot go with pack_weights: false"):
-        LLM(model={"path": path}, device={"plugin": "cpu", "linear_kernel": "amx", "pack_weights": False})
-    with pytest.raises(Exception, match=r"device\.linear_kernel: expected one of auto, amx, onednn, got 'mkl'"):
-        LLM(model={"path": path}, device={"plugin": "cpu", "linear_kernel": "mkl"})
-    llm = LLM(model={"path": path, "dtype": "bfloat16"}, device={"plugin": "cpu"}, kv_cache={"plugin": "paged", "num_blocks": 64})
-    assert cpu_amx_linear.AmxLinear not in {type(m) for m in llm.engine.c.runner.model.modules()}  # auto: oneDNN here

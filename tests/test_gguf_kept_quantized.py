@@ -45,7 +45,7 @@ from modserve.core.config import ConfigError
 from modserve.core.engine_factory import resolve
 from modserve.core.models.gguf_quantized import GGUFTensor, q4_blocks, q8_0_blocks
 from modserve.core.models.kept_weights import KeptLinear
-from modserve.plugins.platforms.cpu_amx_linear import AmxLinear
+from modserve.plugins.platforms.cpu_panel_linear import PanelLinear
 from modserve.plugins.platforms.cpu_linear import PackedLinear
 from modserve.plugins.platforms.cpu_quant import Int4WeightOnlyLinear, Int8GroupLinear, gguf_linear
 from test_gguf_reader import TINY_SHAPE, _finish, _shape_writer, _value_type, gguf_tensor_name, llama_cpp_permute, tiny_metadata
@@ -238,7 +238,7 @@ def test_kept_engine_matches_the_dequantized_engine(files, reference, file, dtyp
     kind = Int8GroupLinear if file == "q8_0" else Int4WeightOnlyLinear
     assert sum(type(m) is kind for m in model.layers.modules()) == 4 * len(model.layers)  # qkv, o, gate_up, down
     assert type(model.lm_head) is Int8GroupLinear  # the untied head is Q8_0 in every file
-    assert not any(isinstance(m, (KeptLinear, nn.Linear, PackedLinear, AmxLinear)) for m in model.modules())
+    assert not any(isinstance(m, (KeptLinear, nn.Linear, PackedLinear, PanelLinear)) for m in model.modules())
     got = teacher_forced(llm, sequences)
     assert len(got) == len(want)
     agree = sum(w[0] == g[0] for w, g in zip(want, got)) / len(want)
@@ -259,7 +259,7 @@ def test_default_head_stays_float_and_none_is_the_dequantized_model(files, refer
     from modserve.core.models.gguf_reader import read_gguf
 
     model = _llm(files["q4_1"], quantization="gguf").engine.c.runner.model
-    assert type(model.lm_head) in (PackedLinear, AmxLinear, nn.Linear) and type(model.lm_head) is not KeptLinear
+    assert isinstance(model.lm_head, (PackedLinear, PanelLinear, nn.Linear)) and type(model.lm_head) is not KeptLinear
     plain = _llm(files["q4_1"], pack_weights=False).engine.c.runner.model
     tensors = read_gguf(files["q4_1"]).tensors
     assert torch.equal(plain.layers[1].self_attn.qkv_proj.weight, torch.cat([tensors[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"]))
@@ -289,7 +289,8 @@ def test_float_layers_stay_float_and_mixed_layers_are_refused(files, reference, 
     path = write_quantized_gguf(tmp_path / "f16.gguf", reference, lambda name, t: T.F16 if "down_proj" in name else T.Q4_1)
     llm = _llm(path, quantization="gguf")
     layer = llm.engine.c.runner.model.layers[0]
-    assert type(layer.mlp.down_proj) in (PackedLinear, AmxLinear, nn.Linear) and type(layer.mlp.gate_up_proj) is Int4WeightOnlyLinear
+    assert isinstance(layer.mlp.down_proj, (PackedLinear, PanelLinear, nn.Linear)) and type(layer.mlp.down_proj) is not KeptLinear
+    assert type(layer.mlp.gate_up_proj) is Int4WeightOnlyLinear
     sequences = _sequences(_llm(path), reference.config.vocab_size)
     assert [w[0] for w in teacher_forced(llm, sequences)] == [w[0] for w in teacher_forced(_llm(path), sequences)]
     path = write_quantized_gguf(tmp_path / "mixed.gguf", reference, lambda name, t: T.Q8_0 if "q_proj" in name else T.Q4_1)

@@ -1,8 +1,9 @@
 """Platform ``cpu``: any x86/ARM CPU torch runs on, with packed linear layers.
 
-What it adds over plain torch: linear weights packed once for the product kernel (AMX tiles
-for bfloat16 where the CPU has AMX-BF16, :mod:`cpu_amx_linear`; else oneDNN's blocked
-layout, :mod:`cpu_linear`), the model's fused C++ elementwise kernels, freed step memory kept in
+What it adds over plain torch: linear weights packed once for the product kernel (for
+bfloat16, panels read by AMX tiles where the CPU has AMX-BF16, :mod:`cpu_amx_linear`, or by
+VDPBF16PS where it has AVX512_BF16, :mod:`cpu_avx512_linear`; else oneDNN's blocked layout,
+:mod:`cpu_linear`), the model's fused C++ elementwise kernels, freed step memory kept in
 the process (:mod:`cpu_memory`), and the compiled ``cpu`` paged-attention kernel as the
 default attention backend where the machine's C++ compiler can build it.
 """
@@ -24,6 +25,7 @@ from modserve.core.config import ConfigError
 from modserve.core.contract import DeviceInfo, Platform, hookimpl
 from modserve.native.build import KernelUnavailable
 from modserve.plugins.platforms import cpu_amx_linear as amx_linear
+from modserve.plugins.platforms import cpu_avx512_linear as avx512_linear
 from modserve.plugins.platforms.cpu_linear import PackedLinear, can_pack
 from modserve.plugins.platforms.cpu_memory import keep_freed_memory
 from modserve.plugins.platforms.cpu_prequantized import CHECKPOINT_SCHEMES, checkpoint_linear
@@ -37,7 +39,7 @@ ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_i
 
 class CPUConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pack_weights: bool = True  # hold linear weights packed for the product kernel (faster matmuls); false: plain nn.Linear
-    linear_kernel: Literal["auto", "amx", "onednn"] = "auto"  # float weights' products: own AMX tiles (bfloat16, AMX-BF16 CPUs), oneDNN, or auto (amx where it runs); where amx runs, bfloat16 int8, w8a8 and int4 layers use tiles too
+    linear_kernel: Literal["auto", "amx", "avx512bf16", "onednn"] = "auto"  # float weights' products: own AMX tiles (bfloat16, AMX-BF16 CPUs), own VDPBF16PS kernel (bfloat16, AVX512_BF16 CPUs), oneDNN, or auto (amx, else avx512bf16, where it runs); where amx runs, bfloat16 int8, w8a8 and int4 layers use tiles too
     fuse_ops: bool = True  # in float32 or bfloat16, run norms, SiLU·mul and RoPE as fused C++ kernels
     reuse_freed_memory: bool = True  # glibc: keep freed step memory in the process instead of faulting it in again every step
     quantization: Literal["none", "int8", "w8a8", "int4", "gguf", "gptq", "awq", "compressed-tensors"] = "none"  # linear weights: int8 weight-only, int8 weights and activations (per token), int4 weight-only groups, a GGUF file's Q8_0/Q4_0/Q4_1 blocks kept as they are, or a pre-quantized HF checkpoint's weights kept (docs/quantization.md)
@@ -62,7 +64,8 @@ class CPUPlatform(Platform):
                 f"device.int4_group_size: applies to quantization: int4, not {config.quantization} "
                 "(gguf and pre-quantized checkpoints keep the file's groups)"
             )
-        self.amx_linears = _use_amx(config)
+        self.float_kernel = _float_kernel(config)  # what multiplies bfloat16 weights: amx, avx512bf16 or onednn
+        self.amx_linears = self.float_kernel == "amx"
         self.amx_int8 = self.amx_linears and _int8_tiles_build(config)  # W8A8 on AMX-INT8 tiles
         self.kept_layers = 0  # layers built from a pre-quantized checkpoint's codes
         if config.reuse_freed_memory:  # before anything is loaded: the weights too come from the kept heap
@@ -84,6 +87,8 @@ class CPUPlatform(Platform):
             linears = "plain nn.Linear"
         elif self.amx_linears:
             linears = "AMX tiles in bfloat16, oneDNN packed in float32"
+        elif self.float_kernel == "avx512bf16":
+            linears = "AVX512_BF16 panels in bfloat16, oneDNN packed in float32"
         kernels = [f"linears: {linears}"]
         if self.config.quantization != "none":
             kernels.append(f"quantized linears ({self.config.quantization}): {_quantized_kernels(self.config.quantization, self.amx_linears, self.amx_int8)}")
@@ -118,10 +123,12 @@ class CPUPlatform(Platform):
             return module
         if not self.config.pack_weights:
             return layer
-        if self.amx_linears and layer.weight.dtype == torch.bfloat16:
-            return amx_linear.AmxLinear(layer)
-        if self.config.linear_kernel == "amx":
-            raise ValueError(f"device.linear_kernel: amx runs bfloat16 weights, not {layer.weight.dtype}; use auto or onednn")
+        if layer.weight.dtype == torch.bfloat16 and self.float_kernel != "onednn":
+            return (amx_linear.AmxLinear if self.amx_linears else avx512_linear.Avx512Linear)(layer)
+        if self.config.linear_kernel in ("amx", "avx512bf16"):
+            raise ValueError(
+                f"device.linear_kernel: {self.config.linear_kernel} runs bfloat16 weights, not {layer.weight.dtype}; use auto or onednn"
+            )
         if _packs(layer.weight.dtype):
             return PackedLinear(layer)
         return layer
@@ -176,19 +183,40 @@ def _int8_tiles_build(config: CPUConfig) -> bool:
     return why is None
 
 
-def _use_amx(config: CPUConfig) -> bool:
-    """Whether bfloat16 linears run on :mod:`cpu_amx_linear`'s tiles: ``auto`` where the CPU
-    has AMX-BF16 and the kernel builds; ``amx`` insists (and says why it cannot)."""
-    if config.linear_kernel == "onednn" or not config.pack_weights:
-        if config.linear_kernel == "amx":
-            raise ValueError("device.linear_kernel: amx packs the weights; it cannot go with pack_weights: false")
-        return False
-    why = amx_unavailable(amx_linear.load)
-    if config.linear_kernel == "amx" and why is not None:
-        raise ValueError(f"device.linear_kernel: amx cannot run here: {why}; use auto or onednn")
-    if why is not None and "amx_bf16" in cpu_model_and_flags()[1]:  # an AMX CPU the kernel failed on
-        log.warning("device.linear_kernel auto: %s; using oneDNN's products", why)
-    return why is None
+def _float_kernel(config: CPUConfig) -> str:
+    """What multiplies bfloat16 weights: ``amx`` (:mod:`cpu_amx_linear`) where the CPU has
+    AMX-BF16 and the kernel builds, else ``avx512bf16`` (:mod:`cpu_avx512_linear`) where it has
+    AVX512_BF16 and that kernel builds, else ``onednn``; a named kernel insists (and says why
+    it cannot run)."""
+    asked = config.linear_kernel
+    if asked == "onednn" or not config.pack_weights:
+        if asked != "onednn" and asked != "auto":
+            raise ValueError(f"device.linear_kernel: {asked} packs the weights; it cannot go with pack_weights: false")
+        return "onednn"
+    kernels = (("amx", "amx_bf16", lambda: amx_unavailable(amx_linear.load)), ("avx512bf16", "avx512_bf16", avx512_bf16_unavailable))
+    for kernel, flag, unavailable in kernels:
+        if asked not in ("auto", kernel):
+            continue
+        why = unavailable()
+        if why is None:
+            return kernel
+        if asked == kernel:
+            raise ValueError(f"device.linear_kernel: {kernel} cannot run here: {why}; use auto or onednn")
+        if flag in cpu_model_and_flags()[1]:  # a CPU with the instructions, a kernel that failed to build
+            log.warning("device.linear_kernel auto: %s; trying the next kernel (amx, avx512bf16, onednn)", why)
+    return "onednn"
+
+
+def avx512_bf16_unavailable() -> str | None:
+    """None where this CPU has AVX512_BF16 and :mod:`cpu_avx512_linear` builds, else why not."""
+    name, flags = cpu_model_and_flags()
+    if "avx512_bf16" not in flags:
+        return f"this CPU ({name}) has no AVX512_BF16"
+    try:
+        avx512_linear.load()
+    except KernelUnavailable as e:
+        return str(e)
+    return None
 
 
 def amx_unavailable(load: Callable[[], object]) -> str | None:

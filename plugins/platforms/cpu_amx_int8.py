@@ -12,7 +12,7 @@ import functools
 import torch
 
 from modserve.native.build import SOURCES, compile_and_load_amx
-from modserve.plugins.platforms.cpu_amx_linear import pack_tiles, tile_rows
+from modserve.plugins.platforms.cpu_panel_linear import pack_tiles, tile_rows
 
 SOURCE = SOURCES / "cpu_amx_int8_linear.cpp"
 TILE_K = 64  # int8 inputs per packed weight tile

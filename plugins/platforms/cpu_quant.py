@@ -170,10 +170,10 @@ class Int8WeightOnlyLinear(QuantizedLinear):
         self.register_buffer("scale", scale.to(dtype or layer.weight.dtype), False)
         self.amx = amx and self.in_features % 32 == 0
         if self.amx:  # bfloat16 rows on AMX tiles: int8 codes in the tiles' order, widened per call
-            from modserve.plugins.platforms import cpu_amx_linear
+            from modserve.plugins.platforms import cpu_amx_linear, cpu_panel_linear
 
             self._amx_product = cpu_amx_linear.int8_product
-            self.register_buffer("amx_packed", cpu_amx_linear.pack_tiles(q), False)
+            self.register_buffer("amx_packed", cpu_panel_linear.pack_tiles(q), False)
             self.register_buffer("_scale32", scale.float().contiguous(), False)  # not rounded to the model dtype
             self.register_buffer("_bias32", None if self.bias is None else self.bias.detach().float().contiguous(), False)
         else:

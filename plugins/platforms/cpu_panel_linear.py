@@ -1,0 +1,105 @@
+"""bfloat16 linear layers held as packed panels: 16 outputs by pairs of inputs, the layout both
+of the cpu platform's own product kernels read.
+
+Two kernels take the same bytes: AMX tiles (:mod:`cpu_amx_linear`, TDPBF16PS reads a 1 KB B
+tile of 16 input pairs x 16 outputs) and AVX512_BF16 (:mod:`cpu_avx512_linear`, VDPBF16PS reads
+one 64-byte row of that tile: one input pair of 16 outputs). :class:`PanelLinear` holds a
+layer's weights once in that layout and hands rows to its kernel in one ctypes call (no
+per-shape state, any row count); for a fused ``[gate; up]`` layer it can return
+``silu(gate) * up`` straight from the kernel's sums (:class:`GatedLinear`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from modserve.core.contract import GatedLinear
+
+TILE_N, TILE_K = 16, 32  # outputs and inputs per packed weight tile
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` weights as ``[N/16][K/32][16][16][2]`` bfloat16 tiles (N, K zero-padded): tile
+    row r holds inputs 2r, 2r + 1 of each of its 16 outputs, the pairs TDPBF16PS and VDPBF16PS
+    multiply. A panel (16 outputs) is therefore ``[K/2][16][2]``: input pairs in order."""
+    return pack_tiles(weight.detach().to(torch.bfloat16))
+
+
+def pack_tiles(weight: torch.Tensor, per: int = 2) -> torch.Tensor:
+    """``[N, K]`` in ``weight``'s own dtype as ``[N/16][K/(16 per)][16][16][per]`` tiles (N, K
+    zero-padded): tile row r holds inputs ``per r .. per r + per - 1`` of each of its 16 outputs.
+    ``per`` 2: bfloat16 pairs (TDPBF16PS; also the int8 codes the kernel widens to them), 4:
+    int8 quadruples (TDPBSSD)."""
+    n, k = weight.shape
+    k_tile = TILE_N * per
+    n_pad, k_pad = -(-n // TILE_N) * TILE_N, -(-k // k_tile) * k_tile
+    w = F.pad(weight, (0, k_pad - k, 0, n_pad - n))
+    return w.view(n_pad // TILE_N, TILE_N, k_pad // k_tile, TILE_N, per).permute(0, 2, 3, 1, 4).contiguous()
+
+
+def tile_rows(rows: torch.Tensor) -> torch.Tensor:
+    """``rows [M, K]`` as the kernels read them: unit stride along K and rows that do not
+    overlap (any stride between rows); a copy only where the view is not."""
+    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < rows.shape[1]):
+        return rows.contiguous()
+    return rows
+
+
+class PanelLinear(nn.Module, GatedLinear):
+    """``y = x @ W.T + b`` for bfloat16 ``x`` with ``W`` held only as packed panels and multiplied
+    by ``kernel``; for a fused ``[gate; up]`` layer, on request, ``silu(gate) * up``.
+
+    ``kernel(x, x_stride, M, packed, N, K, bias_f32, y, y_stride, threads, gated)`` is the
+    compiled product; ``input_multiple`` the K its rows must be padded to (AMX: a tile row
+    reads 32 inputs; VDPBF16PS: none)."""
+
+    gated = False  # forward returns the SiLU-gated product (see enable_silu_mul)
+    input_multiple = 1
+
+    def __init__(self, linear: nn.Linear, kernel: ctypes._CFuncPtr) -> None:
+        super().__init__()
+        self._kernel = kernel
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.padded_in = -(-self.in_features // self.input_multiple) * self.input_multiple
+        self.register_buffer("packed", pack(linear.weight), False)
+        self.bias = linear.bias
+        self.register_buffer("_bias32", None if linear.bias is None else linear.bias.detach().float().contiguous(), False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.bfloat16:
+            raise TypeError(f"{type(self).__name__} takes bfloat16 inputs, got {x.dtype}")
+        rows = tile_rows(x.reshape(-1, self.in_features))
+        if self.padded_in != self.in_features:
+            rows = F.pad(rows, (0, self.padded_in - self.in_features))
+        m = rows.shape[0]
+        width = self.out_features // 2 if self.gated else self.out_features
+        out = torch.empty(m, width, dtype=torch.bfloat16)
+        if m:
+            bias = self._bias32
+            self._kernel(
+                rows.data_ptr(), rows.stride(0), m, self.packed.data_ptr(), self.out_features, self.padded_in,
+                None if bias is None else bias.data_ptr(), out.data_ptr(), width, torch.get_num_threads(), int(self.gated),
+            )  # fmt: skip
+        return out.view(*x.shape[:-1], width)
+
+    def enable_silu_mul(self) -> bool:
+        """Reorder the packed panels as (gate, up) pairs of the same 16 intermediate columns, so
+        that the kernel's epilogue computes ``bf16(bf16(silu(gate)) * up)`` (the fused op's
+        rounding) and the ``[gate; up]`` output never goes to memory: at 2,048 rows that output
+        and the separate SiLU-mul pass over it took 1.2 ms of a layer (SmolLM2). Needs an even
+        split into 16-column panels and no bias."""
+        inter = self.out_features // 2
+        if self.gated or self.bias is not None or self.out_features % 2 or inter % TILE_N:
+            return self.gated
+        panels = inter // TILE_N
+        order = torch.stack([torch.arange(panels), torch.arange(panels) + panels], dim=1).reshape(-1)
+        self.packed = self.packed.index_select(0, order).contiguous()
+        self.gated = True
+        return True
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
