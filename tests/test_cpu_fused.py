@@ -103,6 +103,10 @@ def test_refuses_what_it_cannot_read():
         cpu_fused.add_rms_norm(torch.randn(4, 8, dtype=torch.bfloat16), None, torch.randn(8), 1e-6)
     with pytest.raises(ValueError, match="residual stream must be contiguous"):
         cpu_fused.add_rms_norm(torch.randn(8, 4).t(), None, torch.randn(8), 1e-6)
+    with pytest.raises(ValueError, match=r"unit inner stride, got .*\(torch.float32, 'cpu', \(1, 4\)\)"):
+        cpu_fused.rope_(torch.randn(8, 4).t(), torch.randn(4, 8), torch.randn(4, 8), 1, 8)
+    with pytest.raises(ValueError, match=r"CPU rows .*'meta'"):
+        cpu_fused.silu_mul(torch.empty(4, 8, device="meta"))
 
 
 def fused_flags(llm: LLM) -> set[bool]:

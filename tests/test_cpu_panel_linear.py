@@ -113,6 +113,8 @@ def test_strided_and_batched_inputs_and_no_rows(kernel):
     assert module(torch.empty(0, 64, dtype=torch.bfloat16)).shape == (0, 48)
     with pytest.raises(TypeError, match=f"{type(module).__name__} takes bfloat16 inputs, got torch.float32"):
         module(torch.randn(2, 64))
+    with pytest.raises(ValueError, match=rf"{type(module).__name__}: inputs of 64 features, got shape \(4, 32\)"):
+        module(torch.randn(4, 32).to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

@@ -68,23 +68,26 @@ class PanelLinear(nn.Module, GatedLinear):
         self.register_buffer("packed", pack(linear.weight), False)
         self.bias = linear.bias
         self.register_buffer("_bias32", None if linear.bias is None else linear.bias.detach().float().contiguous(), False)
+        self._width = self.out_features  # of y: out_features, or half of it once gated
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.bfloat16:
             raise TypeError(f"{type(self).__name__} takes bfloat16 inputs, got {x.dtype}")
-        rows = tile_rows(x.reshape(-1, self.in_features))
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"{type(self).__name__}: inputs of {self.in_features} features, got shape {tuple(x.shape)}")
+        flat = x.dim() == 2
+        rows = tile_rows(x if flat else x.reshape(-1, self.in_features))
         if self.padded_in != self.in_features:
             rows = F.pad(rows, (0, self.padded_in - self.in_features))
         m = rows.shape[0]
-        width = self.out_features // 2 if self.gated else self.out_features
-        out = torch.empty(m, width, dtype=torch.bfloat16)
+        out = torch.empty(m, self._width, dtype=torch.bfloat16)
         if m:
-            bias = self._bias32
             self._kernel(
                 rows.data_ptr(), rows.stride(0), m, self.packed.data_ptr(), self.out_features, self.padded_in,
-                None if bias is None else bias.data_ptr(), out.data_ptr(), width, torch.get_num_threads(), int(self.gated),
+                None if self._bias32 is None else self._bias32.data_ptr(), out.data_ptr(), self._width,
+                torch.get_num_threads(), self.gated,
             )  # fmt: skip
-        return out.view(*x.shape[:-1], width)
+        return out if flat else out.view(*x.shape[:-1], self._width)
 
     def enable_silu_mul(self) -> bool:
         """Reorder the packed panels as (gate, up) pairs of the same 16 intermediate columns, so
@@ -99,6 +102,7 @@ class PanelLinear(nn.Module, GatedLinear):
         order = torch.stack([torch.arange(panels), torch.arange(panels) + panels], dim=1).reshape(-1)
         self.packed = self.packed.index_select(0, order).contiguous()
         self.gated = True
+        self._width = inter
         return True
 
     def extra_repr(self) -> str:
