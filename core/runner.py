@@ -36,7 +36,9 @@ class ModelRunner:
     def prepare(self, sched: SchedulerOutput) -> StepBatch:
         input_ids: list[int] = []
         positions: list[int] = []
+        slot_list: list[int] = []
         query_lens, seq_lens, request_lens, tables = [], [], [], []
+        bs = self.block_size
         for s in sched.scheduled:
             req, start = s.request, s.request.num_computed_tokens
             end = start + s.num_tokens
@@ -45,16 +47,19 @@ class ModelRunner:
                 tokens = tokens + req.spec_token_ids[: s.num_tokens - len(tokens)]
             input_ids += tokens
             positions += range(start, end)
+            table = self.kv.block_table(req)
+            for b in range(start // bs, (end - 1) // bs + 1):  # each block's run of slots, not a tensor op per step
+                first = table[b] * bs - b * bs  # the slot of position 0 if it were in this block
+                slot_list += range(first + max(start, b * bs), first + min(end, (b + 1) * bs))
             query_lens.append(s.num_tokens)
             seq_lens.append(end)
             request_lens.append(req.num_tokens)
-            tables.append(self.kv.block_table(req))
+            tables.append(table)
         dev = self.device
         width = max(len(t) for t in tables)
         block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
         pos = torch.tensor(positions, dtype=torch.int64)
-        owner = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
-        slots = block_tables[owner, pos // self.block_size].to(torch.int64) * self.block_size + pos % self.block_size
+        slots = torch.tensor(slot_list, dtype=torch.int64)
         qsl = [0]
         for q in query_lens:
             qsl.append(qsl[-1] + q)
