@@ -204,6 +204,13 @@ def test_kernel_refuses_what_it_cannot_read():
         call(new_kv=(k, v, torch.tensor([3, 4])))
     with pytest.raises(ValueError, match="new_kv needs a float32 or bfloat16 cache; quantize int8 rows first"):
         call(cache=torch.zeros(4, 16, KVH, D, dtype=torch.int8), new_kv=(k, v, slots))
+    for name, args in (("block_tables", (tables.long(), rows, seq, pos)), ("rows", (tables, rows.int(), seq, pos)),
+                       ("row_seq", (tables, rows, seq.long(), pos)), ("row_pos", (tables, rows, seq, torch.tensor([3, 4], dtype=torch.int32)))):  # fmt: skip
+        with pytest.raises(ValueError, match=f"{name} must be contiguous torch.int"):
+            cpu_kernel_build.step_rows(*args)
+    step = cpu_kernel_build.step_rows(tables, rows, seq, pos, slots)
+    with pytest.raises(ValueError, match="new_kv slots must be contiguous int64, one per new row"):
+        cpu_kernel_build.attend(step, q, torch.empty_like(q), cache, v_cache, None, None, 0.125, new_kv=(k.repeat(2, 1, 1), v.repeat(2, 1, 1)))
     call(new_kv=(k, v, slots))  # and the same call, well formed, goes through
     assert torch.equal(cache.view(-1, KVH, D)[3], k[0]) and torch.equal(v_cache.view(-1, KVH, D)[3], v[0])
 

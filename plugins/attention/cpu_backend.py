@@ -39,20 +39,9 @@ MODSERVE_CONTRACT = "2.0"
 
 
 @dataclass
-class _KernelRows:
-    rows: torch.Tensor  # int64 [N]: token rows handled by the kernel
-    seq: torch.Tensor  # int32 [N]: each row's request (row of block_tables)
-    pos: torch.Tensor  # int32 [N]: each row's position; it attends to cache positions 0..pos
-
-
-_NO_ROWS = _KernelRows(torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.int32))
-
-
-@dataclass
 class _StepState:
-    kernel: _KernelRows | None
+    kernel: kernel.StepRows  # the kernel's rows (token rows, their requests and positions), tables and new rows' slots
     prefills: list[PrefillChunk]
-    block_tables: torch.Tensor  # int32, contiguous
 
 
 class CpuAttention(AttentionBackend):
@@ -100,15 +89,12 @@ class CpuAttention(AttentionBackend):
                 rows += range(starts[i], starts[i] + q_len)
                 seq += [i] * q_len
                 pos += range(first, first + q_len)
-        kernel_rows = None
-        if rows:
-            kernel_rows = _KernelRows(
-                torch.tensor(rows, dtype=torch.int64),
-                torch.tensor(seq, dtype=torch.int32),
-                torch.tensor(pos, dtype=torch.int32),
-            )
+        rows_of = kernel.step_rows(
+            meta.block_tables.to(torch.int32).contiguous(), torch.tensor(rows, dtype=torch.int64),
+            torch.tensor(seq, dtype=torch.int32), torch.tensor(pos, dtype=torch.int32), meta.slot_mapping,
+        )  # fmt: skip
         prefills = plan_prefills(meta, self.spec.block_size, skip=lambda q_len: q_len <= limit)
-        meta.backend_state = _StepState(kernel_rows, prefills, meta.block_tables.to(torch.int32).contiguous())
+        meta.backend_state = _StepState(rows_of, prefills)
 
     def forward(self, q, k, v, cache: LayerKVCache, meta: AttentionMetadata) -> torch.Tensor:
         """One kernel call writes the step's K/V rows into the cache and attends for the
@@ -117,14 +103,13 @@ class CpuAttention(AttentionBackend):
         state: _StepState = meta.backend_state
         out = torch.empty(q.shape, dtype=q.dtype)
         new_kv = None
-        if cache.quantized:
+        if cache.quantized:  # int8: quantized by write_kv first
             write_kv(k, v, cache, meta.slot_mapping)
         else:
-            new_kv = (k, v, meta.slot_mapping)
-        r = state.kernel or _NO_ROWS
-        kernel.paged_attention(
-            q, out, cache.k, cache.v, cache.k_scale, cache.v_scale, state.block_tables, r.rows, r.seq, r.pos,
-            self.spec.scale, new_kv=new_kv, window=self.window, softcap=self.softcap,
+            new_kv = (k, v)
+        kernel.attend(
+            state.kernel, q, out, cache.k, cache.v, cache.k_scale, cache.v_scale, self.spec.scale,
+            new_kv=new_kv, window=self.window, softcap=self.softcap,
         )  # fmt: skip
         if not state.prefills:
             return out

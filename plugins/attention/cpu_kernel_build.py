@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -48,6 +49,36 @@ def tiled(head_dim: int) -> bool:
     return bool(load().modserve_tiled(head_dim))
 
 
+@dataclass(frozen=True)
+class StepRows:
+    """What every layer's call of one step shares, checked once (:func:`step_rows`): the rows
+    the kernel attends for, their sequences' block tables, the new K/V rows' slots. At one
+    decode row a layer's call is tens of microseconds, and these checks were a sixth of it."""
+
+    tables: tuple  # (block_tables, width, rows, row_seq, row_pos, n_rows) as the kernel takes them
+    slots: int | None  # the new rows' int64 slots (address), None without
+    n_new: int
+    keep: tuple  # the tensors behind the addresses, alive as long as this is
+
+
+def step_rows(
+    block_tables: torch.Tensor, rows: torch.Tensor, row_seq: torch.Tensor, row_pos: torch.Tensor, slots: torch.Tensor | None = None
+) -> StepRows:
+    """``rows`` int64, ``row_seq`` / ``row_pos`` int32: each row's sequence (its row in
+    ``block_tables``, int32) and position (it sees cache positions ``0..pos``); ``slots``: the
+    int64 cache slots of the step's new K/V rows, in order."""
+    n = rows.numel()
+    for name, t, dtype in (("block_tables", block_tables, torch.int32), ("rows", rows, torch.int64),
+                           ("row_seq", row_seq, torch.int32), ("row_pos", row_pos, torch.int32)):  # fmt: skip
+        if t.dtype != dtype or not t.is_contiguous() or (name != "block_tables" and t.numel() != n):
+            raise ValueError(f"cpu paged attention: {name} must be contiguous {dtype}, one per row")
+    if slots is not None and (slots.dtype != torch.int64 or not slots.is_contiguous()):
+        raise ValueError("cpu paged attention: new_kv slots must be contiguous int64, one per new row")
+    tables = (block_tables.data_ptr(), block_tables.shape[1], rows.data_ptr(), row_seq.data_ptr(), row_pos.data_ptr(), n)
+    return StepRows(tables, None if slots is None else slots.data_ptr(), 0 if slots is None else slots.numel(),
+                    (block_tables, rows, row_seq, row_pos, slots))  # fmt: skip
+
+
 def paged_attention(
     q: torch.Tensor,
     out: torch.Tensor,
@@ -65,47 +96,68 @@ def paged_attention(
     window: int | None = None,
     softcap: float | None = None,
 ) -> None:
-    """``out[rows] = attention(q[rows])`` over the paged cache, after writing ``new_kv``.
+    """``out[rows] = attention(q[rows])`` over the paged cache, after writing ``new_kv``: one
+    call of :func:`attend` on :func:`step_rows` (a backend makes the step's rows once and calls
+    :func:`attend` per layer). ``new_kv``: ``(k, v, slots)``, see :func:`attend`."""
+    step = step_rows(block_tables, rows, row_seq, row_pos, None if new_kv is None else new_kv[2])
+    attend(step, q, out, k_cache, v_cache, k_scale, v_scale, scale, lib, None if new_kv is None else new_kv[:2], window, softcap)
+
+
+def attend(
+    step: StepRows,
+    q: torch.Tensor,
+    out: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    scale: float,
+    lib: ctypes.CDLL | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> None:
+    """``out[rows] = attention(q[rows])`` over the paged cache for ``step``'s rows, after
+    writing ``new_kv`` to ``step``'s slots.
 
     ``q``/``out``: ``[T, H, D]``, both float32 or both bfloat16 (a bfloat16 q over a bfloat16
     cache lets decode rows use bfloat16 dot products, with P.V's weights rounded to bfloat16),
     heads contiguous, any stride between tokens (q may be a view into the qkv rows).
-    ``rows`` int64, ``row_seq`` / ``row_pos`` int32: each row's sequence (its row in
-    ``block_tables``, int32 contiguous) and position (it sees cache positions ``0..pos``).
-    ``new_kv``: ``(k, v, slots)``, the step's K/V rows ``[N, KVH, D]`` in the cache's dtype
-    (not int8: quantize first) and their int64 slots, written before any row attends.
+    ``new_kv``: ``(k, v)``, the step's K/V rows ``[N, KVH, D]`` in the cache's dtype (not
+    int8: quantize first), one per slot, written before any row attends.
     ``lib``: a variant build from :func:`load` (default: the standard one). ``window``: a row
     at ``pos`` sees positions ``> pos - window`` only; ``softcap``: scaled scores become
     ``softcap * tanh(s / softcap)`` (a layer's settings, see ``AttentionBackend.for_layer``)."""
     _, H, D = q.shape
     _, bs, KVH, _ = k_cache.shape
-    if q.dtype != out.dtype or q.dtype not in (torch.float32, torch.bfloat16):
+    dtype = q.dtype
+    if out.dtype != dtype or (dtype != torch.float32 and dtype != torch.bfloat16):
         raise ValueError(f"cpu paged attention: q and out must both be float32 or bfloat16, got {q.dtype}, {out.dtype}")
-    for name, t in (("q", q), ("out", out)):
-        if t.stride(2) != 1 or t.stride(1) != D:
-            raise ValueError(f"cpu paged attention: {name} needs contiguous heads, got strides {t.stride()}")
+    q_strides, out_strides = q.stride(), out.stride()
+    for name, st in (("q", q_strides), ("out", out_strides)):
+        if st[2] != 1 or st[1] != D:
+            raise ValueError(f"cpu paged attention: {name} needs contiguous heads, got strides {st}")
     k_new = v_new = slots = None
     k_stride = v_stride = n_new = 0
     if new_kv is not None:
         if k_cache.dtype == torch.int8:
             raise ValueError("cpu paged attention: new_kv needs a float32 or bfloat16 cache; quantize int8 rows first")
-        k_new, v_new, slots = new_kv
+        k_new, v_new = new_kv
         for name, t in (("k", k_new), ("v", v_new)):
-            if t.dtype != k_cache.dtype or t.stride(2) != 1 or t.stride(1) != D:
+            st = t.stride()
+            if t.dtype != k_cache.dtype or st[2] != 1 or st[1] != D:
                 raise ValueError(f"cpu paged attention: new {name} rows must be {k_cache.dtype} with contiguous heads")
-        if slots.dtype != torch.int64 or not slots.is_contiguous() or slots.numel() != k_new.shape[0]:
+        if step.slots is None or step.n_new != k_new.shape[0] or step.n_new != v_new.shape[0]:
             raise ValueError("cpu paged attention: new_kv slots must be contiguous int64, one per new row")
-        k_stride, v_stride, n_new = k_new.stride(0), v_new.stride(0), slots.numel()
+        k_stride, v_stride, slots, n_new = k_new.stride(0), v_new.stride(0), step.slots, step.n_new
     code = (lib or load()).modserve_paged_attention(
-        DTYPE_CODES[k_cache.dtype], int(q.dtype == torch.bfloat16),
-        q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0),
+        DTYPE_CODES[k_cache.dtype], int(dtype == torch.bfloat16),
+        q.data_ptr(), q_strides[0], out.data_ptr(), out_strides[0],
         k_cache.data_ptr(), v_cache.data_ptr(),
         k_scale.data_ptr() if k_scale is not None else None,
         v_scale.data_ptr() if v_scale is not None else None,
         k_new.data_ptr() if k_new is not None else None, v_new.data_ptr() if v_new is not None else None,
-        k_stride, v_stride, slots.data_ptr() if slots is not None else None, n_new,
-        block_tables.data_ptr(), block_tables.shape[1],
-        rows.data_ptr(), row_seq.data_ptr(), row_pos.data_ptr(), rows.numel(),
+        k_stride, v_stride, slots, n_new, *step.tables,
         H, KVH, D, bs, scale, torch.get_num_threads(), window or 0, softcap or 0.0,
     )  # fmt: skip
     if code:
