@@ -40,7 +40,7 @@ MODSERVE_CONTRACT = "2.0"
 
 @dataclass
 class _StepState:
-    kernel: kernel.StepRows  # the kernel's rows (token rows, their requests and positions), tables and new rows' slots
+    step: kernel.StepRows  # the kernel's rows (token rows, their requests and positions), tables and new rows' slots
     prefills: list[PrefillChunk]
 
 
@@ -89,12 +89,12 @@ class CpuAttention(AttentionBackend):
                 rows += range(starts[i], starts[i] + q_len)
                 seq += [i] * q_len
                 pos += range(first, first + q_len)
-        rows_of = kernel.step_rows(
+        step = kernel.step_rows(
             meta.block_tables.to(torch.int32).contiguous(), torch.tensor(rows, dtype=torch.int64),
             torch.tensor(seq, dtype=torch.int32), torch.tensor(pos, dtype=torch.int32), meta.slot_mapping,
         )  # fmt: skip
         prefills = plan_prefills(meta, self.spec.block_size, skip=lambda q_len: q_len <= limit)
-        meta.backend_state = _StepState(rows_of, prefills)
+        meta.backend_state = _StepState(step, prefills)
 
     def forward(self, q, k, v, cache: LayerKVCache, meta: AttentionMetadata) -> torch.Tensor:
         """One kernel call writes the step's K/V rows into the cache and attends for the
@@ -108,7 +108,7 @@ class CpuAttention(AttentionBackend):
         else:
             new_kv = (k, v)
         kernel.attend(
-            state.kernel, q, out, cache.k, cache.v, cache.k_scale, cache.v_scale, self.spec.scale,
+            state.step, q, out, cache.k, cache.v, cache.k_scale, cache.v_scale, self.spec.scale,
             new_kv=new_kv, window=self.window, softcap=self.softcap,
         )  # fmt: skip
         if not state.prefills:

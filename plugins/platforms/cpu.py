@@ -209,22 +209,20 @@ def _float_kernel(config: CPUConfig) -> str:
 
 def avx512_bf16_unavailable() -> str | None:
     """None where this CPU has AVX512_BF16 and :mod:`cpu_avx512_linear` builds, else why not."""
-    name, flags = cpu_model_and_flags()
-    if "avx512_bf16" not in flags:
-        return f"this CPU ({name}) has no AVX512_BF16"
-    try:
-        avx512_linear.load()
-    except KernelUnavailable as e:
-        return str(e)
-    return None
+    return _unavailable("avx512_bf16", "AVX512_BF16", avx512_linear.load)
 
 
 def amx_unavailable(load: Callable[[], object]) -> str | None:
     """None where this CPU has AMX-BF16 and ``load`` (an AMX kernel's loader) builds the kernel,
     else why not: the one test behind the linear and the prefill-attention kernels' ``auto``."""
+    return _unavailable("amx_bf16", "AMX-BF16", load)
+
+
+def _unavailable(flag: str, instructions: str, load: Callable[[], object]) -> str | None:
+    """None where this CPU has ``flag`` and ``load`` builds the kernel that needs it, else why not."""
     name, flags = cpu_model_and_flags()
-    if "amx_bf16" not in flags:
-        return f"this CPU ({name}) has no AMX-BF16"
+    if flag not in flags:
+        return f"this CPU ({name}) has no {instructions}"
     try:
         load()
     except KernelUnavailable as e:
