@@ -34,7 +34,8 @@ import torch
 from modserve import LLM, SamplingParams
 from modserve.bench import datasets, throughput
 from modserve.core.config import load_pipeline
-from modserve.plugins.attention.cpu_backend import CpuAttention, _KernelRows
+from modserve.plugins.attention import cpu_kernel_build as kernel
+from modserve.plugins.attention.cpu_backend import CpuAttention
 
 MODES = ("real", "stream", "free")
 
@@ -54,14 +55,14 @@ class DecodeRows:
         self._prepare(meta)
         state = meta.backend_state
         state.decode = None
-        if self.mode == "real" or state.kernel is None:
+        k = state.step
+        if self.mode == "real" or not k.rows.numel():
             return
-        k = state.kernel
         one_token = torch.tensor([n == 1 for n in meta.query_lens_cpu])[k.seq.long()]
         contexts = int((k.pos[one_token].long() + 1).sum())
         state.decode = (k.rows[one_token], contexts)
         rest = ~one_token
-        state.kernel = _KernelRows(k.rows[rest], k.seq[rest], k.pos[rest]) if bool(rest.any()) else None
+        state.step = kernel.step_rows(k.block_tables, k.rows[rest], k.seq[rest], k.pos[rest], k.slots)
 
     def forward(self, q, k, v, cache, meta):
         state = meta.backend_state

@@ -49,13 +49,13 @@ def _generate(llm):
 
 def _kernel_rows(monkeypatch):
     """How many rows each call of the compiled kernel attends for."""
-    seen, real = [], cpu_backend.kernel.paged_attention
+    seen, real = [], cpu_backend.kernel.attend
 
-    def spy(q, out, k, v, ks, vs, tables, rows, *rest, **kw):
-        seen.append(len(rows))
-        return real(q, out, k, v, ks, vs, tables, rows, *rest, **kw)
+    def spy(step, *rest, **kw):
+        seen.append(step.rows.numel())
+        return real(step, *rest, **kw)
 
-    monkeypatch.setattr(cpu_backend.kernel, "paged_attention", spy)
+    monkeypatch.setattr(cpu_backend.kernel, "attend", spy)
     return seen
 
 

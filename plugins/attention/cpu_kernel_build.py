@@ -55,10 +55,12 @@ class StepRows:
     the kernel attends for, their sequences' block tables, the new K/V rows' slots. At one
     decode row a layer's call is tens of microseconds, and these checks were a sixth of it."""
 
-    tables: tuple  # (block_tables, width, rows, row_seq, row_pos, n_rows) as the kernel takes them
-    slots: int | None  # the new rows' int64 slots (address), None without
-    n_new: int
-    keep: tuple  # the tensors behind the addresses, alive as long as this is
+    block_tables: torch.Tensor  # int32 [B, width]
+    rows: torch.Tensor  # int64 [N]: token rows the kernel attends for
+    seq: torch.Tensor  # int32 [N]: each row's sequence (row of block_tables)
+    pos: torch.Tensor  # int32 [N]: each row's position; it sees cache positions 0..pos
+    slots: torch.Tensor | None  # int64: the new K/V rows' cache slots, in order
+    args: tuple  # (block_tables, width, rows, row_seq, row_pos, n_rows) as the kernel takes them
 
 
 def step_rows(
@@ -74,9 +76,8 @@ def step_rows(
             raise ValueError(f"cpu paged attention: {name} must be contiguous {dtype}, one per row")
     if slots is not None and (slots.dtype != torch.int64 or not slots.is_contiguous()):
         raise ValueError("cpu paged attention: new_kv slots must be contiguous int64, one per new row")
-    tables = (block_tables.data_ptr(), block_tables.shape[1], rows.data_ptr(), row_seq.data_ptr(), row_pos.data_ptr(), n)
-    return StepRows(tables, None if slots is None else slots.data_ptr(), 0 if slots is None else slots.numel(),
-                    (block_tables, rows, row_seq, row_pos, slots))  # fmt: skip
+    args = (block_tables.data_ptr(), block_tables.shape[1], rows.data_ptr(), row_seq.data_ptr(), row_pos.data_ptr(), n)
+    return StepRows(block_tables, rows, row_seq, row_pos, slots, args)
 
 
 def paged_attention(
@@ -147,9 +148,10 @@ def attend(
             st = t.stride()
             if t.dtype != k_cache.dtype or st[2] != 1 or st[1] != D:
                 raise ValueError(f"cpu paged attention: new {name} rows must be {k_cache.dtype} with contiguous heads")
-        if step.slots is None or step.n_new != k_new.shape[0] or step.n_new != v_new.shape[0]:
+        n_new = -1 if step.slots is None else step.slots.numel()
+        if n_new != k_new.shape[0] or n_new != v_new.shape[0]:
             raise ValueError("cpu paged attention: new_kv slots must be contiguous int64, one per new row")
-        k_stride, v_stride, slots, n_new = k_new.stride(0), v_new.stride(0), step.slots, step.n_new
+        k_stride, v_stride, slots = k_new.stride(0), v_new.stride(0), step.slots.data_ptr()
     code = (lib or load()).modserve_paged_attention(
         DTYPE_CODES[k_cache.dtype], int(dtype == torch.bfloat16),
         q.data_ptr(), q_strides[0], out.data_ptr(), out_strides[0],
@@ -157,7 +159,7 @@ def attend(
         k_scale.data_ptr() if k_scale is not None else None,
         v_scale.data_ptr() if v_scale is not None else None,
         k_new.data_ptr() if k_new is not None else None, v_new.data_ptr() if v_new is not None else None,
-        k_stride, v_stride, slots, n_new, *step.tables,
+        k_stride, v_stride, slots, n_new, *step.args,
         H, KVH, D, bs, scale, torch.get_num_threads(), window or 0, softcap or 0.0,
     )  # fmt: skip
     if code:
