@@ -16,7 +16,7 @@ from torch import nn
 
 from modserve import LLM, SamplingParams
 from modserve.plugins.platforms import cpu, cpu_amx_linear, cpu_avx512_linear
-from modserve.plugins.platforms.cpu_linear import PackedLinear
+from modserve.plugins.platforms.cpu_linear import PackedLinear, can_pack
 
 HAS_AMX = cpu.amx_unavailable(cpu_amx_linear.load) is None
 HAS_AVX512_BF16 = cpu.avx512_bf16_unavailable() is None
@@ -229,7 +229,7 @@ def test_auto_warns_and_falls_back_where_the_avx512_bf16_kernel_does_not_build(m
     path, _ = tiny_llama
     with caplog.at_level("WARNING", logger="modserve.platform"):
         types = _linear_types(path)
-    assert PackedLinear in types and not types & set(MODULES.values())
+    assert (PackedLinear in types) is can_pack(torch.device("cpu"), torch.bfloat16) and not types & set(MODULES.values())
     assert "device.linear_kernel auto: compiling the AVX512_BF16 linear kernel failed (test)" in caplog.text
     with pytest.raises(Exception, match=r"device\.linear_kernel: avx512bf16 cannot run here: compiling the AVX512_BF16 linear kernel failed \(test\)"):
         LLM(model={"path": path}, device={"plugin": "cpu", "linear_kernel": "avx512bf16"})
