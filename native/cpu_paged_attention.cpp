@@ -78,6 +78,15 @@ struct QIO {
 #endif
 };
 
+// One part of a decode row split by positions (see run()): its heads' accumulators (the
+// bfloat16-dot path's interleaved order), running maxima and sums, merged with the row's
+// other parts afterwards.
+struct Partial {
+    float* acc;  // [nh][D]
+    float* m;    // [nh]
+    float* l;    // [nh]
+};
+
 // A decode row's query heads [first, first + nh): q scaled into qs, accumulators zeroed,
 // running max -inf and running sum 0 (the online softmax's starting point).
 inline void start_heads(const QIO& io, int64_t token, int first, int nh, int D, float scale, float* qs, float* acc,
@@ -384,9 +393,12 @@ inline void put_interleaved(const QIO& io, int64_t token, int64_t first, const f
 // of 2 and up (a pair of keys never crosses a block).
 constexpr int kSegment = 256;
 
+// Positions [from, to) only (default: all, 0 .. pos), from a multiple of 16; with `part`, the
+// unnormalized state goes there instead of the output.
 template <int D>
 void attend_bf16dot(const QIO& io, int64_t token, const uint16_t* kc, const uint16_t* vc, const int32_t* table,
-                    int32_t pos, int KVH, int G, int bs, float scale, int h0, int h1) {
+                    int32_t pos, int KVH, int G, int bs, float scale, int h0, int h1, int from = 0, int to = -1,
+                    const Partial* part = nullptr) {
     constexpr int NB = D / 32;  // 32-element bfloat16 vectors per row
     constexpr int kRow = kSegment + 16;  // a head's scores / weights, padded for a chunk's full-vector store
     const int heads = h1 - h0;
@@ -412,7 +424,7 @@ void attend_bf16dot(const QIO& io, int64_t token, const uint16_t* kc, const uint
         l[i] = 0.f;
     }
     const __m512 vscale = _mm512_set1_ps(scale);
-    const int n_tokens = pos + 1;
+    const int n_tokens = to < 0 ? pos + 1 : to;  // the end of this call's positions
     const int chunk = bs < 16 ? bs : 16;
     const auto rows_at = [&](const uint16_t* cache, int start) {
         return cache + table[start / bs] * block_stride + static_cast<int64_t>(start % bs) * row_stride;
@@ -437,7 +449,7 @@ void attend_bf16dot(const QIO& io, int64_t token, const uint16_t* kc, const uint
             for (int x = 0; x < lines_per_row; ++x) modserve::prefetch_line(row + 64 * x);
         }
     };
-    for (int seg = 0; seg < n_tokens; seg += kSegment) {
+    for (int seg = from; seg < n_tokens; seg += kSegment) {
         const int seg_n = std::min(kSegment, n_tokens - seg);
         for (int c = 0; c < seg_n; c += chunk) {  // (1) scores
             const int n = std::min(chunk, seg_n - c);
@@ -516,7 +528,37 @@ void attend_bf16dot(const QIO& io, int64_t token, const uint16_t* kc, const uint
             }
         }
     }
+    if (part != nullptr) {
+        std::memcpy(part->acc, acc, sizeof(float) * nh * D);
+        std::memcpy(part->m, m, sizeof(float) * nh);
+        std::memcpy(part->l, l, sizeof(float) * nh);
+        return;
+    }
     for (int i = 0; i < nh; ++i) put_interleaved(io, token, static_cast<int64_t>(h0 * G + i) * D, acc + i * D, D, l[i]);
+}
+
+// A split decode row's output from its `n` parts (all H = nh heads): each part's sums
+// rescaled to the largest running max, added, and normalized once (the online softmax's
+// own step, across parts instead of segments).
+template <int D>
+void merge_parts(const QIO& io, int64_t token, const Partial* parts, int n, int nh) {
+    alignas(64) float acc[D];
+    for (int i = 0; i < nh; ++i) {
+        float mx = -INFINITY;
+        for (int p = 0; p < n; ++p) mx = std::fmax(mx, parts[p].m[i]);
+        float l = 0.f;
+        for (int d = 0; d < D; ++d) acc[d] = 0.f;
+        for (int p = 0; p < n; ++p) {
+            const float w = exp_nonpositive(parts[p].m[i] - mx);
+            l += parts[p].l[i] * w;
+            const __m512 vw = _mm512_set1_ps(w);
+            for (int j = 0; j < D / 16; ++j) {
+                _mm512_store_ps(acc + 16 * j, _mm512_fmadd_ps(_mm512_loadu_ps(parts[p].acc + i * D + 16 * j), vw,
+                                                              _mm512_load_ps(acc + 16 * j)));
+            }
+        }
+        put_interleaved(io, token, static_cast<int64_t>(i) * D, acc, D, l);
+    }
 }
 #endif  // __AVX512BF16__
 
@@ -788,13 +830,30 @@ void attend_tile_bf16dot(const QIO& io, const int64_t* rows, int n_rows, int32_t
 #endif  // __AVX512F__
 
 // Work items. A lone query row (decode): whole tokens (all KV heads, best cache reuse) when
-// there are enough of them to keep every thread busy, else token x KV head (a lone decode
-// row still uses all cores). With the AVX-512 path, runs of consecutive positions of one
-// sequence (prefill chunks, verify rows) become tiles of up to kTileRows rows, one item
-// per tile x KV head, the most keys first (the items are dealt out dynamically).
+// there are enough of them to keep every thread busy; else, on the bfloat16-dot path, each
+// row's positions cut into about one part per thread, each part all KV heads, merged
+// afterwards (split-K), and on the other paths token x KV head. Split, a lone decode row
+// keeps every thread reading whole K/V rows: by KV head, SmolLM2's three heads went two to
+// one thread and one to the other, each reading a third of every row (one client, ~450
+// positions, Zen 5: 30 -> 17 us a layer; four parts on two threads: 17-18).
+// With the AVX-512 path, runs of consecutive positions of one sequence (prefill chunks,
+// verify rows) become tiles of up to kTileRows rows, one item per tile x KV head, the most
+// keys first (the items are dealt out dynamically).
 struct Item {
     int first, count, h0, h1;  // rows[first .. first + count), KV heads [h0, h1)
+    int from = 0, to = -1;     // a split row's positions [from, to) (to -1: all)
+    int part = -1;             // ... and where its partial state goes
 };
+
+constexpr int kMinPart = 64;  // positions a split row's part gets at least
+
+struct SplitRow {
+    int row, parts, first_part;  // rows[row], cut into parts first_part .. first_part + parts - 1
+};
+
+// Where a row split into `parts` parts cuts its n positions: multiples of 16 (so a 16-key
+// chunk never crosses a block of any power-of-two size), `parts` + 1 bounds from 0 to n.
+inline int part_bound(int n, int parts, int j) { return j == parts ? n : (n * j / parts) / 16 * 16; }
 
 template <typename T, int FixedD>
 void run(const QIO& io, const void* k_cache, const void* v_cache, const float* k_scale, const float* v_scale,
@@ -822,10 +881,32 @@ void run(const QIO& io, const void* k_cache, const void* v_cache, const float* k
     for (const Item& t : tiles) {
         for (int h = 0; h < KVH; ++h) items.push_back({t.first, t.count, h, h + 1});
     }
-    const int per_item = static_cast<int>(singles.size()) >= 2 * threads ? KVH : 1;  // KV heads per item
+    const int n_singles = static_cast<int>(singles.size());
+    const int per_item = n_singles >= 2 * threads ? KVH : 1;  // KV heads per item
+    bool split = false;  // few lone rows on the bfloat16-dot path: split by positions
+#if defined(__AVX512BF16__)
+    if constexpr (FixedD > 0 && std::is_same_v<T, uint16_t>) split = threads > 1 && per_item == 1 && io.bf16 && bs >= 2 && plain;
+#endif
+    std::vector<SplitRow> split_rows;
+    int n_parts = 0;
     for (const Item& r : singles) {
+        const int n = row_pos[r.first] + 1;
+        const int parts = split ? std::min((threads + n_singles - 1) / n_singles, n / kMinPart) : 1;
+        if (parts >= 2) {
+            split_rows.push_back({r.first, parts, n_parts});
+            for (int j = 0; j < parts; ++j) {
+                items.push_back({r.first, 1, 0, KVH, part_bound(n, parts, j), part_bound(n, parts, j + 1), n_parts++});
+            }
+            continue;
+        }
         for (int h0 = 0; h0 < KVH; h0 += per_item) items.push_back({r.first, 1, h0, h0 + per_item});
     }
+    // The parts' states: [n_parts][H][D + 2] (accumulators, then running max and sum per head).
+    std::vector<float> part_state(static_cast<size_t>(n_parts) * H * (D + 2));
+    const auto partial = [&](int k) {
+        float* base = part_state.data() + static_cast<size_t>(k) * H * (D + 2);
+        return Partial{base, base + H * D, base + H * D + H};
+    };
     const int64_t n_items = static_cast<int64_t>(items.size());
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t k = 0; k < n_items; ++k) {
@@ -850,8 +931,14 @@ void run(const QIO& io, const void* k_cache, const void* v_cache, const float* k
 #if defined(__AVX512BF16__)
                 if constexpr (std::is_same_v<T, uint16_t>) {
                     if (io.bf16 && bs >= 2 && plain) {
-                        attend_bf16dot<FixedD>(io, rows[i], kc, vc, table, row_pos[i], KVH, H / KVH, bs, scale, it.h0,
-                                               it.h1);
+                        if (it.part >= 0) {
+                            const Partial part = partial(it.part);
+                            attend_bf16dot<FixedD>(io, rows[i], kc, vc, table, row_pos[i], KVH, H / KVH, bs, scale, 0,
+                                                   KVH, it.from, it.to, &part);
+                        } else {
+                            attend_bf16dot<FixedD>(io, rows[i], kc, vc, table, row_pos[i], KVH, H / KVH, bs, scale,
+                                                   it.h0, it.h1);
+                        }
                         continue;
                     }
                 }
@@ -865,6 +952,15 @@ void run(const QIO& io, const void* k_cache, const void* v_cache, const float* k
         attend<T, FixedD>(io, rows[i], kc, vc, k_scale, v_scale, table, row_pos[i], KVH, H / KVH, D, bs, scale,
                           it.h0, it.h1, window, softcap);
     }
+#if defined(__AVX512BF16__)
+    if constexpr (FixedD > 0 && std::is_same_v<T, uint16_t>) {
+        for (const SplitRow& r : split_rows) {
+            std::vector<Partial> parts;
+            for (int j = 0; j < r.parts; ++j) parts.push_back(partial(r.first_part + j));
+            merge_parts<FixedD>(io, rows[r.row], parts.data(), r.parts, H);
+        }
+    }
+#endif
 }
 
 }  // namespace

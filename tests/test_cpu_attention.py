@@ -39,13 +39,18 @@ BUILDS = {"native": (), "portable": ("-mno-avx512f",)}
 # of the fourth, a chunk after cached context (tiles of 16 rows crossing 16-key chunks and
 # blocks); "decode" the last position of each (single rows, each item all KV heads; the
 # 600-token one crosses the bf16 path's 256-key segments); "decode_one" only the 600-token
-# one's (a lone row: one item per KV head).
+# one's (a lone row: on the bf16-dot path its positions cut in one part per thread, merged
+# afterwards, else one item per KV head); "decode_two" the 100- and 600-token ones', run on
+# four threads (bf16-dot: the long row in two parts, the short one, under two parts of 64
+# positions, by KV head).
 QUERIES = {
     "verify": lambda n, i: range(max(0, n - 3), n) if n < 600 else [],
     "prefill": lambda n, i: range(37 if i == 3 else 0, n) if n < 600 else [],
     "decode": lambda n, i: [n - 1],
     "decode_one": lambda n, i: [n - 1] if n == 600 else [],
+    "decode_two": lambda n, i: [n - 1] if n >= 100 else [],
 }
+THREADS = {"decode_two": 4}  # the kernel's OpenMP threads where not torch's default
 
 
 @pytest.mark.parametrize("queries", list(QUERIES))
@@ -100,11 +105,16 @@ def test_kernel_matches_sdpa_over_scattered_blocks(heads, kv_heads, head_dim, bl
         new_kv = (flat_k[slots].clone(), flat_v[slots].clone(), slots)
         flat_k[slots], flat_v[slots] = 0, 0  # only the kernel's write brings them back
     scale = head_dim**-0.5
-    cpu_kernel_build.paged_attention(
-        q, out, k_cache, v_cache, k_scale, v_scale, tables, torch.arange(len(rows_pos)),
-        torch.tensor(rows_seq, dtype=torch.int32), torch.tensor(rows_pos, dtype=torch.int32), scale,
-        cpu_kernel_build.load(BUILDS[build]), new_kv,
-    )  # fmt: skip
+    threads = torch.get_num_threads()
+    torch.set_num_threads(THREADS.get(queries, threads))
+    try:
+        cpu_kernel_build.paged_attention(
+            q, out, k_cache, v_cache, k_scale, v_scale, tables, torch.arange(len(rows_pos)),
+            torch.tensor(rows_seq, dtype=torch.int32), torch.tensor(rows_pos, dtype=torch.int32), scale,
+            cpu_kernel_build.load(BUILDS[build]), new_kv,
+        )  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
     q, out = q.float(), out.float()
     # in bf16, out is rounded to bf16 and decode rows may weight V by bf16-rounded probabilities
     tol = dict(atol=3e-3, rtol=1e-2) if q_bf16 else dict(atol=2e-5, rtol=1e-4)
