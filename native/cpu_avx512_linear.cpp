@@ -17,9 +17,10 @@
 // stays on one thread) and walks it four panels at a time, for 240 rows at a time (so those
 // rows stay in L2); for each group of four panels (4 x K x 64 bytes, in L2 after the first
 // rows) every block of up to six rows keeps its 6 x 4 sums in registers over the whole of K.
-// With more than one block, each block asks for its share of the next group's weights while
+// With more than one row, each block asks for its share of the next group's weights while
 // it computes: the first block reads a group from memory and the others from L2, and without
-// that the memory idled while they ran (43 rows of SmolLM2's layers: 15.6 -> 11.4 ms). Below
+// that the memory idled while they ran (43 rows of SmolLM2's layers: 15.6 -> 11.4 ms; 2-4
+// rows, a single block: 0.86-0.88x the time; one row streams as fast without it). Below
 // 240 rows the weights are read from memory once per call; more rows read them once per 240
 // (at 2,048 rows, 1.00x -> 1.05x oneDNN's time against one pass).
 #include <cstdint>
@@ -119,6 +120,7 @@ void thread_part(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_t*
     for (int64_t c0 = 0; c0 < M; c0 += kChunk) {
         const int64_t c1 = c0 + kChunk < M ? c0 + kChunk : M;
         const int64_t blocks = (c1 - c0 + kRows - 1) / kRows;
+        const bool ahead = c1 - c0 > 1;
         for (int64_t p = p0; p < p1; p += kPanels) {
             const int np = p1 - p < kPanels ? static_cast<int>(p1 - p) : kPanels;
             const int64_t after = p1 - p - np < kPanels ? p1 - p - np : kPanels;  // panels in the next group
@@ -127,7 +129,7 @@ void thread_part(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_t*
             for (int64_t b = 0; b < blocks; ++b) {
                 const int64_t m = c0 + b * kRows;
                 const int nr = c1 - m < kRows ? static_cast<int>(c1 - m) : kRows;
-                const int64_t l0 = blocks > 1 ? next_lines * b / blocks : 0, l1 = blocks > 1 ? next_lines * (b + 1) / blocks : 0;
+                const int64_t l0 = ahead ? next_lines * b / blocks : 0, l1 = ahead ? next_lines * (b + 1) / blocks : 0;
                 const Block run = gated ? pick<true>(nr, np) : pick<false>(nr, np);
                 run(x + m * x_stride, x_stride, w + p * panel, panel, K, bias, p * 16, N, y + m * y_stride, y_stride,
                     next_w + 64 * l0, l1 - l0);
