@@ -87,12 +87,13 @@ class Attention(nn.Module):
         if self.qk_norm is None:
             if fused_rope:  # rotate q and k in place inside the fused qkv rows
                 cpu_fused.rope_(qkv, cos.squeeze(1), sin.squeeze(1), h + kvh, d)
-            q, k, v = qkv.split(self.split, dim=-1)
+            q, k, v = qkv.split_with_sizes(self.split, -1)  # not Tensor.split's Python wrapper: 1.5 against 3.4 us
         else:
             q, k, v = self._normed(qkv, t)  # fresh contiguous q and k
             if fused_rope:
-                cpu_fused.rope_(q, cos.squeeze(1), sin.squeeze(1), h, d)
-                cpu_fused.rope_(k, cos.squeeze(1), sin.squeeze(1), kvh, d)
+                cos, sin = cos.squeeze(1), sin.squeeze(1)
+                cpu_fused.rope_(q, cos, sin, h, d)
+                cpu_fused.rope_(k, cos, sin, kvh, d)
         q, k = q.view(t, h, d), k.view(t, kvh, d)
         if not fused_rope:
             q, k = _rotate(q, cos, sin, self.rotary_dim), _rotate(k, cos, sin, self.rotary_dim)
@@ -101,7 +102,7 @@ class Attention(nn.Module):
         return out if self.tp is None else self.tp.all_reduce(out)
 
     def _normed(self, qkv: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v = qkv.split(self.split, dim=-1)
+        q, k, v = qkv.split_with_sizes(self.split, -1)
         if self.qk_norm == "head":
             q = self.q_norm.forward(q.reshape(t * self.num_heads, self.head_dim)).view(t, -1)
             k = self.k_norm.forward(k.reshape(t * self.num_kv_heads, self.head_dim)).view(t, -1)
