@@ -42,6 +42,7 @@ from modserve.core.models.loader import (
     open_checkpoint,
 )
 from modserve.core.plugin_manager import PluginRegistry, default_registry
+from modserve.core.decode_graphs import DecodeGraphs, graph_refusal
 from modserve.core.runner import ModelRunner
 from modserve.core.tokenizer import TokenizerBundle
 
@@ -197,13 +198,24 @@ def build_components(
         raise
 
 
+def _decode_graphs(platform: Platform, shard: Shard, ctx: BuildContext) -> DecodeGraphs | None:
+    """Graph replays of decode steps where the platform, model and attention backend allow them
+    (single process: a tensor-parallel runner is built without)."""
+    refusal = graph_refusal(platform, shard.model, shard.attention, tensor_parallel=False)
+    if refusal is not None:
+        if platform.graph_batch_sizes():
+            log.info("decode graphs off: %s", refusal)
+        return None
+    return DecodeGraphs(platform, shard.model, shard.attention, shard.kv, ctx.device, ctx.max_model_len)
+
+
 def _build(r: ResolvedPipeline, workers, replica: int | None) -> EngineComponents:
     p = r.pipeline
     model_name = p.model.name or r.source.default_name
     shard = build_shard(r, 0, workers.tp if workers is not None else None, model_name, replica)
     ctx, kv = shard.ctx, shard.kv
     if workers is None:
-        runner = ModelRunner(shard.model, kv, shard.attention, ctx.device)
+        runner = ModelRunner(shard.model, kv, shard.attention, ctx.device, _decode_graphs(r.platform, shard, ctx))
     else:
         from modserve.core.distributed.tp_runner import TPModelRunner
 

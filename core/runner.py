@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from modserve.core.contract import AttentionBackend, AttentionMetadata, CausalLM, KVBackend, SchedulerOutput
+from modserve.core.decode_graphs import DecodeGraphs
 
 
 @dataclass
@@ -26,12 +27,16 @@ class ModelRunner:
 
     dead: str | None = None  # why this runner can never run again (a worker died), else None
 
-    def __init__(self, model: CausalLM, kv: KVBackend, attention: AttentionBackend, device: torch.device):
+    def __init__(
+        self, model: CausalLM, kv: KVBackend, attention: AttentionBackend, device: torch.device,
+        graphs: DecodeGraphs | None = None,
+    ) -> None:  # fmt: skip
         self.model = model
         self.kv = kv
         self.attention = attention
         self.device = device
         self.block_size = kv.block_size
+        self.graphs = graphs  # decode steps replayed from captured graphs, where the platform has them
 
     def prepare(self, sched: SchedulerOutput) -> StepBatch:
         input_ids: list[int] = []
@@ -85,7 +90,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: StepBatch, logits_rows: list[int]) -> torch.Tensor:
         """Run the model; return float32 logits for the flat token rows in ``logits_rows``."""
-        self.attention.prepare(batch.meta)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv.layer_caches(), batch.meta)
+        hidden = self.graphs.run(batch) if self.graphs is not None else None
+        if hidden is None:
+            self.attention.prepare(batch.meta)
+            hidden = self.model(batch.input_ids, batch.positions, self.kv.layer_caches(), batch.meta)
         rows = torch.tensor(logits_rows, dtype=torch.int64, device=hidden.device)
         return self.model.compute_logits(hidden[rows])

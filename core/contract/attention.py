@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from modserve.core.contract.plugin import Plugin
 
@@ -73,6 +73,13 @@ class AttentionBackend(Plugin):
     (a sliding window, logit soft-capping). The default refuses anything but the plain
     settings, so a backend written before the hook keeps serving every other model.
     """
+
+    # Contract 2.5: once ``prepare`` has run, ``forward`` over a decode-only batch (one query
+    # token per request) reads the step only from the metadata's tensors, never from its
+    # ``*_cpu`` lists or ``max_*`` ints, and never waits on the device, and it skips rows
+    # whose slot is -1 (writes no K/V for them). Then a graph captured over it (with
+    # ``prepare`` run once, on ``max_model_len`` long rows) replays any such batch correctly.
+    capturable: ClassVar[bool] = False
 
     def __init__(self, config: Any, ctx: BuildContext) -> None:
         super().__init__(config, ctx)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
@@ -20,6 +20,11 @@ if TYPE_CHECKING:
 
 class CausalLM(nn.Module):
     """What the runner calls on a model module; built on the meta device, then loaded."""
+
+    # Contract 2.5: ``forward`` never waits on the device (no ``.item()``, ``.tolist()``, no
+    # shapes from tensor values), so a graph captured over it replays correctly; see
+    # :attr:`AttentionBackend.capturable`.
+    capturable: ClassVar[bool] = False
 
     @abstractmethod
     def forward(

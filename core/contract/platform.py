@@ -92,7 +92,16 @@ class Platform(Plugin):
         """The ``torch.distributed`` backend for tensor parallelism (``parallel.backend: auto``)."""
         return "gloo"
 
-    def capture_graph(self, fn: Callable[..., Any], example_args: tuple) -> Callable[..., Any] | None:
-        """Optional graph capture (CUDA graphs): a replayable ``fn`` for these argument shapes, or
-        None where the platform has none. The engine does not capture yet; this is where it will."""
+    def graph_batch_sizes(self) -> tuple[int, ...]:
+        """Decode batch sizes to replay from captured graphs (contract 2.5), ascending; () for
+        none (the default). A decode-only step of ``b`` requests runs the graph of the smallest
+        size ``>= b``, padded; larger steps run eagerly (:mod:`modserve.core.decode_graphs`)."""
+        return ()
+
+    def capture_graph(self, fn: Callable[..., Any], example_args: tuple) -> Callable[[], Any] | None:
+        """Capture ``fn(*example_args)`` as a graph (CUDA graphs): returns ``replay()``, which
+        reruns the captured work on whatever the example tensors then hold (the caller updates
+        them in place) and returns ``fn``'s outputs, tensors overwritten by the next replay.
+        None where the platform cannot capture. Called only where :meth:`graph_batch_sizes`
+        names sizes; graphs of one engine may share a memory pool."""
         return None

@@ -15,7 +15,7 @@ import torch
 
 from modserve.core.contract import AttentionBackend, AttentionMetadata, AttentionSpec, BuildContext, LayerKVCache, hookimpl
 
-MODSERVE_CONTRACT = "2.0"
+MODSERVE_CONTRACT = "2.5"  # capturable
 
 
 @dataclass
@@ -34,6 +34,9 @@ class TritonAttention(AttentionBackend):
 
     window: int | None = None  # this layer's sliding window (set by for_layer)
     softcap: float | None = None  # this layer's logit soft-cap
+    # Decode reads only tensors (the split count from the plan's scratch, each row's length
+    # from seq_lens; empty partitions weigh nothing) and write_kv skips slot -1.
+    capturable = True
 
     class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         """Tile sizes and the decode split-K policy."""

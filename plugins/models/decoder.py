@@ -54,6 +54,8 @@ class DecoderLM(CausalLM):
     gets its backend's per-layer view (:meth:`AttentionBackend.for_layer`); a window that
     covers ``max_positions`` changes nothing and is not asked for."""
 
+    capturable = True  # no host waits in forward (a mixture of experts' model says otherwise)
+
     def __init__(
         self, spec: ModelSpec, layers: Iterable[nn.Module], max_positions: int, tp=None, *,
         embed_scale: float | None = None, norm_offset: bool = False, final_logit_softcap: float | None = None,

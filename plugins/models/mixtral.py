@@ -17,6 +17,8 @@ _PROJ = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj":
 
 
 class MixtralForCausalLM(DecoderLM):
+    capturable = False  # SparseMoE sizes its expert batches on the host (counts.tolist())
+
     def __init__(self, spec: ModelSpec, backend: AttentionBackend, max_positions: int, num_layers: int | None = None, tp=None):
         layers = [PreNormLayer(spec, Attention(spec, backend, tp), SparseMoE(spec)) for _ in range(num_layers or spec.num_layers)]
         super().__init__(spec, layers, max_positions, tp)

@@ -27,6 +27,7 @@ class Qwen3ForCausalLM(DecoderLM):
             for i in range(num_layers or spec.num_layers)
         ]
         super().__init__(spec, layers, max_positions, tp)
+        self.capturable = dense  # SparseMoE sizes its expert batches on the host
 
     def route(self, name: str):
         parts = name.split(".")  # layers.3.mlp.experts.7.gate_proj.weight

@@ -1,22 +1,42 @@
-"""Platform ``cuda``: NVIDIA GPUs through torch (cuBLAS linears, NCCL collectives, Triton attention)."""
+"""Platform ``cuda``: NVIDIA GPUs through torch (cuBLAS linears, NCCL collectives, Triton
+attention), with decode steps replayed from CUDA graphs (:mod:`modserve.core.decode_graphs`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Annotated, Any
+
+import msgspec
 import torch
 
 from modserve.core.config import ConfigError
-from modserve.core.contract import DeviceInfo, NoOptions, Platform, hookimpl
+from modserve.core.contract import DeviceInfo, Platform, hookimpl
 
-MODSERVE_CONTRACT = "2.0"
+MODSERVE_CONTRACT = "2.5"  # graph_batch_sizes, capture_graph
+
+GRAPH_SMALL_SIZES = (1, 2, 4, 8)  # then every multiple of GRAPH_SIZE_STEP up to graph_max_batch
+GRAPH_SIZE_STEP = 16
+
+
+def graph_sizes(top: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, then multiples of 16, up to and including ``top`` (vLLM captures alike)."""
+    sizes = [s for s in GRAPH_SMALL_SIZES if s < top] + list(range(GRAPH_SIZE_STEP, top, GRAPH_SIZE_STEP))
+    return tuple(sorted({*sizes, top}))
+
+
+class CUDAConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    cuda_graphs: bool = True  # replay decode steps from CUDA graphs (false: every step eagerly, like vLLM's enforce_eager)
+    graph_max_batch: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 256  # the largest decode batch captured; larger ones run eagerly
 
 
 class CUDAPlatform(Platform):
-    Config = NoOptions
+    Config = CUDAConfig
 
-    def __init__(self, config: NoOptions, ctx) -> None:
+    def __init__(self, config: CUDAConfig, ctx) -> None:
         super().__init__(config, ctx)
         if not self.is_available():
             raise ConfigError("device: 'cuda' requested but torch sees no CUDA device; use 'cpu' or 'auto'")
+        self._pool = None  # the graphs' shared memory pool
 
     @classmethod
     def is_available(cls) -> bool:
@@ -40,6 +60,29 @@ class CUDAPlatform(Platform):
 
     def collective_backend(self) -> str:
         return "nccl"
+
+    def graph_batch_sizes(self) -> tuple[int, ...]:
+        return graph_sizes(self.config.graph_max_batch) if self.config.cuda_graphs else ()
+
+    def capture_graph(self, fn: Callable[..., Any], example_args: tuple) -> Callable[[], Any]:
+        """Two warm-up calls on a side stream (Triton compiles, cuBLAS picks its kernels), then
+        one captured call into the pool every graph of this platform shares."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.inference_mode(), torch.cuda.stream(side):
+            for _ in range(2):
+                fn(*example_args)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
+            out = fn(*example_args)
+        self._pool = graph.pool()
+
+        def replay(args=example_args):  # args: the captured tensors stay alive with the graph
+            graph.replay()
+            return out
+
+        return replay
 
 
 @hookimpl

@@ -1,0 +1,349 @@
+"""modserve on one GPU against HF ``transformers`` and the memory roofline.
+
+For SmolLM2-, Llama-3.2-1B- and Llama-3.1-8B-shaped checkpoints with random bfloat16 weights
+(built here, no download) it measures, all in one run on one GPU:
+
+- offline output tok/s: modserve with CUDA graphs, the same engine with them off, and HF
+  ``generate`` in static batches of 64 on the same requests (prompts 256 +- 50%, outputs
+  128 +- 50%, ``ignore_eos``);
+- online output tok/s, median TPOT and p99 TTFT at 64 and 256 clients (``modserve serve`` and
+  ``modserve bench serve`` on 127.0.0.1), CUDA graphs on;
+- decode steps of 1 and 64 requests: wall time per step with and without graphs, the GPU time
+  of the forward alone (a graph replay timed with CUDA events), hence the engine's share of
+  the step, and the bytes a step reads (weights + KV) against the measured copy bandwidth;
+- the Triton paged-decode kernel against ``scaled_dot_product_attention`` on contiguous K/V
+  (flash, GQA), 64 requests x 1,024 and 4,096 positions, each model's head shape.
+
+    python benchmarks/gpu_throughput.py [--models smollm2,llama1b,llama8b] [--no-online] [--out DIR]
+
+``--device cpu --smoke`` runs the plumbing on a tiny shape without a GPU (no timings worth
+reading). Raw results: DIR/gpu_throughput.json (default benchmarks/results/, ignored).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from modserve.core.contract import hookimpl
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+SHAPES = {  # LlamaConfig fields; head size 64 (SmolLM2, 1B) and 128 (8B), both Triton's
+    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0),
+    "llama1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                    num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0),
+    "llama8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                    num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0),
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, vocab_size=384, tie_word_embeddings=True, rope_theta=10000.0),
+}
+PROMPTS, INPUT_LEN, OUTPUT_LEN, RANGE = 256, 256, 128, 0.5
+HF_BATCH = 64
+
+
+def build_checkpoint(shape: dict, path: str, device: str):
+    """A random bfloat16 Llama of ``shape`` saved to ``path`` (with a small byte-level BPE
+    tokenizer: random prompts are token ids); returns the HF model, on ``device``."""
+    import transformers
+    from tiny_models import build_tokenizer
+
+    tok = build_tokenizer(path)
+    cfg = transformers.LlamaConfig(**shape, max_position_embeddings=4096, eos_token_id=tok.token_to_id("<|im_end|>"),
+                                   bos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built in bfloat16: an 8B model in float32 first would take 32 GB
+    try:
+        with torch.device(device):
+            model = transformers.LlamaForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(default)
+    model.save_pretrained(path)
+    return model
+
+
+def requests(vocab: int, num: int = PROMPTS):
+    from modserve.bench import datasets as ds
+
+    return ds.random_requests(num, INPUT_LEN, OUTPUT_LEN, RANGE, ds.TokenSpace.from_range(100, vocab), 0)
+
+
+def hf_offline(model, reqs, device: str) -> float:
+    """Output tok/s of HF generate, static left-padded batches, each row generating its batch's
+    longest output (tokens counted per request, as vLLM counts them)."""
+
+    def batch(rows, new):
+        width = max(r.prompt_len for r in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.long, device=device)
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(rows):
+            ids[i, width - r.prompt_len :] = torch.tensor(r.prompt, device=device)
+            mask[i, width - r.prompt_len :] = 1
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+
+    batch(reqs[:2], 4)  # warm-up
+    sync(device)
+    t0 = time.perf_counter()
+    for i in range(0, len(reqs), HF_BATCH):
+        rows = reqs[i : i + HF_BATCH]
+        batch(rows, max(r.output_len for r in rows))
+    sync(device)
+    return sum(r.output_len for r in reqs) / (time.perf_counter() - t0)
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def pipeline(path: str, device: str, smoke: bool) -> dict:
+    return {
+        "model": {"path": path, "dtype": "bfloat16", "max_model_len": 2048},
+        "device": device,
+        "attention": {"plugin": "torch" if smoke else "triton"},
+        "kv_cache": {"plugin": "paged", "block_size": 16, "memory_gb": 1.0 if smoke else 24.0},
+        "scheduler": {"plugin": "fcfs", "max_num_seqs": 256, "max_num_batched_tokens": 8192},
+        "observers": [],
+    }
+
+
+class StepLog:
+    """Observer: every step's wall time and size."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[float, int, int]] = []  # (seconds, scheduled tokens, prompt tokens)
+
+    @hookimpl
+    def on_step_finished(self, stats) -> None:
+        self.steps.append((stats.step_time_s, stats.num_scheduled_tokens, stats.num_prompt_tokens))
+
+
+def capture_every_size(llm) -> None:
+    """Staggered outputs drain the batch one request a step: every graph size is captured."""
+    from modserve import SamplingParams
+
+    graphs = llm.engine.runner.graphs
+    if graphs is None:
+        return
+    top = graphs.sizes[-1]
+    llm.generate([[100 + i % 50] * 8 for i in range(top)],
+                 [SamplingParams(temperature=0, max_tokens=2 + i, ignore_eos=True) for i in range(top)])
+
+
+def modserve_offline(llm, reqs) -> float:
+    from modserve import SamplingParams
+
+    params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in reqs]
+    t0 = time.perf_counter()
+    outs = llm.generate([r.prompt for r in reqs], params)
+    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
+
+
+def decode_steps(llm, batch: int, log: StepLog) -> float:
+    """Median wall seconds of a decode-only step of ``batch`` requests (128-token prompts)."""
+    from modserve import SamplingParams
+
+    log.steps.clear()
+    llm.generate([[100 + (i * 7 + j) % 250 for j in range(128)] for i in range(batch)],
+                 SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
+    decode = [s for s, tokens, prompt in log.steps if prompt == 0 and tokens == batch]
+    return statistics.median(decode[4:])
+
+
+def forward_gpu_seconds(llm, batch: int) -> float | None:
+    """GPU time of the captured forward for ``batch`` rows (replays timed with CUDA events)."""
+    graphs = llm.engine.runner.graphs
+    if graphs is None or batch not in graphs.graphs:
+        return None
+    replay = graphs.graphs[batch]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(3):
+        replay()
+    start.record()
+    for _ in range(20):
+        replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 20 / 1000
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes/s of a device-to-device copy (read + write), the roofline's denominator."""
+    if device != "cuda":
+        return float("nan")
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * src.numel() * 10 / (start.elapsed_time(end) / 1000)
+
+
+def online(path: str, device: str, smoke: bool, out_dir: Path, name: str) -> dict:
+    """Output tok/s, median TPOT and p99 TTFT at 64 and 256 clients."""
+    import subprocess
+
+    import yaml
+    from modserve.bench.launch import launch_server
+
+    config = out_dir / f"{name}.yaml"
+    config.write_text(yaml.safe_dump({**pipeline(path, device, smoke), "observers": [{"plugin": "metrics"}]}))
+    proc, url, _ = launch_server(["modserve.server", "-c", str(config), "--port", "0"], out_dir / f"{name}-server.log", 600)
+    results = {}
+    try:
+        for clients in (64, 256):
+            result = out_dir / f"{name}-online-{clients}.json"
+            cmd = [sys.executable, "-m", "modserve.cli", "bench", "serve", "--base-url", url, "--tokenizer", path,
+                   "--random-input-len", str(INPUT_LEN), "--random-output-len", str(OUTPUT_LEN),
+                   "--random-range-ratio", str(RANGE), "--ignore-eos", "--max-concurrency", str(clients),
+                   "--num-prompts", str(8 if smoke else 2 * clients), "--no-progress", "--output", str(result)]
+            subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600)
+            m = json.loads(result.read_text())
+            results[clients] = {k: m[k] for k in ("output_throughput", "median_tpot_ms", "p99_ttft_ms", "failed")
+                                if k in m}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    return results
+
+
+def decode_kernel_vs_sdpa(shape: dict, device: str) -> dict:
+    """Microseconds of the Triton paged decode (split-K as the backend plans it) and of SDPA
+    on contiguous K/V, 64 requests, bfloat16."""
+    import torch.nn.functional as F
+
+    from modserve.core.contract import AttentionMetadata, LayerKVCache
+    from modserve.plugins.attention import triton_kernels as tk
+
+    heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
+    d = shape["hidden_size"] // heads
+    out = {}
+    for ctx in (1024, 4096):
+        b, bs = 64, 16
+        blocks = b * ctx // bs
+        k = torch.randn(blocks, bs, kv_heads, d, dtype=torch.bfloat16, device=device)
+        v = torch.randn_like(k)
+        table = torch.randperm(blocks, device=device, dtype=torch.int32).view(b, ctx // bs)
+        q = torch.randn(b, heads, d, dtype=torch.bfloat16, device=device)
+        seq = torch.full((b,), ctx, dtype=torch.int32, device=device)
+        meta = AttentionMetadata(b, torch.arange(b + 1, dtype=torch.int32, device=device), seq, seq - 1,
+                                 torch.zeros(b, dtype=torch.int64, device=device), table, [1] * b, [ctx] * b, 1, ctx)
+        reqs = torch.arange(b, dtype=torch.int32, device=device)
+        splits = min(16, -(-ctx // 256))
+        partials = (torch.empty(b, heads, splits, d, dtype=torch.float32, device=device),
+                    torch.empty(b, heads, splits, dtype=torch.float32, device=device))
+        o = torch.empty_like(q)
+        cache = LayerKVCache(k=k, v=v)
+        kc = k[table.long()].reshape(b, ctx, kv_heads, d).transpose(1, 2).contiguous()
+        vc = v[table.long()].reshape(b, ctx, kv_heads, d).transpose(1, 2).contiguous()
+        runs = {
+            "triton_us": lambda: tk.decode_attention(q, cache, meta, reqs, 64, d**-0.5, o, partials),
+            "sdpa_us": lambda: F.scaled_dot_product_attention(q[:, :, None], kc, vc, enable_gqa=True),
+        }
+        for name, fn in runs.items():
+            for _ in range(3):
+                fn()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(50):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            out.setdefault(ctx, {})[name] = start.elapsed_time(end) / 50 * 1000
+        kv_bytes = 2 * b * ctx * kv_heads * d * 2
+        out[ctx]["kv_bytes"] = kv_bytes
+    return out
+
+
+def bench_model(name: str, args, bandwidth: float) -> dict:
+    from modserve import LLM
+
+    device, smoke = args.device, args.smoke
+    res: dict = {"model": name}
+    with tempfile.TemporaryDirectory(dir=args.tmp) as path:
+        t = time.perf_counter()
+        hf = build_checkpoint(SHAPES[name], path, device)
+        res["weight_bytes"] = sum(p.numel() * p.element_size() for p in hf.parameters())
+        res["build_s"] = time.perf_counter() - t
+        reqs = requests(SHAPES[name]["vocab_size"], 8 if smoke else PROMPTS)
+        res["hf_offline_tok_s"] = hf_offline(hf, reqs, device)
+        del hf
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        llm = LLM(pipeline(path, device, smoke))
+        log = StepLog()
+        llm.engine.c.registry.pm.register(log)
+        t = time.perf_counter()
+        capture_every_size(llm)
+        res["capture_s"] = time.perf_counter() - t
+        graphs = llm.engine.runner.graphs
+        res["offline_tok_s"] = modserve_offline(llm, reqs)
+        for b in (1, 64):
+            res[f"step_ms_b{b}"] = decode_steps(llm, b, log) * 1e3
+            gpu = forward_gpu_seconds(llm, b) if device == "cuda" else None
+            res[f"forward_gpu_ms_b{b}"] = gpu * 1e3 if gpu else None
+        llm.engine.runner.graphs = None  # the same engine and KV, every step eager (what cuda_graphs: false builds)
+        res["eager_offline_tok_s"] = modserve_offline(llm, reqs)
+        for b in (1, 64):
+            res[f"eager_step_ms_b{b}"] = decode_steps(llm, b, log) * 1e3
+        res["graph_replays"] = {s: n for s, n in (graphs.replays.items() if graphs else []) if n}
+        kv_per_token = 2 * SHAPES[name]["num_hidden_layers"] * SHAPES[name]["num_key_value_heads"] * (
+            SHAPES[name]["hidden_size"] // SHAPES[name]["num_attention_heads"]) * 2
+        res["b1_bytes_per_step"] = res["weight_bytes"] + kv_per_token * 152  # 128-token prompt, ~24 outputs in
+        res["b1_fraction_of_copy_bw"] = res["b1_bytes_per_step"] / (res["step_ms_b1"] / 1e3) / (bandwidth / 2)
+        del llm
+        if device == "cuda":
+            torch.cuda.empty_cache()
+            res["decode_kernel"] = decode_kernel_vs_sdpa(SHAPES[name], device)
+        if args.online:
+            res["online"] = online(path, device, smoke, Path(args.out), name)
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="smollm2,llama1b,llama8b")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--smoke", action="store_true", help="tiny shape, few requests: the plumbing only")
+    p.add_argument("--online", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--tmp", default=None, help="where checkpoints are written (default: the system's temp)")
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    bandwidth = copy_bandwidth(args.device)
+    name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+    print(f"device: {name}; torch {torch.__version__}; copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)", flush=True)
+    results = []
+    for model in (["tiny"] if args.smoke else args.models.split(",")):
+        t = time.perf_counter()
+        try:
+            res = bench_model(model, args, bandwidth)
+        except Exception as e:  # noqa: BLE001 - one model's failure is reported, the others still run
+            res = {"model": model, "error": f"{type(e).__name__}: {e}"}
+        res["seconds"] = time.perf_counter() - t
+        results.append(res)
+        print(json.dumps(res, default=str), flush=True)
+    Path(args.out, "gpu_throughput.json").write_text(json.dumps({"device": name, "bandwidth": bandwidth, "results": results},
+                                                                default=str, indent=1))
+
+
+if __name__ == "__main__":
+    main()
