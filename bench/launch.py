@@ -17,11 +17,15 @@ import urllib.request
 START_LINE = re.compile(r"at (http://[^/]+)/v1")
 
 
-def launch_server(module_args: list[str], log_path, timeout: float = 120.0) -> tuple[subprocess.Popen, str, str]:
-    """Run ``python -m <module_args>`` with stderr in ``log_path``; once ``/health`` answers 200,
-    return the process, its base URL and its start-up line. On failure the process is killed."""
+def launch_server(
+    module_args: list[str], log_path, timeout: float = 120.0, cwd: str | None = None
+) -> tuple[subprocess.Popen, str, str]:
+    """Run ``python -m <module_args>`` (in ``cwd``: a checkout's root would put its own
+    ``modserve/`` folder ahead of the installed package) with stderr in ``log_path``; once
+    ``/health`` answers 200, return the process, its base URL and its start-up line. On
+    failure the process is killed."""
     with open(log_path, "w") as log:  # a file, so a chatty log cannot fill a pipe and stall
-        proc = subprocess.Popen([sys.executable, "-m", *module_args], stdout=subprocess.PIPE, stderr=log, text=True)
+        proc = subprocess.Popen([sys.executable, "-m", *module_args], stdout=subprocess.PIPE, stderr=log, text=True, cwd=cwd)
     try:
         line = proc.stdout.readline()
         m = START_LINE.search(line)
