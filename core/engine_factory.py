@@ -32,6 +32,7 @@ from modserve.core.contract import (
     TargetModel,
     ToolParser,
 )
+from modserve.core.decode_graphs import DecodeGraphs, graph_refusal
 from modserve.core.models.loader import (
     LoadedModel,
     ModelSource,
@@ -42,7 +43,6 @@ from modserve.core.models.loader import (
     open_checkpoint,
 )
 from modserve.core.plugin_manager import PluginRegistry, default_registry
-from modserve.core.decode_graphs import DecodeGraphs, graph_refusal
 from modserve.core.runner import ModelRunner
 from modserve.core.tokenizer import TokenizerBundle
 
