@@ -1,0 +1,43 @@
+"""``benchmarks/gpu_throughput.py`` in its CPU smoke mode, so the script a GPU session runs in
+its few device minutes cannot rot between those sessions: a tiny checkpoint, HF ``generate``,
+modserve offline and its decode steps, a server on 127.0.0.1 (port 0) with the benchmark
+client at 64 and 256 clients, and the JSON it writes. The word-level tokenizer must give every
+id text (else the client's TTFT is the whole request)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import gpu_throughput  # noqa: E402
+
+
+def test_smoke_mode_measures_every_figure(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_throughput.py"), "--device", "cpu", "--smoke",
+                        "--out", str(tmp_path), "--tmp", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600, cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    (res,) = json.loads((tmp_path / "gpu_throughput.json").read_text())["results"]
+    assert "error" not in res, res
+    for key in ("hf_offline_tok_s", "offline_tok_s", "eager_offline_tok_s", "step_ms_b1", "step_ms_b64"):
+        assert res[key] > 0, key
+    assert res["graph_replays"] == {}  # the cpu platform captures no graphs
+    online = res["online"]
+    assert isinstance(online, dict), online
+    for clients in ("64", "256"):
+        assert online[clients]["failed"] == 0 and online[clients]["output_throughput"] > 0
+        assert online[clients]["median_tpot_ms"] > 0  # tokens arrive one chunk at a time, not all at the end
+
+
+def test_every_id_decodes_to_text(tmp_path):
+    from tokenizers import Tokenizer
+
+    gpu_throughput.build_tokenizer(str(tmp_path), 1000)
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert tok.get_vocab_size() == 1000
+    assert all(tok.decode([i]) for i in range(2, 1000))
+    assert tok.token_to_id("<|im_end|>") == 1
