@@ -120,6 +120,16 @@ inline void finish_heads(const QIO& io, int64_t token, int first, int nh, int D,
     for (int i = 0; i < nh; ++i) put_head(io, token, static_cast<int64_t>(first + i) * D, acc + i * D, D, l[i]);
 }
 
+// A part's end: its unnormalized state into `part` (true), or nothing to do (false: the
+// caller writes the outputs).
+inline bool keep_part(const Partial* part, int nh, int D, const float* acc, const float* m, const float* l) {
+    if (part == nullptr) return false;
+    std::memcpy(part->acc, acc, sizeof(float) * nh * D);
+    std::memcpy(part->m, m, sizeof(float) * nh);
+    std::memcpy(part->l, l, sizeof(float) * nh);
+    return true;
+}
+
 // acc += sum over t < n of p[t] * v[t]: with D known the accumulator lives in registers
 // for the whole block (not loaded and stored for every row), and the V rows of one head,
 // read again for each query head of its group, come from L1.
@@ -147,10 +157,11 @@ inline void accumulate_rows(float* acc, const float* p, const T* v, int64_t row_
 // FixedD > 0: head_dim known at compile time (fully unrolled, vectorized inner loops).
 // Serves KV heads [h0, h1) of one query token; each block's rows for those heads are read
 // once, while they are in cache, for all of their query heads.
+// Positions [from, to) only (default: all), from a multiple of bs; with `part`, the state goes there.
 template <typename T, int FixedD>
 void attend(const QIO& io, int64_t token, const T* kc, const T* vc, const float* ks, const float* vs,
             const int32_t* table, int32_t pos, int KVH, int G, int D_, int bs, float scale, int h0, int h1,
-            int window, float softcap) {
+            int window, float softcap, int from = 0, int to = -1, const Partial* part = nullptr) {
     const int D = FixedD > 0 ? FixedD : D_;
     const int nh = (h1 - h0) * G;  // query heads served: h0 * G ..
     const int64_t row_stride = static_cast<int64_t>(KVH) * D;  // one token's K (or V) in a block
@@ -163,9 +174,9 @@ void attend(const QIO& io, int64_t token, const T* kc, const T* vc, const float*
     float* m = s + nh * bs;  // [nh] running max
     float* l = m + nh;  // [nh] running sum of weights
     start_heads(io, token, h0 * G, nh, D, scale, qs, acc, m, l);
-    const int n_tokens = pos + 1;
+    const int n_tokens = to < 0 ? pos + 1 : to;  // the end of this call's positions
     const int lo = window_start(pos, window);
-    for (int start = lo / bs * bs; start < n_tokens; start += bs) {
+    for (int start = std::max(lo / bs * bs, from); start < n_tokens; start += bs) {
         const int n = n_tokens - start < bs ? n_tokens - start : bs;
         const int t0 = lo > start ? lo - start : 0;  // keys before the window in this block
         const int64_t block = table[start / bs];
@@ -223,7 +234,7 @@ void attend(const QIO& io, int64_t token, const T* kc, const T* vc, const float*
             }
         }
     }
-    finish_heads(io, token, h0 * G, nh, D, acc, l);
+    if (!keep_part(part, nh, D, acc, m, l)) finish_heads(io, token, h0 * G, nh, D, acc, l);
 }
 
 #if defined(__AVX512F__)
@@ -263,7 +274,7 @@ inline __m512 chunk_scores(int n, const Dot& dot) {
 template <typename T, int D>
 void attend_avx512(const QIO& io, int64_t token, const T* kc, const T* vc, const float* ks, const float* vs,
                    const int32_t* table, int32_t pos, int KVH, int G, int bs, float scale, int h0, int h1,
-                   int window, float softcap) {
+                   int window, float softcap, int from = 0, int to = -1, const Partial* part = nullptr) {
     using modserve::exp512_nonpositive;
     using modserve::load16;
     constexpr int NV = D / 16;  // vectors per row
@@ -280,10 +291,10 @@ void attend_avx512(const QIO& io, int64_t token, const T* kc, const T* vc, const
     float* kbuf = l + nh;  // [16][heads][D]: the item's K rows of a 16-token chunk, as float32
     float* vbuf = kbuf + 16 * heads * D;  // [16][heads][D]
     start_heads(io, token, h0 * G, nh, D, scale, qs, acc, m, l);
-    const int n_tokens = pos + 1;
+    const int n_tokens = to < 0 ? pos + 1 : to;  // the end of this call's positions
     const int chunk = bs < 16 ? bs : 16;  // block sizes are powers of two: a chunk never crosses a block
     const int lo = window_start(pos, window);
-    for (int start = lo / chunk * chunk; start < n_tokens; start += chunk) {
+    for (int start = std::max(lo / chunk * chunk, from); start < n_tokens; start += chunk) {
         const int in_block = start % bs;
         const int n = n_tokens - start < chunk ? n_tokens - start : chunk;
         const int64_t block = table[start / bs];
@@ -361,7 +372,7 @@ void attend_avx512(const QIO& io, int64_t token, const T* kc, const T* vc, const
             }
         }
     }
-    finish_heads(io, token, h0 * G, nh, D, acc, l);
+    if (!keep_part(part, nh, D, acc, m, l)) finish_heads(io, token, h0 * G, nh, D, acc, l);
 }
 
 #if defined(__AVX512BF16__)
@@ -528,38 +539,10 @@ void attend_bf16dot(const QIO& io, int64_t token, const uint16_t* kc, const uint
             }
         }
     }
-    if (part != nullptr) {
-        std::memcpy(part->acc, acc, sizeof(float) * nh * D);
-        std::memcpy(part->m, m, sizeof(float) * nh);
-        std::memcpy(part->l, l, sizeof(float) * nh);
-        return;
-    }
+    if (keep_part(part, nh, D, acc, m, l)) return;
     for (int i = 0; i < nh; ++i) put_interleaved(io, token, static_cast<int64_t>(h0 * G + i) * D, acc + i * D, D, l[i]);
 }
 
-// A split decode row's output from its `n` parts (all H = nh heads): each part's sums
-// rescaled to the largest running max, added, and normalized once (the online softmax's
-// own step, across parts instead of segments).
-template <int D>
-void merge_parts(const QIO& io, int64_t token, const Partial* parts, int n, int nh) {
-    alignas(64) float acc[D];
-    for (int i = 0; i < nh; ++i) {
-        float mx = -INFINITY;
-        for (int p = 0; p < n; ++p) mx = std::fmax(mx, parts[p].m[i]);
-        float l = 0.f;
-        for (int d = 0; d < D; ++d) acc[d] = 0.f;
-        for (int p = 0; p < n; ++p) {
-            const float w = exp_nonpositive(parts[p].m[i] - mx);
-            l += parts[p].l[i] * w;
-            const __m512 vw = _mm512_set1_ps(w);
-            for (int j = 0; j < D / 16; ++j) {
-                _mm512_store_ps(acc + 16 * j, _mm512_fmadd_ps(_mm512_loadu_ps(parts[p].acc + i * D + 16 * j), vw,
-                                                              _mm512_load_ps(acc + 16 * j)));
-            }
-        }
-        put_interleaved(io, token, static_cast<int64_t>(i) * D, acc, D, l);
-    }
-}
 #endif  // __AVX512BF16__
 
 // The tiles' online softmax, first half, for 16 row-heads: their scores (one vector of the
@@ -829,13 +812,44 @@ void attend_tile_bf16dot(const QIO& io, const int64_t* rows, int n_rows, int32_t
 #endif  // __AVX512BF16__
 #endif  // __AVX512F__
 
+// A split decode row's output from its `n` parts (all H = nh heads): each part's sums
+// rescaled to the largest running max, added, and normalized once (the online softmax's
+// own step, across parts instead of segments). `interleaved`: the parts hold the
+// bfloat16-dot path's accumulator order.
+inline void merge_parts(const QIO& io, int64_t token, const Partial* parts, int n, int nh, int D, bool interleaved) {
+    float acc[kMaxHeadDim];
+    for (int i = 0; i < nh; ++i) {
+        float mx = -INFINITY;
+        for (int p = 0; p < n; ++p) mx = std::fmax(mx, parts[p].m[i]);
+        float l = 0.f;
+        for (int d = 0; d < D; ++d) acc[d] = 0.f;
+        for (int p = 0; p < n; ++p) {
+            const float w = exp_nonpositive(parts[p].m[i] - mx);
+            l += parts[p].l[i] * w;
+            const float* a = parts[p].acc + static_cast<int64_t>(i) * D;
+#pragma omp simd
+            for (int d = 0; d < D; ++d) acc[d] += a[d] * w;
+        }
+#if defined(__AVX512BF16__)
+        if (interleaved) {
+            put_interleaved(io, token, static_cast<int64_t>(i) * D, acc, D, l);
+            continue;
+        }
+#endif
+        (void)interleaved;
+        put_head(io, token, static_cast<int64_t>(i) * D, acc, D, l);
+    }
+}
+
 // Work items. A lone query row (decode): whole tokens (all KV heads, best cache reuse) when
-// there are enough of them to keep every thread busy; else, on the bfloat16-dot path, each
-// row's positions cut into about one part per thread, each part all KV heads, merged
-// afterwards (split-K), and on the other paths token x KV head. Split, a lone decode row
-// keeps every thread reading whole K/V rows: by KV head, SmolLM2's three heads went two to
-// one thread and one to the other, each reading a third of every row (one client, ~450
-// positions, Zen 5: 30 -> 17 us a layer; four parts on two threads: 17-18).
+// there are enough of them to keep every thread busy; else each row's positions are cut
+// into about one part per thread, each part all KV heads, merged afterwards (split-K), or,
+// for a row too short to cut, a layer with a window or soft-cap, or one thread, token x KV
+// head. Split, a lone decode row keeps every thread reading whole K/V rows: by KV head,
+// SmolLM2's three heads went two to one thread and one to the other, each reading a third
+// of every row (one client, ~450 positions, Zen 5, bfloat16-dot path: 30 -> 17 us a layer;
+// four parts on two threads: 17-18; one row over float32 caches from memory: 0.84x the time
+// on the AVX-512 path, 0.78x on the portable loops an AVX2 machine runs).
 // With the AVX-512 path, runs of consecutive positions of one sequence (prefill chunks,
 // verify rows) become tiles of up to kTileRows rows, one item per tile x KV head, the most
 // keys first (the items are dealt out dynamically).
@@ -851,9 +865,10 @@ struct SplitRow {
     int row, parts, first_part;  // rows[row], cut into parts first_part .. first_part + parts - 1
 };
 
-// Where a row split into `parts` parts cuts its n positions: multiples of 16 (so a 16-key
-// chunk never crosses a block of any power-of-two size), `parts` + 1 bounds from 0 to n.
-inline int part_bound(int n, int parts, int j) { return j == parts ? n : (n * j / parts) / 16 * 16; }
+// Where a row split into `parts` parts cuts its n positions: multiples of `align` (16 and
+// the block size: a 16-key chunk, and the portable loop's block, never crosses a part),
+// `parts` + 1 bounds from 0 to n.
+inline int part_bound(int n, int parts, int j, int align) { return j == parts ? n : (n * j / parts) / align * align; }
 
 template <typename T, int FixedD>
 void run(const QIO& io, const void* k_cache, const void* v_cache, const float* k_scale, const float* v_scale,
@@ -883,19 +898,22 @@ void run(const QIO& io, const void* k_cache, const void* v_cache, const float* k
     }
     const int n_singles = static_cast<int>(singles.size());
     const int per_item = n_singles >= 2 * threads ? KVH : 1;  // KV heads per item
-    bool split = false;  // few lone rows on the bfloat16-dot path: split by positions
+    bool dot16 = false;  // lone rows take the bfloat16-dot path (its accumulators interleaved)
 #if defined(__AVX512BF16__)
-    if constexpr (FixedD > 0 && std::is_same_v<T, uint16_t>) split = threads > 1 && per_item == 1 && io.bf16 && bs >= 2 && plain;
+    if constexpr (FixedD > 0 && std::is_same_v<T, uint16_t>) dot16 = io.bf16 && bs >= 2 && plain;
 #endif
+    const bool split = threads > 1 && per_item == 1 && plain;  // few lone rows: split by positions
+    const int align = std::max(16, bs);
     std::vector<SplitRow> split_rows;
     int n_parts = 0;
     for (const Item& r : singles) {
         const int n = row_pos[r.first] + 1;
-        const int parts = split ? std::min((threads + n_singles - 1) / n_singles, n / kMinPart) : 1;
+        const int parts = split ? std::min((threads + n_singles - 1) / n_singles, n / std::max(kMinPart, align)) : 1;
         if (parts >= 2) {
             split_rows.push_back({r.first, parts, n_parts});
             for (int j = 0; j < parts; ++j) {
-                items.push_back({r.first, 1, 0, KVH, part_bound(n, parts, j), part_bound(n, parts, j + 1), n_parts++});
+                items.push_back({r.first, 1, 0, KVH, part_bound(n, parts, j, align), part_bound(n, parts, j + 1, align),
+                                 n_parts++});
             }
             continue;
         }
@@ -913,6 +931,8 @@ void run(const QIO& io, const void* k_cache, const void* v_cache, const float* k
         const Item it = items[k];
         const int i = it.first;
         const int32_t* table = block_tables + static_cast<int64_t>(row_seq[i]) * table_width;
+        const Partial part_of_row = it.part >= 0 ? partial(it.part) : Partial{};
+        const Partial* part = it.part >= 0 ? &part_of_row : nullptr;
 #if defined(__AVX512F__)
         if constexpr (FixedD > 0) {
             if (it.count > 1) {
@@ -930,37 +950,27 @@ void run(const QIO& io, const void* k_cache, const void* v_cache, const float* k
             } else {
 #if defined(__AVX512BF16__)
                 if constexpr (std::is_same_v<T, uint16_t>) {
-                    if (io.bf16 && bs >= 2 && plain) {
-                        if (it.part >= 0) {
-                            const Partial part = partial(it.part);
-                            attend_bf16dot<FixedD>(io, rows[i], kc, vc, table, row_pos[i], KVH, H / KVH, bs, scale, 0,
-                                                   KVH, it.from, it.to, &part);
-                        } else {
-                            attend_bf16dot<FixedD>(io, rows[i], kc, vc, table, row_pos[i], KVH, H / KVH, bs, scale,
-                                                   it.h0, it.h1);
-                        }
+                    if (dot16) {
+                        attend_bf16dot<FixedD>(io, rows[i], kc, vc, table, row_pos[i], KVH, H / KVH, bs, scale, it.h0,
+                                               it.h1, it.from, it.to, part);
                         continue;
                     }
                 }
 #endif
                 attend_avx512<T, FixedD>(io, rows[i], kc, vc, k_scale, v_scale, table, row_pos[i], KVH, H / KVH, bs,
-                                         scale, it.h0, it.h1, window, softcap);
+                                         scale, it.h0, it.h1, window, softcap, it.from, it.to, part);
             }
             continue;
         }
 #endif
         attend<T, FixedD>(io, rows[i], kc, vc, k_scale, v_scale, table, row_pos[i], KVH, H / KVH, D, bs, scale,
-                          it.h0, it.h1, window, softcap);
+                          it.h0, it.h1, window, softcap, it.from, it.to, part);
     }
-#if defined(__AVX512BF16__)
-    if constexpr (FixedD > 0 && std::is_same_v<T, uint16_t>) {
-        for (const SplitRow& r : split_rows) {
-            std::vector<Partial> parts;
-            for (int j = 0; j < r.parts; ++j) parts.push_back(partial(r.first_part + j));
-            merge_parts<FixedD>(io, rows[r.row], parts.data(), r.parts, H);
-        }
+    for (const SplitRow& r : split_rows) {
+        std::vector<Partial> parts;
+        for (int j = 0; j < r.parts; ++j) parts.push_back(partial(r.first_part + j));
+        merge_parts(io, rows[r.row], parts.data(), r.parts, H, D, dot16);
     }
-#endif
 }
 
 }  // namespace

@@ -39,10 +39,9 @@ BUILDS = {"native": (), "portable": ("-mno-avx512f",)}
 # of the fourth, a chunk after cached context (tiles of 16 rows crossing 16-key chunks and
 # blocks); "decode" the last position of each (single rows, each item all KV heads; the
 # 600-token one crosses the bf16 path's 256-key segments); "decode_one" only the 600-token
-# one's (a lone row: on the bf16-dot path its positions cut in one part per thread, merged
-# afterwards, else one item per KV head); "decode_two" the 100- and 600-token ones', run on
-# four threads (bf16-dot: the long row in two parts, the short one, under two parts of 64
-# positions, by KV head).
+# one's (a lone row: its positions cut in one part per thread, merged afterwards, on every
+# path); "decode_two" the 100- and 600-token ones', run on four threads (the long row in two
+# parts, the short one, too short for two parts, by KV head).
 QUERIES = {
     "verify": lambda n, i: range(max(0, n - 3), n) if n < 600 else [],
     "prefill": lambda n, i: range(37 if i == 3 else 0, n) if n < 600 else [],
