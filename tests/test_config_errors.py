@@ -37,6 +37,10 @@ CONFIG_ERRORS = [
     ({"observability": {"metrics": True}}, "observability: unknown key"),
     ({"device": "tpu"}, "device: unknown platform 'tpu'; available: cuda, cpu"),
     ({"logits_processors": [{"plugin": "nope"}]}, "logits_processors[0].plugin: unknown logits processor 'nope'"),
+    ({"device": {"plugin": "cuda", "cuda_graph": False}}, "device.cuda_graph: unknown key"),
+    ({"device": {"plugin": "cuda", "cuda_graphs": "yes"}}, "device.cuda_graphs: expected bool, got 'yes'"),
+    ({"device": {"plugin": "cuda", "graph_max_batch": 0}}, "device.graph_max_batch: expected int >= 1, got 0"),
+    ({"device": {"plugin": "cuda", "graph_max_batch": 2048}}, "device.graph_max_batch: expected int <= 1024, got 2048"),
 ]
 
 
