@@ -72,18 +72,15 @@ class PanelLinear(nn.Module, GatedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Written for one decode row, where this Python is a visible part of the step (121
-        # calls): buffers read from ``_buffers`` (``nn.Module.__getattr__`` costs ~0.3 us a
-        # name), the row checks inline (a tile_rows call only where they fail).
+        # calls): buffers read from ``_buffers`` (``nn.Module.__getattr__`` costs ~0.3 us a name).
         k = self.in_features
         if x.dtype != torch.bfloat16:
             raise TypeError(f"{type(self).__name__} takes bfloat16 inputs, got {x.dtype}")
         if x.shape[-1] != k:
             raise ValueError(f"{type(self).__name__}: inputs of {k} features, got shape {tuple(x.shape)}")
         flat = x.dim() == 2
-        rows = x if flat else x.reshape(-1, k)
+        rows = tile_rows(x if flat else x.reshape(-1, k))
         m = rows.shape[0]
-        if rows.stride(1) != 1 or (m > 1 and rows.stride(0) < k):
-            rows = tile_rows(rows)
         if self.padded_in != k:
             rows = F.pad(rows, (0, self.padded_in - k))
         out = torch.empty(m, self._width, dtype=torch.bfloat16)
