@@ -229,16 +229,16 @@ def run_hf(args, dtype: str, batch_size: int) -> Result:
     return Result("hf", dtype, batch_size, len(requests), elapsed, out_tokens, out_tokens + sum(r.prompt_len for r in requests))
 
 
-def _hf_generate(model, batch: list[ds.SampleRequest], max_new: int | None = None) -> None:
+def _hf_generate(model, batch: list[ds.SampleRequest], max_new: int | None = None, device: str = "cpu") -> None:
     """One static batch: prompts left-padded to the longest, every row generating the
     batch's longest output (``max_new`` overrides it)."""
     import torch
 
     width = max(r.prompt_len for r in batch)
-    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    ids = torch.zeros(len(batch), width, dtype=torch.long, device=device)
     mask = torch.zeros_like(ids)
     for row, r in enumerate(batch):
-        ids[row, width - r.prompt_len :] = torch.tensor(r.prompt)
+        ids[row, width - r.prompt_len :] = torch.tensor(r.prompt, device=device)
         mask[row, width - r.prompt_len :] = 1
     new = max_new or max(r.output_len for r in batch)
     with torch.inference_mode():

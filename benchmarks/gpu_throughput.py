@@ -90,30 +90,22 @@ def build_checkpoint(shape: dict, path: str, device: str):
 
 def requests(vocab: int, num: int = PROMPTS):
     from modserve.bench import datasets as ds
+    from modserve.bench.throughput import _token_space
 
-    return ds.random_requests(num, INPUT_LEN, OUTPUT_LEN, RANGE, ds.TokenSpace.from_range(100, vocab), 0)
+    return ds.random_requests(num, INPUT_LEN, OUTPUT_LEN, RANGE, _token_space(vocab), 0)
 
 
 def hf_offline(model, reqs, device: str) -> float:
-    """Output tok/s of HF generate, static left-padded batches, each row generating its batch's
-    longest output (tokens counted per request, as vLLM counts them)."""
+    """Output tok/s of HF generate in static batches (``bench throughput --baseline hf``'s:
+    left-padded, each row generating its batch's longest output; tokens counted per request,
+    as vLLM counts them)."""
+    from modserve.bench.throughput import _hf_generate
 
-    def batch(rows, new):
-        width = max(r.prompt_len for r in rows)
-        ids = torch.zeros(len(rows), width, dtype=torch.long, device=device)
-        mask = torch.zeros_like(ids)
-        for i, r in enumerate(rows):
-            ids[i, width - r.prompt_len :] = torch.tensor(r.prompt, device=device)
-            mask[i, width - r.prompt_len :] = 1
-        with torch.inference_mode():
-            model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
-
-    batch(reqs[:2], 4)  # warm-up
+    _hf_generate(model, reqs[:2], 4, device)  # warm-up
     sync(device)
     t0 = time.perf_counter()
     for i in range(0, len(reqs), HF_BATCH):
-        rows = reqs[i : i + HF_BATCH]
-        batch(rows, max(r.output_len for r in rows))
+        _hf_generate(model, reqs[i : i + HF_BATCH], device=device)
     sync(device)
     return sum(r.output_len for r in reqs) / (time.perf_counter() - t0)
 
@@ -177,21 +169,25 @@ def decode_steps(llm, batch: int, log: StepLog) -> float:
     return statistics.median(decode[4:])
 
 
+def gpu_seconds(fn, repeats: int) -> float:
+    """GPU seconds a call of ``fn`` takes: three warm-up calls, then ``repeats`` between CUDA events."""
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats / 1000
+
+
 def forward_gpu_seconds(llm, batch: int) -> float | None:
-    """GPU time of the captured forward for ``batch`` rows (replays timed with CUDA events)."""
+    """GPU time of the captured forward for ``batch`` rows (graph replays)."""
     graphs = llm.engine.runner.graphs
     if graphs is None or batch not in graphs.graphs:
         return None
-    replay = graphs.graphs[batch]
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(3):
-        replay()
-    start.record()
-    for _ in range(20):
-        replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 20 / 1000
+    return gpu_seconds(graphs.graphs[batch], 20)
 
 
 def copy_bandwidth(device: str) -> float:
@@ -200,15 +196,7 @@ def copy_bandwidth(device: str) -> float:
         return float("nan")
     src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * src.numel() * 10 / (start.elapsed_time(end) / 1000)
+    return 2 * src.numel() / gpu_seconds(lambda: dst.copy_(src), 10)
 
 
 def online(path: str, device: str, smoke: bool, out_dir: Path, name: str) -> dict:
@@ -247,6 +235,9 @@ def decode_kernel_vs_sdpa(shape: dict, device: str) -> dict:
 
     from modserve.core.contract import AttentionMetadata, LayerKVCache
     from modserve.plugins.attention import triton_kernels as tk
+    from modserve.plugins.attention.triton_backend import TritonAttention
+
+    plan = TritonAttention.Config()
 
     heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
     d = shape["hidden_size"] // heads
@@ -262,7 +253,7 @@ def decode_kernel_vs_sdpa(shape: dict, device: str) -> dict:
         meta = AttentionMetadata(b, torch.arange(b + 1, dtype=torch.int32, device=device), seq, seq - 1,
                                  torch.zeros(b, dtype=torch.int64, device=device), table, [1] * b, [ctx] * b, 1, ctx)
         reqs = torch.arange(b, dtype=torch.int32, device=device)
-        splits = min(16, -(-ctx // 256))
+        splits = min(plan.decode_max_splits, -(-ctx // plan.decode_split_tokens))  # the backend's default plan
         partials = (torch.empty(b, heads, splits, d, dtype=torch.float32, device=device),
                     torch.empty(b, heads, splits, dtype=torch.float32, device=device))
         o = torch.empty_like(q)
@@ -270,19 +261,11 @@ def decode_kernel_vs_sdpa(shape: dict, device: str) -> dict:
         kc = k[table.long()].reshape(b, ctx, kv_heads, d).transpose(1, 2).contiguous()
         vc = v[table.long()].reshape(b, ctx, kv_heads, d).transpose(1, 2).contiguous()
         runs = {
-            "triton_us": lambda: tk.decode_attention(q, cache, meta, reqs, 64, d**-0.5, o, partials),
+            "triton_us": lambda: tk.decode_attention(q, cache, meta, reqs, plan.block_n, d**-0.5, o, partials),
             "sdpa_us": lambda: F.scaled_dot_product_attention(q[:, :, None], kc, vc, enable_gqa=True),
         }
         for name, fn in runs.items():
-            for _ in range(3):
-                fn()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(50):
-                fn()
-            end.record()
-            torch.cuda.synchronize()
-            out.setdefault(ctx, {})[name] = start.elapsed_time(end) / 50 * 1000
+            out.setdefault(ctx, {})[name] = gpu_seconds(fn, 50) * 1e6
         kv_bytes = 2 * b * ctx * kv_heads * d * 2
         out[ctx]["kv_bytes"] = kv_bytes
     return out
