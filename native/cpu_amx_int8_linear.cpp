@@ -18,6 +18,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "packed_call.h"
+
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #include <omp.h>
@@ -123,3 +125,12 @@ void modserve_amx_w8a8(const uint16_t*, int64_t, int64_t, int, const int8_t*, co
 }
 
 #endif
+
+// Call-list entry point (packed_call.h), for the real kernel and the stub alike.
+MODSERVE_PACKED(modserve_amx_w8a8) {
+    using modserve::packed::ptr;
+    modserve_amx_w8a8(ptr<const uint16_t*>(a[0]), a[1], a[2], a[3], ptr<const int8_t*>(a[4]), ptr<const float*>(a[5]),
+                      a[6], ptr<const float*>(a[7]), ptr<int8_t*>(a[8]), ptr<float*>(a[9]), ptr<uint16_t*>(a[10]), a[11],
+                      a[12]);
+    return 0;
+}

@@ -23,6 +23,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "packed_call.h"
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #include <omp.h>
@@ -294,3 +296,24 @@ void modserve_amx_linear_int8(const uint16_t*, int64_t, int64_t, const int8_t*, 
 }
 
 #endif
+
+// Call-list entry points (packed_call.h), for the real kernels and the stubs alike.
+using modserve::packed::ptr;
+
+MODSERVE_PACKED(modserve_amx_linear) {
+    modserve_amx_linear(ptr<const uint16_t*>(a[0]), a[1], a[2], ptr<const uint16_t*>(a[3]), a[4], a[5],
+                        ptr<const float*>(a[6]), ptr<uint16_t*>(a[7]), a[8], a[9], a[10]);
+    return 0;
+}
+
+MODSERVE_PACKED(modserve_amx_linear_int4) {
+    modserve_amx_linear_int4(ptr<const uint16_t*>(a[0]), a[1], a[2], ptr<const uint8_t*>(a[3]), ptr<const uint16_t*>(a[4]),
+                             a[5], a[6], a[7], ptr<uint16_t*>(a[8]), ptr<uint16_t*>(a[9]), a[10], a[11]);
+    return 0;
+}
+
+MODSERVE_PACKED(modserve_amx_linear_int8) {
+    modserve_amx_linear_int8(ptr<const uint16_t*>(a[0]), a[1], a[2], ptr<const int8_t*>(a[3]), ptr<const float*>(a[4]),
+                             a[5], a[6], ptr<const float*>(a[7]), ptr<uint16_t*>(a[8]), ptr<uint16_t*>(a[9]), a[10], a[11]);
+    return 0;
+}

@@ -26,6 +26,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "packed_call.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #include <omp.h>
@@ -160,6 +162,13 @@ void modserve_avx512_linear(const uint16_t* x, int64_t x_stride, int64_t M, cons
 int modserve_avx512_linear_available() { return 1; }
 
 }  // extern "C"
+
+MODSERVE_PACKED(modserve_avx512_linear) {
+    using modserve::packed::ptr;
+    modserve_avx512_linear(ptr<const uint16_t*>(a[0]), a[1], a[2], ptr<const uint16_t*>(a[3]), a[4], a[5],
+                           ptr<const float*>(a[6]), ptr<uint16_t*>(a[7]), a[8], a[9], a[10]);
+    return 0;
+}
 
 #else  // no AVX512_BF16: the loader refuses the kernel
 

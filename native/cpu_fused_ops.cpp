@@ -13,9 +13,11 @@
 // bf16(that * u); rope: bf16(bf16(a * cos) + bf16(rot * sin)); residual: bf16(r + x).
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "bf16.h"
 #include "fast_exp.h"
+#include "packed_call.h"
 
 namespace {
 
@@ -144,4 +146,54 @@ void modserve_rope(int dtype, void* x, int64_t x_stride, const void* cos, const 
     }
 }
 
+// out[r] = table[idx[r]] for r < rows, each row `width` elements, widened or rounded from the
+// table's dtype to out's (0 float32, 1 bfloat16; nearest-even, as torch's cast): the embedding
+// lookup and the RoPE cos/sin rows of a step, without torch's index and cast ops. Returns 1,
+// writing nothing, when an index is not a row of the table's `table_rows`.
+int modserve_gather_rows(int table_dtype, const void* table, int64_t table_rows, const int64_t* idx, int rows, int width,
+                         int out_dtype, void* out, int threads) {
+    for (int r = 0; r < rows; ++r)
+        if (idx[r] < 0 || idx[r] >= table_rows) return 1;
+    const size_t in_size = table_dtype == 1 ? 2 : 4, out_size = out_dtype == 1 ? 2 : 4;
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 64)
+    for (int r = 0; r < rows; ++r) {
+        const char* src = static_cast<const char*>(table) + idx[r] * width * in_size;
+        char* dst = static_cast<char*>(out) + static_cast<int64_t>(r) * width * out_size;
+        if (table_dtype == out_dtype) {
+            std::memcpy(dst, src, width * in_size);
+        } else if (out_dtype == 1) {
+            for (int i = 0; i < width; ++i)
+                reinterpret_cast<bf16*>(dst)[i] = modserve::float_to_bf16(reinterpret_cast<const float*>(src)[i]);
+        } else {
+            for (int i = 0; i < width; ++i)
+                reinterpret_cast<float*>(dst)[i] = modserve::bf16_to_float(reinterpret_cast<const bf16*>(src)[i]);
+        }
+    }
+    return 0;
+}
+
 }  // extern "C"
+
+using modserve::packed::f32;
+using modserve::packed::ptr;
+
+MODSERVE_PACKED(modserve_add_rms_norm) {
+    modserve_add_rms_norm(a[0], ptr<const void*>(a[1]), a[2], ptr<void*>(a[3]), ptr<const void*>(a[4]), ptr<void*>(a[5]),
+                          a[6], a[7], a[8], f32(a[9]), a[10]);
+    return 0;
+}
+
+MODSERVE_PACKED(modserve_silu_mul) {
+    modserve_silu_mul(a[0], ptr<const void*>(a[1]), ptr<void*>(a[2]), a[3], a[4], a[5]);
+    return 0;
+}
+
+MODSERVE_PACKED(modserve_rope) {
+    modserve_rope(a[0], ptr<void*>(a[1]), a[2], ptr<const void*>(a[3]), ptr<const void*>(a[4]), a[5], a[6], a[7], a[8]);
+    return 0;
+}
+
+MODSERVE_PACKED(modserve_gather_rows) {
+    return modserve_gather_rows(a[0], ptr<const void*>(a[1]), a[2], ptr<const int64_t*>(a[3]), a[4], a[5], a[6],
+                                ptr<void*>(a[7]), a[8]);
+}

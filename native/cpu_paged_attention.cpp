@@ -27,6 +27,7 @@
 #include "avx512.h"
 #include "bf16.h"
 #include "fast_exp.h"
+#include "packed_call.h"
 
 namespace {
 
@@ -987,7 +988,8 @@ void run(const QIO& io, const void* k_cache, const void* v_cache, const float* k
 
 }  // namespace
 
-// The step's new K/V rows into their cache slots (a slot is a row of the [blocks * bs] rows).
+// The step's new K/V rows into their cache slots (a slot is a row of the [blocks * bs] rows;
+// -1 marks a padding row, whose K/V is not kept).
 template <typename T>
 void write_new_rows(void* k_cache, void* v_cache, const void* k_new, const void* v_new, int64_t k_stride,
                     int64_t v_stride, const int64_t* slots, int n_new, int64_t row_elems, int threads) {
@@ -997,6 +999,7 @@ void write_new_rows(void* k_cache, void* v_cache, const void* k_new, const void*
     const T* vn = static_cast<const T*>(v_new);
 #pragma omp parallel for num_threads(threads) schedule(static) if (n_new >= 64)
     for (int i = 0; i < n_new; ++i) {
+        if (slots[i] < 0) continue;  // a padding row (slot -1): nothing to keep
         std::memcpy(kc + slots[i] * row_elems, kn + i * k_stride, row_elems * sizeof(T));
         std::memcpy(vc + slots[i] * row_elems, vn + i * v_stride, row_elems * sizeof(T));
     }
@@ -1073,4 +1076,15 @@ int modserve_paged_attention(int dtype, int io_bf16, const void* q, int64_t q_st
     }
     return 3;
 }
+}
+
+MODSERVE_PACKED(modserve_paged_attention) {
+    using modserve::packed::f32;
+    using modserve::packed::ptr;
+    return modserve_paged_attention(
+        a[0], a[1], ptr<const void*>(a[2]), a[3], ptr<void*>(a[4]), a[5], ptr<void*>(a[6]), ptr<void*>(a[7]),
+        ptr<const float*>(a[8]), ptr<const float*>(a[9]), ptr<const void*>(a[10]), ptr<const void*>(a[11]), a[12], a[13],
+        ptr<const int64_t*>(a[14]), a[15], ptr<const int32_t*>(a[16]), a[17], ptr<const int64_t*>(a[18]),
+        ptr<const int32_t*>(a[19]), ptr<const int32_t*>(a[20]), a[21], a[22], a[23], a[24], a[25], f32(a[26]), a[27], a[28],
+        f32(a[29]));
 }

@@ -41,6 +41,9 @@ CONFIG_ERRORS = [
     ({"device": {"plugin": "cuda", "cuda_graphs": "yes"}}, "device.cuda_graphs: expected bool, got 'yes'"),
     ({"device": {"plugin": "cuda", "graph_max_batch": 0}}, "device.graph_max_batch: expected int >= 1, got 0"),
     ({"device": {"plugin": "cuda", "graph_max_batch": 2048}}, "device.graph_max_batch: expected int <= 1024, got 2048"),
+    ({"device": {"plugin": "cpu", "decode_graphs": "on"}}, "device.decode_graphs: expected bool, got 'on'"),
+    ({"device": {"plugin": "cpu", "graph_max_batch": 0}}, "device.graph_max_batch: expected int >= 1, got 0"),
+    ({"device": {"plugin": "cpu", "graph_max_batch": 512}}, "device.graph_max_batch: expected int <= 256, got 512"),
 ]
 
 
@@ -157,7 +160,7 @@ def test_cli_validate_and_plugins(tmp_path):
     import json
 
     data = json.loads(_cli("plugins", "--json").stdout)
-    assert data["contract"] == "2.5"
+    assert data["contract"] == "2.6"
     assert {"fcfs", "priority", "static"} <= {p["name"] for p in data["plugins"]["schedulers"]}
 
 

@@ -35,6 +35,7 @@ from modserve.plugins.platforms.cpu import CPUPlatform  # noqa: E402
 from modserve.plugins.platforms.cuda import graph_sizes  # noqa: E402
 
 SIZES = (1, 2, 4)
+EAGER_CPU = {"plugin": "cpu", "decode_graphs": False}  # the cpu platform's own call lists off (tests/test_cpu_decode_graphs.py)
 
 
 class ReplayingCPU(CPUPlatform):
@@ -96,7 +97,7 @@ def run(llm: LLM, vocab: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
 def test_replayed_decode_steps_give_the_eager_tokens(model_dir, kv_dtype):
-    eager = engine(model_dir, "cpu", kv_dtype)
+    eager = engine(model_dir, EAGER_CPU, kv_dtype)
     vocab = eager.engine.c.spec.vocab_size
     want = run(eager, vocab)
     ReplayingCPU.captured = []
@@ -120,7 +121,7 @@ def test_replayed_decode_steps_give_the_eager_tokens(model_dir, kv_dtype):
 
 
 def test_a_platform_that_declines_to_capture_runs_eagerly(model_dir, caplog):
-    plain = engine(model_dir, "cpu")
+    plain = engine(model_dir, EAGER_CPU)
     vocab = plain.engine.c.spec.vocab_size
     eager = run(plain, vocab)
     llm = engine(model_dir, {"plugin": "declining_cpu"})
@@ -142,7 +143,7 @@ def test_graphs_need_a_capturable_backend_and_model(model_dir):
     assert not MixtralForCausalLM.capturable
     moe = type("MoE", (), {"capturable": False})()
     assert graph_refusal(platform, moe, attention, False) == "model MoE is not capturable"
-    plain = engine(model_dir, "cpu")  # the cpu platform names no sizes: no graphs object at all
+    plain = engine(model_dir, EAGER_CPU)  # a platform that names no sizes: no graphs object at all
     assert plain.engine.runner.graphs is None
 
 

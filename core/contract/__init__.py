@@ -60,7 +60,7 @@ __all__ = [
     "CONTRACT_VERSION", "ENTRY_POINT_GROUP", "KINDS", "MIGRATION_NOTES",
     "AttentionBackend", "AttentionMetadata", "AttentionSpec", "BlockCopy", "BuildContext", "CausalLM",
     "DeviceInfo", "EvictionPolicy", "GatedLinear", "KVBackend", "KVSpec", "KVStats", "LayerKVCache", "LogitsProcessor",
-    "LogitsRow", "ModelArchitecture", "ModelSpec", "NoOptions", "Observer", "Platform", "Plugin", "PrefixHit",
+    "LogitsRow", "ModelArchitecture", "ModelSpec", "NativeFunction", "NoOptions", "Observer", "Platform", "Plugin", "PrefixHit",
     "Proposer", "ReasoningParser", "Sampler", "SamplerOutput", "ScheduledRequest", "Scheduler", "SchedulerOutput",
     "SchedulerStats", "SpeculativeConfig", "StepStats", "TargetModel", "ToolCall", "ToolParse", "ToolParser", "copy_layer_blocks", "hookimpl", "hookspec",
 ]
@@ -71,4 +71,8 @@ def __getattr__(name: str):
         from modserve.core.contract.causal_lm import CausalLM
 
         return CausalLM
+    if name == "NativeFunction":  # a kernel a CPU decode graph can record (contract 2.6)
+        from modserve.core.native_calls import NativeFunction
+
+        return NativeFunction
     raise AttributeError(f"module 'modserve.core.contract' has no attribute {name!r}")

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 
+from modserve.core.native_calls import NativeFunction
 from modserve.native.build import SOURCES, KernelUnavailable, compile_and_load
 
 SOURCE = SOURCES / "cpu_fused_ops.cpp"
@@ -27,16 +29,26 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 log = logging.getLogger("modserve.models")
 
 
+@dataclass(frozen=True)
+class Kernels:
+    """The compiled ops, recordable into a decode step's call list (:mod:`native_calls`)."""
+
+    add_rms_norm: NativeFunction
+    silu_mul: NativeFunction
+    rope: NativeFunction
+    gather_rows: NativeFunction
+
+
 @lru_cache(maxsize=1)
-def load() -> ctypes.CDLL:
+def load() -> Kernels:
     lib = compile_and_load(SOURCE, "the fused cpu ops")
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-    lib.modserve_add_rms_norm.argtypes = [i32, ptr, i64, ptr, ptr, ptr, i64, i32, i32, f32, i32]
-    lib.modserve_silu_mul.argtypes = [i32, ptr, ptr, i32, i32, i32]
-    lib.modserve_rope.argtypes = [i32, ptr, i64, ptr, ptr, i32, i32, i32, i32]
-    for fn in (lib.modserve_add_rms_norm, lib.modserve_silu_mul, lib.modserve_rope):
-        fn.restype = None
-    return lib
+    return Kernels(
+        NativeFunction(lib, "modserve_add_rms_norm", [i32, ptr, i64, ptr, ptr, ptr, i64, i32, i32, f32, i32]),
+        NativeFunction(lib, "modserve_silu_mul", [i32, ptr, ptr, i32, i32, i32]),
+        NativeFunction(lib, "modserve_rope", [i32, ptr, i64, ptr, ptr, i32, i32, i32, i32]),
+        NativeFunction(lib, "modserve_gather_rows", [i32, ptr, i64, ptr, i32, i32, i32, ptr, i32], ctypes.c_int),
+    )
 
 
 def can_fuse(device: torch.device, dtype: torch.dtype) -> bool:
@@ -63,7 +75,7 @@ def add_rms_norm(residual: torch.Tensor, add: torch.Tensor | None, weight: torch
     else:
         src, stride, res = add, add.stride(0), residual.data_ptr()
     code = _check(src, residual, weight)
-    load().modserve_add_rms_norm(
+    load().add_rms_norm(
         code, src.data_ptr(), stride, res, weight.data_ptr(), out.data_ptr(), out.stride(0), rows, dim, eps,
         torch.get_num_threads(),
     )  # fmt: skip
@@ -77,7 +89,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if not gate_up.is_contiguous():
         raise ValueError("fused cpu ops: gate_up must be contiguous")
     out = gate_up.new_empty(rows, width // 2)
-    load().modserve_silu_mul(code, gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
+    load().silu_mul(code, gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
     return out
 
 
@@ -87,10 +99,26 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, hea
     code = _check(x, cos, sin)
     if not (cos.is_contiguous() and sin.is_contiguous()):
         raise ValueError("fused cpu ops: cos and sin must be contiguous")
-    load().modserve_rope(
+    load().rope(
         code, x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), x.shape[0], heads, head_dim,
         torch.get_num_threads(),
     )  # fmt: skip
+
+
+def gather_rows(table: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``table[index].to(dtype)`` as one kernel: the embedding lookup, and the RoPE cos/sin rows
+    of a step (float32 table, rounded to the model's dtype as torch rounds). ``table``:
+    contiguous ``[rows, width]``; ``index``: ``[T]`` integers, each a row of ``table`` (else IndexError)."""
+    if not table.is_contiguous():
+        raise ValueError("fused cpu ops: gather_rows needs a contiguous table")
+    index = index.to(torch.int64).contiguous()  # no copy where it already is (a decode graph's inputs)
+    out = torch.empty(index.shape[0], table.shape[1], dtype=dtype)
+    if load().gather_rows(
+        _check(table), table.data_ptr(), table.shape[0], index.data_ptr(), index.shape[0], table.shape[1], _check(out),
+        out.data_ptr(), torch.get_num_threads(),
+    ):  # fmt: skip
+        raise IndexError(f"gather_rows: an index is outside the table's {table.shape[0]} rows")
+    return out
 
 
 def _check(*tensors: torch.Tensor) -> int:

@@ -72,13 +72,15 @@ class RotaryTable:
         self.sin = (emb.sin() * gain).to(device)
 
     def lookup(
-        self, positions: torch.Tensor, dtype: torch.dtype, meta: AttentionMetadata | None = None
+        self, positions: torch.Tensor, dtype: torch.dtype, meta: AttentionMetadata | None = None, gather=None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows for this step's positions, shaped to broadcast over heads: ``[T, 1, D]``.
         LongRoPE picks each token's factors by its request's length in ``meta`` (without
         one, by its position alone); a position past the original length always takes the
-        long factors."""
+        long factors. ``gather(table, rows, dtype)``: a kernel for ``table[rows].to(dtype)``."""
         rows = positions if self.original is None else self._longrope_rows(positions, meta)
+        if gather is not None:
+            return gather(self.cos, rows, dtype).unsqueeze(1), gather(self.sin, rows, dtype).unsqueeze(1)
         return self.cos[rows].to(dtype).unsqueeze(1), self.sin[rows].to(dtype).unsqueeze(1)
 
     def _longrope_rows(self, positions: torch.Tensor, meta: AttentionMetadata | None) -> torch.Tensor:

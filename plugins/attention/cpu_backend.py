@@ -62,6 +62,8 @@ class CpuAttention(AttentionBackend):
 
     window: int | None = None  # this layer's sliding window (set by for_layer)
     softcap: float | None = None  # this layer's logit soft-cap
+    capturable = True  # decode steps: every kernel call is recordable, and reads the step from meta's tensors
+    _rows: tuple[torch.Tensor, torch.Tensor] | None = None  # a decode step's rows and their requests: 0..n-1
 
     def __init__(self, config: Config, ctx: BuildContext) -> None:
         super().__init__(config, ctx)
@@ -80,6 +82,9 @@ class CpuAttention(AttentionBackend):
         return layer_view(self, sliding_window, logit_softcap)
 
     def prepare(self, meta: AttentionMetadata) -> None:
+        if meta.max_query_len == 1 and meta.context_lens.dtype == torch.int32:
+            meta.backend_state = self._decode_state(meta)
+            return
         limit = self.max_query_len
         rows, seq, pos = [], [], []
         starts = meta.query_start_loc.tolist()
@@ -95,6 +100,18 @@ class CpuAttention(AttentionBackend):
         )  # fmt: skip
         prefills = plan_prefills(meta, self.spec.block_size, skip=lambda q_len: q_len <= limit)
         meta.backend_state = _StepState(step, prefills)
+
+    def _decode_state(self, meta: AttentionMetadata) -> _StepState:
+        """A decode-only step: row i is request i at position ``context_lens[i]``. The kernel
+        reads the positions, block tables and slots from meta's own tensors, so a replayed
+        decode graph (:mod:`native_calls`) sees each step's values."""
+        n = meta.num_tokens
+        if self._rows is None or self._rows[0].numel() != n:
+            self._rows = (torch.arange(n, dtype=torch.int64), torch.arange(n, dtype=torch.int32))
+        step = kernel.step_rows(
+            meta.block_tables.to(torch.int32).contiguous(), *self._rows, meta.context_lens.contiguous(), meta.slot_mapping
+        )
+        return _StepState(step, [])
 
     def forward(self, q, k, v, cache: LayerKVCache, meta: AttentionMetadata) -> torch.Tensor:
         """One kernel call writes the step's K/V rows into the cache and attends for the

@@ -9,6 +9,7 @@ from functools import lru_cache
 
 import torch
 
+from modserve.core.contract import NativeFunction
 from modserve.native.build import SOURCES, KernelUnavailable, compile_and_load, compiler  # noqa: F401 - re-exported
 
 SOURCE = SOURCES / "cpu_paged_attention.cpp"
@@ -20,20 +21,25 @@ def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     """The compiled kernel library (compiled now if this machine has no cached build);
     ``extra_flags``: a variant build, e.g. ``("-mno-avx512f",)`` for the portable loops."""
     lib = compile_and_load(SOURCE, "the cpu attention kernel", extra_flags)
-    lib.modserve_paged_attention.restype = ctypes.c_int
-    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    lib.modserve_paged_attention.argtypes = [
-        i32, i32, ptr, i64, ptr, i64,  # cache dtype, io_bf16, q, q_stride, out, out_stride
-        ptr, ptr, ptr, ptr,  # k_cache, v_cache, k_scale, v_scale
-        ptr, ptr, i64, i64, ptr, i32,  # k_new, v_new, their token strides, slots, n_new
-        ptr, i32, ptr, ptr, ptr, i32,  # block_tables, width, rows, row_seq, row_pos, n_rows
-        i32, i32, i32, i32, ctypes.c_float, i32,  # H, KVH, D, bs, scale, threads
-        i32, ctypes.c_float,  # window (0: none), softcap (0: none)
-    ]
+    i32 = ctypes.c_int
     lib.modserve_limits.argtypes = [ctypes.POINTER(ctypes.c_int)] * 3
     lib.modserve_tiled.argtypes = [i32]
     lib.modserve_tiled.restype = i32
     return lib
+
+
+@lru_cache(maxsize=None)
+def _paged_attention(lib: ctypes.CDLL) -> NativeFunction:
+    """``lib``'s kernel, recordable into a decode step's call list (:mod:`native_calls`)."""
+    ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    return NativeFunction(lib, "modserve_paged_attention", [
+        i32, i32, ptr, i64, ptr, i64,  # cache dtype, io_bf16, q, q_stride, out, out_stride
+        ptr, ptr, ptr, ptr,  # k_cache, v_cache, k_scale, v_scale
+        ptr, ptr, i64, i64, ptr, i32,  # k_new, v_new, their token strides, slots, n_new
+        ptr, i32, ptr, ptr, ptr, i32,  # block_tables, width, rows, row_seq, row_pos, n_rows
+        i32, i32, i32, i32, f32, i32,  # H, KVH, D, bs, scale, threads
+        i32, f32,  # window (0: none), softcap (0: none)
+    ], ctypes.c_int)  # fmt: skip
 
 
 def limits() -> tuple[int, int, int]:
@@ -152,7 +158,7 @@ def attend(
         if n_new != k_new.shape[0] or n_new != v_new.shape[0]:
             raise ValueError("cpu paged attention: new_kv slots must be contiguous int64, one per new row")
         k_stride, v_stride, slots = k_new.stride(0), v_new.stride(0), step.slots.data_ptr()
-    code = (lib or load()).modserve_paged_attention(
+    code = _paged_attention(lib or load())(
         DTYPE_CODES[k_cache.dtype], int(dtype == torch.bfloat16),
         q.data_ptr(), q_strides[0], out.data_ptr(), out_strides[0],
         k_cache.data_ptr(), v_cache.data_ptr(),

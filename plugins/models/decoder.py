@@ -55,6 +55,7 @@ class DecoderLM(CausalLM):
     covers ``max_positions`` changes nothing and is not asked for."""
 
     capturable = True  # no host waits in forward (a mixture of experts' model says otherwise)
+    fused_lookups = False  # embedding and RoPE rows by cpu_fused.gather_rows (set by use_cpu_fused_ops)
 
     def __init__(
         self, spec: ModelSpec, layers: Iterable[nn.Module], max_positions: int, tp=None, *,
@@ -103,7 +104,7 @@ class DecoderLM(CausalLM):
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm."""
         residual = self.embed(input_ids)
-        cos, sin = self.rotary.lookup(positions, residual.dtype, meta)
+        cos, sin = self.rotary.lookup(positions, residual.dtype, meta, cpu_fused.gather_rows if self.fused_lookups else None)
         add = None
         for layer, cache in zip(self.layers, caches):
             add = layer.forward(residual, add, cos, sin, cache, meta)
@@ -111,7 +112,10 @@ class DecoderLM(CausalLM):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The embeddings, a fresh tensor (the layers add into it), scaled by ``embed_scale``."""
-        x = self.embed_tokens(input_ids)
+        if self.fused_lookups:
+            x = cpu_fused.gather_rows(self.embed_tokens.weight, input_ids, self.embed_tokens.weight.dtype)
+        else:
+            x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x.mul_(torch.tensor(self.embed_scale, dtype=x.dtype))
         return x
@@ -124,6 +128,7 @@ class DecoderLM(CausalLM):
         for module in self.modules():
             if hasattr(module, "fused"):
                 module.fused = True
+        self.fused_lookups = self.tp is None  # a vocabulary-parallel embedding looks up its own shard
         for module in self.modules():
             if isinstance(module, MLP):
                 module.fuse_gated_product()

@@ -15,23 +15,25 @@ import logging
 import os
 import platform as host
 from collections.abc import Callable
-from typing import Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 import torch
 from torch import nn
 
 from modserve.core.config import ConfigError
+from modserve.core import native_calls
 from modserve.core.contract import DeviceInfo, Platform, hookimpl
 from modserve.native.build import KernelUnavailable
 from modserve.plugins.platforms import cpu_amx_linear as amx_linear
 from modserve.plugins.platforms import cpu_avx512_linear as avx512_linear
 from modserve.plugins.platforms.cpu_linear import PackedLinear, can_pack
+from modserve.plugins.platforms.cpu_panel_linear import PanelLinear
 from modserve.plugins.platforms.cpu_memory import keep_freed_memory
 from modserve.plugins.platforms.cpu_prequantized import CHECKPOINT_SCHEMES, checkpoint_linear
 from modserve.plugins.platforms.cpu_quant import Int4WeightOnlyLinear, gguf_linear, quantize_linear
 
-MODSERVE_CONTRACT = "2.3"  # DeviceInfo.kernels; its AMX linears are GatedLinear
+MODSERVE_CONTRACT = "2.6"  # DeviceInfo.kernels; its AMX linears are GatedLinear; decode graphs as native call lists
 log = logging.getLogger("modserve.platform")
 
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8", "avx_ne_convert")
@@ -45,6 +47,8 @@ class CPUConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     quantization: Literal["none", "int8", "w8a8", "int4", "gguf", "gptq", "awq", "compressed-tensors"] = "none"  # linear weights: int8 weight-only, int8 weights and activations (per token), int4 weight-only groups, a GGUF file's Q8_0/Q4_0/Q4_1 blocks kept as they are, or a pre-quantized HF checkpoint's weights kept (docs/quantization.md)
     int4_group_size: Literal[32, 64, 128, 256] | None = None  # quantization: int4 only (default 128): inputs per scale/zero group; a layer whose in_features it does not divide takes the largest smaller size that does
     quantize_lm_head: bool = False  # quantize the LM head too (a tied head gets its own quantized copy; the embedding stays as loaded)
+    decode_graphs: bool = True  # replay decode steps of up to graph_max_batch requests as recorded kernel call lists (one C call a step; docs/cpu_linears.md); where the forward is not all recordable kernels, steps run eagerly and the log says why
+    graph_max_batch: Annotated[int, msgspec.Meta(ge=1, le=256)] = 16  # the largest decode batch replayed; each size from 1 is recorded the first time it runs
 
 
 class CPUPlatform(Platform):
@@ -68,6 +72,8 @@ class CPUPlatform(Platform):
         self.amx_linears = self.float_kernel == "amx"
         self.amx_int8 = self.amx_linears and _int8_tiles_build(config)  # W8A8 on AMX-INT8 tiles
         self.kept_layers = 0  # layers built from a pre-quantized checkpoint's codes
+        self.unrecorded_linear: str | None = None  # a layer that multiplies through torch (no decode call lists)
+        self._said_why = False
         if config.reuse_freed_memory:  # before anything is loaded: the weights too come from the kept heap
             keep_freed_memory()
 
@@ -115,7 +121,36 @@ class CPUPlatform(Platform):
             return "torch"
         return "cpu"
 
+    def graph_batch_sizes(self) -> tuple[int, ...]:
+        """Every size from 1 to ``graph_max_batch``: on a CPU a padded row costs its full share
+        of the products, so each batch size gets a call list of its own. None where a linear
+        layer is torch's (oneDNN's float32 or quantized products), which a list cannot replay."""
+        if not self.config.decode_graphs:
+            return ()
+        if self.unrecorded_linear is not None:
+            if not self._said_why:
+                log.info("device.decode_graphs: off, linear %s multiplies through torch", self.unrecorded_linear)
+                self._said_why = True
+            return ()
+        return tuple(range(1, self.config.graph_max_batch + 1))
+
+    def capture_graph(self, fn: Callable[..., Any], example_args: tuple) -> Callable[[], Any] | None:
+        """The forward as a recorded call list (:mod:`modserve.core.native_calls`), or None,
+        logging why, where it computes anything outside recordable kernels (e.g. oneDNN's
+        float32 products, an int8 KV cache's torch quantization)."""
+        try:
+            return native_calls.capture(fn, example_args)
+        except native_calls.NotReplayable as e:
+            log.warning("device.decode_graphs: %s", e)
+            return None
+
     def linear(self, name: str, layer: nn.Linear) -> nn.Module:
+        module = self._linear(name, layer)
+        if self.unrecorded_linear is None and name != "lm_head" and not isinstance(module, PanelLinear):
+            self.unrecorded_linear = name  # computes through torch: a decode forward cannot be a call list
+        return module
+
+    def _linear(self, name: str, layer: nn.Linear) -> nn.Module:
         module = self._quantized(name, layer)
         if module is not layer:
             if isinstance(module, Int4WeightOnlyLinear):

@@ -11,6 +11,7 @@ import functools
 
 import torch
 
+from modserve.core.contract import NativeFunction
 from modserve.native.build import SOURCES, compile_and_load_amx
 from modserve.plugins.platforms.cpu_panel_linear import pack_tiles, tile_rows
 
@@ -19,13 +20,11 @@ TILE_K = 64  # int8 inputs per packed weight tile
 
 
 @functools.cache
-def load() -> ctypes.CDLL:
+def load() -> NativeFunction:
     """The compiled kernel, this process granted AMX state; raises ``KernelUnavailable``."""
     lib = compile_and_load_amx(SOURCE, "the AMX int8 linear kernel")
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.modserve_amx_w8a8.argtypes = [ptr, i64, i64, i32, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i32]
-    lib.modserve_amx_w8a8.restype = None
-    return lib
+    return NativeFunction(lib, "modserve_amx_w8a8", [ptr, i64, i64, i32, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i32])
 
 
 def pack(q: torch.Tensor) -> torch.Tensor:
@@ -43,7 +42,7 @@ def w8a8_product(rows: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, 
     q = torch.empty(m * k_pad, dtype=torch.int8)
     row_scale = torch.empty(m, dtype=torch.float32)
     out = torch.empty(m, n, dtype=torch.bfloat16)
-    load().modserve_amx_w8a8(
+    load()(
         rows.data_ptr(), rows.stride(0), m, k, packed.data_ptr(), scale.data_ptr(), n,
         None if bias is None else bias.data_ptr(), q.data_ptr(), row_scale.data_ptr(), out.data_ptr(), n, torch.get_num_threads(),
     )  # fmt: skip

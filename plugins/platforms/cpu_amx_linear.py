@@ -18,29 +18,38 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from modserve.core.contract import NativeFunction
 from modserve.native.build import SOURCES, compile_and_load_amx
 from modserve.plugins.platforms.cpu_panel_linear import TILE_K, PanelLinear, tile_rows
 
 SOURCE = SOURCES / "cpu_amx_linear.cpp"
 
 
+@dataclass(frozen=True)
+class AmxKernels:
+    """The library's products, recordable into a decode step's call list."""
+
+    linear: NativeFunction  # bfloat16 panels (PanelLinear's kernel)
+    int4: NativeFunction
+    int8: NativeFunction
+
+
 @functools.cache
-def load() -> ctypes.CDLL:
+def load() -> AmxKernels:
     """The compiled kernel, this process granted AMX state; raises ``KernelUnavailable``
     (``cpu.amx_unavailable`` says why it cannot run here)."""
     lib = compile_and_load_amx(SOURCE, "the AMX linear kernel")
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.modserve_amx_linear.argtypes = [ptr, i64, i64, ptr, i64, i32, ptr, ptr, i64, i32, i32]
-    lib.modserve_amx_linear.restype = None
-    lib.modserve_amx_linear_int4.argtypes = [ptr, i64, i64, ptr, ptr, i64, i32, i32, ptr, ptr, i64, i32]
-    lib.modserve_amx_linear_int4.restype = None
-    lib.modserve_amx_linear_int8.argtypes = [ptr, i64, i64, ptr, ptr, i64, i32, ptr, ptr, ptr, i64, i32]
-    lib.modserve_amx_linear_int8.restype = None
-    return lib
+    return AmxKernels(
+        NativeFunction(lib, "modserve_amx_linear", [ptr, i64, i64, ptr, i64, i32, ptr, ptr, i64, i32, i32]),
+        NativeFunction(lib, "modserve_amx_linear_int4", [ptr, i64, i64, ptr, ptr, i64, i32, i32, ptr, ptr, i64, i32]),
+        NativeFunction(lib, "modserve_amx_linear_int8", [ptr, i64, i64, ptr, ptr, i64, i32, ptr, ptr, ptr, i64, i32]),
+    )
 
 
 _widened = torch.empty(0, dtype=torch.bfloat16)  # int4/int8_product's widened tiles, shared by every layer
@@ -66,7 +75,7 @@ def int4_product(rows: torch.Tensor, packed: torch.Tensor, scales_and_zeros: tor
     rows = tile_rows(rows)
     out = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
     scratch = _scratch(n * k)
-    load().modserve_amx_linear_int4(
+    load().int4(
         rows.data_ptr(), rows.stride(0), rows.shape[0], packed.data_ptr(), scales_and_zeros.data_ptr(), n, k, group,
         scratch.data_ptr(), out.data_ptr(), n, torch.get_num_threads(),
     )  # fmt: skip
@@ -83,7 +92,7 @@ def int8_product(rows: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, 
     rows = tile_rows(rows)
     out = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
     scratch = _scratch(-(-n // 32) * 32 * k)
-    load().modserve_amx_linear_int8(
+    load().int8(
         rows.data_ptr(), rows.stride(0), rows.shape[0], packed.data_ptr(), scale.data_ptr(), n, k,
         None if bias is None else bias.data_ptr(), scratch.data_ptr(), out.data_ptr(), n, torch.get_num_threads(),
     )  # fmt: skip
@@ -97,4 +106,4 @@ class AmxLinear(PanelLinear):
     input_multiple = TILE_K
 
     def __init__(self, linear: nn.Linear) -> None:
-        super().__init__(linear, load().modserve_amx_linear)
+        super().__init__(linear, load().linear)

@@ -22,6 +22,7 @@ import functools
 
 from torch import nn
 
+from modserve.core.contract import NativeFunction
 from modserve.native.build import SOURCES, KernelUnavailable, compile_and_load
 from modserve.plugins.platforms.cpu_panel_linear import PanelLinear
 
@@ -29,7 +30,7 @@ SOURCE = SOURCES / "cpu_avx512_linear.cpp"
 
 
 @functools.cache
-def load() -> ctypes.CDLL:
+def load() -> NativeFunction:
     """The compiled kernel; raises ``KernelUnavailable`` where it cannot be built, or where the
     compiler does not target AVX512_BF16 on this CPU (``-march=native``)."""
     lib = compile_and_load(SOURCE, "the AVX512_BF16 linear kernel")
@@ -37,9 +38,7 @@ def load() -> ctypes.CDLL:
     if not lib.modserve_avx512_linear_available():
         raise KernelUnavailable("the AVX512_BF16 linear kernel: the compiler does not target AVX512_BF16 on this CPU (-march=native)")
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.modserve_avx512_linear.argtypes = [ptr, i64, i64, ptr, i64, i32, ptr, ptr, i64, i32, i32]
-    lib.modserve_avx512_linear.restype = None
-    return lib
+    return NativeFunction(lib, "modserve_avx512_linear", [ptr, i64, i64, ptr, i64, i32, ptr, ptr, i64, i32, i32])
 
 
 class Avx512Linear(PanelLinear):
@@ -47,4 +46,4 @@ class Avx512Linear(PanelLinear):
     padding of the rows); gated on request (:class:`PanelLinear`)."""
 
     def __init__(self, linear: nn.Linear) -> None:
-        super().__init__(linear, load().modserve_avx512_linear)
+        super().__init__(linear, load())
