@@ -118,9 +118,13 @@ class _AllocationsOnly(TorchDispatchMode):
         if func not in _ALLOCATIONS and not func.is_view:
             raise NotReplayable(f"torch operator {func} computes outside the recorded kernels")
         out = func(*args, **(kwargs or {}))
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         if func in _ALLOCATIONS:
             self.allocated.append(out)
-        self.kept += [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        elif any(t.untyped_storage().data_ptr() != args[0].untyped_storage().data_ptr() for t in outs):
+            # an operator that may alias (reshape under inference mode) but here copied
+            raise NotReplayable(f"torch operator {func} copies outside the recorded kernels")
+        self.kept += outs
         return out
 
 

@@ -47,7 +47,7 @@ class CPUConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     quantization: Literal["none", "int8", "w8a8", "int4", "gguf", "gptq", "awq", "compressed-tensors"] = "none"  # linear weights: int8 weight-only, int8 weights and activations (per token), int4 weight-only groups, a GGUF file's Q8_0/Q4_0/Q4_1 blocks kept as they are, or a pre-quantized HF checkpoint's weights kept (docs/quantization.md)
     int4_group_size: Literal[32, 64, 128, 256] | None = None  # quantization: int4 only (default 128): inputs per scale/zero group; a layer whose in_features it does not divide takes the largest smaller size that does
     quantize_lm_head: bool = False  # quantize the LM head too (a tied head gets its own quantized copy; the embedding stays as loaded)
-    decode_graphs: bool = True  # replay decode steps of up to graph_max_batch requests as recorded kernel call lists (one C call a step; docs/cpu_linears.md); where the forward is not all recordable kernels, steps run eagerly and the log says why
+    decode_graphs: bool = True  # replay decode steps of up to graph_max_batch requests as recorded kernel call lists (one C call a step; docs/cpu_decode_graphs.md); where the forward is not all recordable kernels, steps run eagerly and the log says why
     graph_max_batch: Annotated[int, msgspec.Meta(ge=1, le=256)] = 16  # the largest decode batch replayed; each size from 1 is recorded the first time it runs
 
 
