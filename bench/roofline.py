@@ -431,7 +431,9 @@ def run_engine(args, resolved, llm, machine: dict[str, Any]) -> dict[str, Any]:
     account = _StepAccount(spec, weight_bytes(spec, dtype_bytes), kv_bytes_per_context_token(spec, dtype_bytes, int8))
     c.registry.pm.register(account)
     detach = account.attach(llm.engine.scheduler)
-    parts = forward_parts.ForwardParts() if c.device.type == "cpu" else None  # timers measure launches on a GPU
+    # timers measure launches on a GPU, and never see a decode step replayed from a graph or call list
+    graphs = llm.engine.runner.graphs is not None
+    parts = forward_parts.ForwardParts() if c.device.type == "cpu" and not graphs else None
     detach_parts = parts.attach(llm.engine.runner.model, llm.engine.runner.attention) if parts else lambda: None
     try:
         requests = make_requests(args, spec.vocab_size)
@@ -453,6 +455,7 @@ def run_engine(args, resolved, llm, machine: dict[str, Any]) -> dict[str, Any]:
     report = engine_report(account, spec, machine, dtype, wall, out_tokens, args, c.model_name, lengths)
     report["forward_parts"] = None if parts is None else forward_parts.report(
         parts, account.times["model"], wall, out_tokens, account.linear_flops, report["peak_flops_per_s"])
+    report["forward_parts_off"] = None if parts else "decode graphs replay the steps" if graphs else "timed on the CPU only"
     report["plugins"] = {k: v for k, v in c.info()["plugins"].items() if v is not None}
     if resolved.pipeline.speculative:
         report["notes"].append("speculative decoding is on: drafts make the FLOP and decode figures inexact")
@@ -577,14 +580,16 @@ def print_engine(e: dict[str, Any]) -> None:
         row("  achieved compute", _si(d["achieved_flops_per_s"], "FLOP/s"),
             f"= {100 * d['roofline_share']:.0f} % of the roofline bound min(peak, intensity x bandwidth) "
             f"≈ {_si(d['roofline_flops_per_s'], 'FLOP/s')}")
-    _print_forward_parts(e.get("forward_parts"), e["output_tok_s"], row)
+    _print_forward_parts(e.get("forward_parts"), e.get("forward_parts_off"), e["output_tok_s"], row)
     for note in e["notes"]:
         print(f"  note: {note}")
 
 
-def _print_forward_parts(p: dict[str, Any] | None, output_tok_s: float, row) -> None:
+def _print_forward_parts(p: dict[str, Any] | None, why_not: str | None, output_tok_s: float, row) -> None:
     if p is None:
-        print("  model forward by part: timed on the CPU only")
+        if why_not == "decode graphs replay the steps":
+            why_not = "not timed: decode steps replay as graphs, which no timer sees (device.decode_graphs: false times them)"
+        print(f"  model forward by part: {why_not or 'timed on the CPU only'}")
         return
     print("  model forward by part (timers around each call), share of the wall time:")
     labels = {"linears": f"linears ({p['calls']['linears']} calls)",
