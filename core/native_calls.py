@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import math
 import struct
+import threading
 from collections.abc import Callable
 from functools import cache
 from typing import Any
@@ -57,8 +58,9 @@ class NativeFunction:
         self.floats = frozenset(i for i, t in enumerate(argtypes) if t is ctypes.c_float)
 
     def __call__(self, *args: Any) -> Any:
-        if _recording is not None:
-            _recording.add(self, args)
+        recording = _recording
+        if recording is not None and recording.thread == threading.get_ident():  # not another engine's thread
+            recording.add(self, args)
         return self.fn(*args)
 
 
@@ -68,6 +70,7 @@ class CallList:
     def __init__(self) -> None:
         self.words: list[int] = []
         self.names: list[str] = []
+        self.thread = threading.get_ident()  # the thread recording it
         self._packed: torch.Tensor | None = None
 
     def add(self, fn: NativeFunction, args: tuple) -> None:

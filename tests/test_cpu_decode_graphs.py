@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import re
+import threading
 
 import pytest
 import torch
@@ -79,6 +80,20 @@ def test_an_aliasing_operator_that_copies_is_refused():
 
     with torch.inference_mode(), pytest.raises(native_calls.NotReplayable, match=r"aten\.reshape\.default copies"):
         native_calls.capture(strided_rows, (qkv, torch.ones(16)))
+
+
+def test_another_threads_kernels_are_not_recorded():
+    """Only the capturing thread's calls join the list (a second engine in the process runs its own)."""
+    other = torch.randn(2, 32)
+
+    def with_a_thread(x, weight):
+        worker = threading.Thread(target=cpu_fused.silu_mul, args=(other,))
+        worker.start()
+        worker.join()
+        return cpu_fused.add_rms_norm(x, None, weight, 1e-6)
+
+    replay = native_calls.capture(with_a_thread, (torch.randn(2, 8), torch.ones(8)))
+    assert replay.calls.names == ["modserve_add_rms_norm"]
 
 
 def test_only_one_capture_at_a_time():
