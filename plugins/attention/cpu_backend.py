@@ -83,35 +83,34 @@ class CpuAttention(AttentionBackend):
 
     def prepare(self, meta: AttentionMetadata) -> None:
         if meta.max_query_len == 1 and meta.context_lens.dtype == torch.int32:
-            meta.backend_state = self._decode_state(meta)
-            return
-        limit = self.max_query_len
+            rows, seq, pos = *self._decode_rows(meta.num_tokens), meta.context_lens.contiguous()
+            prefills = []
+        else:
+            rows, seq, pos = self._kernel_rows(meta)
+            prefills = plan_prefills(meta, self.spec.block_size, skip=lambda q_len: q_len <= self.max_query_len)
+        step = kernel.step_rows(meta.block_tables.to(torch.int32).contiguous(), rows, seq, pos, meta.slot_mapping)
+        meta.backend_state = _StepState(step, prefills)
+
+    def _decode_rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode-only step's rows and their requests: row i is request i, at position
+        ``context_lens[i]``. The kernel then reads positions, block tables and slots from meta's
+        own tensors, so a replayed decode graph (:mod:`native_calls`) sees each step's values."""
+        if self._rows is None or self._rows[0].numel() != n:
+            self._rows = (torch.arange(n, dtype=torch.int64), torch.arange(n, dtype=torch.int32))
+        return self._rows
+
+    def _kernel_rows(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The token rows of requests scheduled with at most ``max_query_len`` tokens, each
+        row's request and position."""
         rows, seq, pos = [], [], []
         starts = meta.query_start_loc.tolist()
         for i, q_len in enumerate(meta.query_lens_cpu):
-            if q_len <= limit:
+            if q_len <= self.max_query_len:
                 first = meta.seq_lens_cpu[i] - q_len
                 rows += range(starts[i], starts[i] + q_len)
                 seq += [i] * q_len
                 pos += range(first, first + q_len)
-        step = kernel.step_rows(
-            meta.block_tables.to(torch.int32).contiguous(), torch.tensor(rows, dtype=torch.int64),
-            torch.tensor(seq, dtype=torch.int32), torch.tensor(pos, dtype=torch.int32), meta.slot_mapping,
-        )  # fmt: skip
-        prefills = plan_prefills(meta, self.spec.block_size, skip=lambda q_len: q_len <= limit)
-        meta.backend_state = _StepState(step, prefills)
-
-    def _decode_state(self, meta: AttentionMetadata) -> _StepState:
-        """A decode-only step: row i is request i at position ``context_lens[i]``. The kernel
-        reads the positions, block tables and slots from meta's own tensors, so a replayed
-        decode graph (:mod:`native_calls`) sees each step's values."""
-        n = meta.num_tokens
-        if self._rows is None or self._rows[0].numel() != n:
-            self._rows = (torch.arange(n, dtype=torch.int64), torch.arange(n, dtype=torch.int32))
-        step = kernel.step_rows(
-            meta.block_tables.to(torch.int32).contiguous(), *self._rows, meta.context_lens.contiguous(), meta.slot_mapping
-        )
-        return _StepState(step, [])
+        return torch.tensor(rows, dtype=torch.int64), torch.tensor(seq, dtype=torch.int32), torch.tensor(pos, dtype=torch.int32)
 
     def forward(self, q, k, v, cache: LayerKVCache, meta: AttentionMetadata) -> torch.Tensor:
         """One kernel call writes the step's K/V rows into the cache and attends for the

@@ -21,15 +21,15 @@ import msgspec
 import torch
 from torch import nn
 
-from modserve.core.config import ConfigError
 from modserve.core import native_calls
+from modserve.core.config import ConfigError
 from modserve.core.contract import DeviceInfo, Platform, hookimpl
 from modserve.native.build import KernelUnavailable
 from modserve.plugins.platforms import cpu_amx_linear as amx_linear
 from modserve.plugins.platforms import cpu_avx512_linear as avx512_linear
 from modserve.plugins.platforms.cpu_linear import PackedLinear, can_pack
-from modserve.plugins.platforms.cpu_panel_linear import PanelLinear
 from modserve.plugins.platforms.cpu_memory import keep_freed_memory
+from modserve.plugins.platforms.cpu_panel_linear import PanelLinear
 from modserve.plugins.platforms.cpu_prequantized import CHECKPOINT_SCHEMES, checkpoint_linear
 from modserve.plugins.platforms.cpu_quant import Int4WeightOnlyLinear, gguf_linear, quantize_linear
 
@@ -73,7 +73,6 @@ class CPUPlatform(Platform):
         self.amx_int8 = self.amx_linears and _int8_tiles_build(config)  # W8A8 on AMX-INT8 tiles
         self.kept_layers = 0  # layers built from a pre-quantized checkpoint's codes
         self.unrecorded_linear: str | None = None  # a layer that multiplies through torch (no decode call lists)
-        self._said_why = False
         if config.reuse_freed_memory:  # before anything is loaded: the weights too come from the kept heap
             keep_freed_memory()
 
@@ -123,14 +122,9 @@ class CPUPlatform(Platform):
 
     def graph_batch_sizes(self) -> tuple[int, ...]:
         """Every size from 1 to ``graph_max_batch``: on a CPU a padded row costs its full share
-        of the products, so each batch size gets a call list of its own. None where a linear
+        of the products, so each batch size gets a call list of its own. none where a linear
         layer is torch's (oneDNN's float32 or quantized products), which a list cannot replay."""
-        if not self.config.decode_graphs:
-            return ()
-        if self.unrecorded_linear is not None:
-            if not self._said_why:
-                log.info("device.decode_graphs: off, linear %s multiplies through torch", self.unrecorded_linear)
-                self._said_why = True
+        if not self.config.decode_graphs or self.unrecorded_linear is not None:
             return ()
         return tuple(range(1, self.config.graph_max_batch + 1))
 
@@ -148,6 +142,8 @@ class CPUPlatform(Platform):
         module = self._linear(name, layer)
         if self.unrecorded_linear is None and name != "lm_head" and not isinstance(module, PanelLinear):
             self.unrecorded_linear = name  # computes through torch: a decode forward cannot be a call list
+            if self.config.decode_graphs:
+                log.info("device.decode_graphs: off, linear %s multiplies through torch", name)
         return module
 
     def _linear(self, name: str, layer: nn.Linear) -> nn.Module:
