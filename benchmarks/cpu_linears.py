@@ -1,8 +1,9 @@
 """SmolLM2-135M's linear layers, one pass of all 30 layers (qkv, o, gate_up, down; each layer
 its own weights, so they come from memory as in a real step), per kernel and row count.
 
-Kernels: ``onednn`` (PackedLinear, bfloat16), ``amx`` (AmxLinear, bfloat16), ``avx512bf16``
-(Avx512Linear, bfloat16), ``int4`` (torch's
+Kernels: ``onednn`` (PackedLinear, bfloat16), ``onednn-fp32`` (PackedLinear, float32), ``avx2``
+(Avx2Linear: float32 rows, the weights held in bfloat16), ``amx`` (AmxLinear, bfloat16),
+``avx512bf16`` (Avx512Linear, bfloat16), ``int4`` (torch's
 int4 kernel, groups of 32), ``int4-amx`` (the same int4 layers widened to bfloat16 tiles per
 call, from AMX_INT4_FROM_ROWS rows on), ``int8`` (torch's int8 kernel, widened weights and
 F.linear from 16 rows), ``int8-amx`` (int8 codes widened to bfloat16 tiles per call), ``w8a8``
@@ -22,6 +23,7 @@ from torch import nn
 
 from modserve.plugins.platforms.cpu import ISA_FLAGS, cpu_model_and_flags
 from modserve.plugins.platforms.cpu_amx_linear import AmxLinear
+from modserve.plugins.platforms.cpu_avx2_linear import Avx2Linear
 from modserve.plugins.platforms.cpu_avx512_linear import Avx512Linear
 from modserve.plugins.platforms.cpu_linear import PackedLinear
 from modserve.plugins.platforms.cpu_memory import keep_freed_memory
@@ -29,6 +31,7 @@ from modserve.plugins.platforms.cpu_quant import Int4WeightOnlyLinear, Int8Weigh
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}  # (out, in)
 LAYERS = 30
+FLOAT32_KERNELS = ("onednn-fp32", "avx2")  # take float32 rows
 
 
 def build(kind: str) -> dict[str, list[nn.Module]]:
@@ -40,6 +43,10 @@ def build(kind: str) -> dict[str, list[nn.Module]]:
             lin = nn.Linear(k, n, bias=False).to(torch.bfloat16)
             if kind == "onednn":
                 layers.append(PackedLinear(lin))
+            elif kind == "onednn-fp32":
+                layers.append(PackedLinear(lin.float()))
+            elif kind == "avx2":
+                layers.append(Avx2Linear(lin.float()))
             elif kind == "amx":
                 layers.append(AmxLinear(lin))
             elif kind == "avx512bf16":
@@ -78,12 +85,14 @@ def main() -> None:
     weights = sum(n * k for n, k in SHAPES.values()) * LAYERS
     print(f"{'rows':>6} " + " ".join(f"{k + ' ms':>12}" for k in kernels) + " " + " ".join(f"{k + '/' + kernels[0]:>16}" for k in kernels[1:]))
     for rows in (int(r) for r in args.rows.split(",")):
-        xs = {name: torch.randn(rows, k).to(torch.bfloat16) for name, (_, k) in SHAPES.items()}
+        xs = {name: torch.randn(rows, k) for name, (_, k) in SHAPES.items()}
         ms = {}
         with torch.inference_mode():
             for k in kernels:
-                one_pass(built[k], xs)
-                ms[k] = 1000 * sorted(one_pass(built[k], xs) for _ in range(args.repeats))[args.repeats // 2]
+                dtype = torch.float32 if k in FLOAT32_KERNELS else torch.bfloat16
+                x = {name: v.to(dtype) for name, v in xs.items()}
+                one_pass(built[k], x)
+                ms[k] = 1000 * sorted(one_pass(built[k], x) for _ in range(args.repeats))[args.repeats // 2]
         ratios = " ".join(f"{ms[kernels[0]] / ms[k]:>15.2f}x" for k in kernels[1:])
         print(f"{rows:>6} " + " ".join(f"{ms[k]:>12.2f}" for k in kernels) + " " + ratios)
     print(f"weights per pass: {weights / 1e6:.1f} M ({2 * weights / 1e6:.0f} MB in bfloat16)")

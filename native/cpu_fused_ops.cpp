@@ -21,7 +21,7 @@
 
 namespace {
 
-using modserve::exp_nonpositive;
+using modserve::silu;
 using bf16 = uint16_t;
 
 inline float widen(float x) { return x; }
@@ -39,13 +39,6 @@ inline bf16 narrow<bf16>(float x) { return modserve::float_to_bf16(x); }
 template <typename T>
 inline float rounded(float x) { return widen(narrow<T>(x)); }
 
-// silu(x) = x * sigmoid(x), with exp only ever of a non-positive argument.
-inline float silu(float x) {
-    const float e = exp_nonpositive(-std::fabs(x));  // exp(-|x|)
-    const float r = 1.f / (1.f + e);
-    const float er = e * r;  // both computed before the select, so the loop vectorizes
-    return x * (x >= 0.f ? r : er);
-}
 
 template <typename T>
 void add_rms_norm(const T* x, int64_t x_stride, T* residual, const T* w, T* out, int64_t out_stride, int rows, int dim,

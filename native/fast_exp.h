@@ -27,4 +27,13 @@ inline float exp_nonpositive(float x) {
     return y * two_n;
 }
 
+// silu(x) = x * sigmoid(x), with exp only ever of a non-positive argument (the fused SiLU-mul
+// and the AVX2 linear's gated epilogue compute it alike).
+inline float silu(float x) {
+    const float e = exp_nonpositive(-std::fabs(x));  // exp(-|x|)
+    const float r = 1.f / (1.f + e);
+    const float er = e * r;  // both computed before the select, so the loop vectorizes
+    return x * (x >= 0.f ? r : er);
+}
+
 }  // namespace modserve

@@ -212,7 +212,7 @@ def test_a_named_kernel_is_refused_where_it_cannot_run(monkeypatch, tiny_llama):
     for kernel in ("amx", "avx512bf16"):
         with pytest.raises(Exception, match=rf"device\.linear_kernel: {kernel} packs the weights; it cannot go with pack_weights: false"):
             LLM(model={"path": path}, device={"plugin": "cpu", "linear_kernel": kernel, "pack_weights": False})
-    with pytest.raises(Exception, match=r"device\.linear_kernel: expected one of auto, amx, avx512bf16, onednn, got 'mkl'"):
+    with pytest.raises(Exception, match=r"device\.linear_kernel: expected one of auto, amx, avx512bf16, avx2, onednn, got 'mkl'"):
         LLM(model={"path": path}, device={"plugin": "cpu", "linear_kernel": "mkl"})
 
 

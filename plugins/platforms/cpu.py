@@ -2,8 +2,9 @@
 
 What it adds over plain torch: linear weights packed once for the product kernel (for
 bfloat16, panels read by AMX tiles where the CPU has AMX-BF16, :mod:`cpu_amx_linear`, or by
-VDPBF16PS where it has AVX512_BF16, :mod:`cpu_avx512_linear`; else oneDNN's blocked layout,
-:mod:`cpu_linear`), the model's fused C++ elementwise kernels, freed step memory kept in
+VDPBF16PS where it has AVX512_BF16, :mod:`cpu_avx512_linear`; for float32 on an AVX2 CPU, the
+same bfloat16 panels multiplied in float32 where bfloat16 holds the weights exactly,
+:mod:`cpu_avx2_linear`; else oneDNN's blocked layout, :mod:`cpu_linear`), the model's fused C++ elementwise kernels, freed step memory kept in
 the process (:mod:`cpu_memory`), and the compiled ``cpu`` paged-attention kernel as the
 default attention backend where the machine's C++ compiler can build it.
 """
@@ -26,6 +27,7 @@ from modserve.core.config import ConfigError
 from modserve.core.contract import DeviceInfo, Platform, hookimpl
 from modserve.native.build import KernelUnavailable
 from modserve.plugins.platforms import cpu_amx_linear as amx_linear
+from modserve.plugins.platforms import cpu_avx2_linear as avx2_linear
 from modserve.plugins.platforms import cpu_avx512_linear as avx512_linear
 from modserve.plugins.platforms.cpu_linear import PackedLinear, can_pack
 from modserve.plugins.platforms.cpu_memory import keep_freed_memory
@@ -41,7 +43,7 @@ ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_i
 
 class CPUConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pack_weights: bool = True  # hold linear weights packed for the product kernel (faster matmuls); false: plain nn.Linear
-    linear_kernel: Literal["auto", "amx", "avx512bf16", "onednn"] = "auto"  # float weights' products: own AMX tiles (bfloat16, AMX-BF16 CPUs), own VDPBF16PS kernel (bfloat16, AVX512_BF16 CPUs), oneDNN, or auto (amx, else avx512bf16, where it runs); where amx runs, bfloat16 int8, w8a8 and int4 layers use tiles too
+    linear_kernel: Literal["auto", "amx", "avx512bf16", "avx2", "onednn"] = "auto"  # float weights' products: own AMX tiles (bfloat16, AMX-BF16 CPUs), own VDPBF16PS kernel (bfloat16, AVX512_BF16 CPUs), own AVX2/FMA kernel (float32 layers whose weights bfloat16 holds exactly, e.g. a bfloat16 checkpoint: held in bfloat16, half the bytes), oneDNN, or auto (bfloat16: amx, else avx512bf16; float32: avx2 on CPUs without AVX-512; where each runs); where amx runs, bfloat16 int8, w8a8 and int4 layers use tiles too
     fuse_ops: bool = True  # in float32 or bfloat16, run norms, SiLU·mul and RoPE as fused C++ kernels
     reuse_freed_memory: bool = True  # glibc: keep freed step memory in the process instead of faulting it in again every step
     quantization: Literal["none", "int8", "w8a8", "int4", "gguf", "gptq", "awq", "compressed-tensors"] = "none"  # linear weights: int8 weight-only, int8 weights and activations (per token), int4 weight-only groups, a GGUF file's Q8_0/Q4_0/Q4_1 blocks kept as they are, or a pre-quantized HF checkpoint's weights kept (docs/quantization.md)
@@ -69,6 +71,7 @@ class CPUPlatform(Platform):
                 "(gguf and pre-quantized checkpoints keep the file's groups)"
             )
         self.float_kernel = _float_kernel(config)  # what multiplies bfloat16 weights: amx, avx512bf16 or onednn
+        self.float32_kernel = _float32_kernel(config)  # float32 layers that bfloat16 holds exactly: avx2 or onednn
         self.amx_linears = self.float_kernel == "amx"
         self.amx_int8 = self.amx_linears and _int8_tiles_build(config)  # W8A8 on AMX-INT8 tiles
         self.kept_layers = 0  # layers built from a pre-quantized checkpoint's codes
@@ -87,14 +90,12 @@ class CPUPlatform(Platform):
         name, flags = cpu_model_and_flags()
         isa = [f for f in ISA_FLAGS if f in flags]
         dtypes = ("float32", "bfloat16", "float16") if _packs(torch.bfloat16) else ("float32", "float16")
-        linears = "oneDNN packed"
-        if not self.config.pack_weights:
-            linears = "plain nn.Linear"
-        elif self.amx_linears:
-            linears = "AMX tiles in bfloat16, oneDNN packed in float32"
-        elif self.float_kernel == "avx512bf16":
-            linears = "AVX512_BF16 panels in bfloat16, oneDNN packed in float32"
-        kernels = [f"linears: {linears}"]
+        bf16 = {"amx": "AMX tiles", "avx512bf16": "AVX512_BF16 panels", "onednn": "oneDNN packed"}[self.float_kernel]
+        fp32 = "oneDNN packed"
+        if self.float32_kernel == "avx2":
+            fp32 = "AVX2 over bfloat16-held weights where exact, else oneDNN packed"
+        linears = f"{bf16} in bfloat16, {fp32} in float32" if bf16 != fp32 else fp32
+        kernels = [f"linears: {linears if self.config.pack_weights else 'plain nn.Linear'}"]
         if self.config.quantization != "none":
             kernels.append(f"quantized linears ({self.config.quantization}): {_quantized_kernels(self.config.quantization, self.amx_linears, self.amx_int8)}")
         return DeviceInfo(f"{name} ({', '.join(isa) or 'no AVX2'})", _total_memory(), dtypes, tuple(kernels))
@@ -156,10 +157,18 @@ class CPUPlatform(Platform):
             return layer
         if layer.weight.dtype == torch.bfloat16 and self.float_kernel != "onednn":
             return (amx_linear.AmxLinear if self.amx_linears else avx512_linear.Avx512Linear)(layer)
-        if self.config.linear_kernel in ("amx", "avx512bf16"):
-            raise ValueError(
-                f"device.linear_kernel: {self.config.linear_kernel} runs bfloat16 weights, not {layer.weight.dtype}; use auto or onednn"
-            )
+        if layer.weight.dtype == torch.float32 and self.float32_kernel == "avx2":
+            if avx2_linear.exact_in_bfloat16(layer.weight):
+                return avx2_linear.Avx2Linear(layer)
+            if self.config.linear_kernel == "avx2":
+                raise ValueError(
+                    f"device.linear_kernel: avx2 holds float32 weights in bfloat16, but {name} has weights bfloat16 cannot "
+                    "hold (a float32 checkpoint; rounding them would change the model); use auto or onednn"
+                )
+        asked = self.config.linear_kernel
+        if asked in ("amx", "avx512bf16", "avx2") and layer.weight.dtype != (torch.float32 if asked == "avx2" else torch.bfloat16):
+            want = "float32" if asked == "avx2" else "bfloat16"
+            raise ValueError(f"device.linear_kernel: {asked} runs {want} weights, not {layer.weight.dtype}; use auto or onednn")
         if _packs(layer.weight.dtype):
             return PackedLinear(layer)
         return layer
@@ -236,6 +245,32 @@ def _float_kernel(config: CPUConfig) -> str:
         if flag in cpu_model_and_flags()[1]:  # a CPU with the instructions, a kernel that failed to build
             log.warning("device.linear_kernel auto: %s; trying the next kernel (amx, avx512bf16, onednn)", why)
     return "onednn"
+
+
+def _float32_kernel(config: CPUConfig) -> str:
+    """What multiplies float32 layers whose weights bfloat16 holds exactly: ``avx2``
+    (:mod:`cpu_avx2_linear`, half the weight bytes) where asked for, or under ``auto`` where the
+    CPU has AVX2 and FMA but no AVX-512 (there oneDNN's float32 product is AVX2 too and the
+    kernel matched or beat it at every row count; with AVX-512, oneDNN's wider product wins from
+    about 16 rows), else ``onednn``."""
+    asked, flags = config.linear_kernel, cpu_model_and_flags()[1]
+    if asked not in ("auto", "avx2") or not config.pack_weights or (asked == "auto" and "avx512f" in flags):
+        return "onednn"
+    why = avx2_unavailable()
+    if why is None:
+        return "avx2"
+    if asked == "avx2":
+        raise ValueError(f"device.linear_kernel: avx2 cannot run here: {why}; use auto or onednn")
+    if {"avx2", "fma"} <= flags:  # a CPU with the instructions, a kernel that failed to build
+        log.warning("device.linear_kernel auto: %s; float32 layers use oneDNN", why)
+    return "onednn"
+
+
+def avx2_unavailable() -> str | None:
+    """None where this CPU has AVX2 and FMA and :mod:`cpu_avx2_linear` builds, else why not."""
+    if "fma" not in cpu_model_and_flags()[1]:
+        return f"this CPU ({cpu_model_and_flags()[0]}) has no FMA"
+    return _unavailable("avx2", "AVX2", avx2_linear.load)
 
 
 def avx512_bf16_unavailable() -> str | None:

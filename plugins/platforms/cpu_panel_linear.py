@@ -50,8 +50,9 @@ def tile_rows(rows: torch.Tensor) -> torch.Tensor:
 
 
 class PanelLinear(nn.Module, GatedLinear):
-    """``y = x @ W.T + b`` for bfloat16 ``x`` with ``W`` held only as packed panels and multiplied
-    by ``kernel``; for a fused ``[gate; up]`` layer, on request, ``silu(gate) * up``.
+    """``y = x @ W.T + b`` for ``x`` of the kernel's ``dtype`` (bfloat16, or float32 for the AVX2
+    kernel) with ``W`` held only as packed bfloat16 panels and multiplied by ``kernel``; for a
+    fused ``[gate; up]`` layer, on request, ``silu(gate) * up``.
 
     ``kernel(x, x_stride, M, packed, N, K, bias_f32, y, y_stride, threads, gated)`` is the
     compiled product; ``input_multiple`` the K its rows must be padded to (AMX: a tile row
@@ -59,6 +60,7 @@ class PanelLinear(nn.Module, GatedLinear):
 
     gated = False  # forward returns the SiLU-gated product (see enable_silu_mul)
     input_multiple = 1
+    dtype = torch.bfloat16  # of the inputs and outputs (the weights are bfloat16 panels either way)
 
     def __init__(self, linear: nn.Linear, kernel: ctypes._CFuncPtr) -> None:
         super().__init__()
@@ -74,8 +76,8 @@ class PanelLinear(nn.Module, GatedLinear):
         # Written for one decode row, where this Python is a visible part of the step (121
         # calls): buffers read from ``_buffers`` (``nn.Module.__getattr__`` costs ~0.3 us a name).
         k = self.in_features
-        if x.dtype != torch.bfloat16:
-            raise TypeError(f"{type(self).__name__} takes bfloat16 inputs, got {x.dtype}")
+        if x.dtype != self.dtype:
+            raise TypeError(f"{type(self).__name__} takes {str(self.dtype).removeprefix('torch.')} inputs, got {x.dtype}")
         if x.shape[-1] != k:
             raise ValueError(f"{type(self).__name__}: inputs of {k} features, got shape {tuple(x.shape)}")
         flat = x.dim() == 2
@@ -83,7 +85,7 @@ class PanelLinear(nn.Module, GatedLinear):
         m = rows.shape[0]
         if self.padded_in != k:
             rows = F.pad(rows, (0, self.padded_in - k))
-        out = torch.empty(m, self._width, dtype=torch.bfloat16)
+        out = torch.empty(m, self._width, dtype=self.dtype)
         if m:
             buffers = self._buffers
             bias = buffers["_bias32"]
@@ -97,7 +99,7 @@ class PanelLinear(nn.Module, GatedLinear):
     def enable_silu_mul(self) -> bool:
         """Reorder the packed panels as (gate, up) pairs of the same 16 intermediate columns, so
         that the kernel's epilogue computes ``bf16(bf16(silu(gate)) * up)`` (the fused op's
-        rounding) and the ``[gate; up]`` output never goes to memory: at 2,048 rows that output
+        rounding; in float32, ``silu(gate) * up``) and the ``[gate; up]`` output never goes to memory: at 2,048 rows that output
         and the separate SiLU-mul pass over it took 1.2 ms of a layer (SmolLM2). Needs an even
         split into 16-column panels and no bias."""
         inter = self.out_features // 2

@@ -1,0 +1,197 @@
+// y = x @ W.T (+ b) in float32 with AVX2 and FMA, W held as bfloat16 panels: a float32 model whose
+// weights are exact in bfloat16 (a bfloat16 checkpoint served in float32, the default on CPUs
+// without native bfloat16 arithmetic) reads half the weight bytes of oneDNN's float32 product,
+// for the same sums: widening bfloat16 to float32 is exact.
+//
+// Why: a decode step reads every weight once, so on such a CPU (an AVX2-only EPYC, or an AVX-512
+// one without AVX512_BF16) its time is the weight bytes over the memory bandwidth; float32
+// weights cost twice bfloat16's. The products need no bfloat16 arithmetic: a weight widens to
+// float32 by a shift or a mask, and the sums are float32 FMAs.
+//
+// Layout: the panel layout of cpu_panel_linear.py (the AMX and AVX512_BF16 kernels' bytes): a
+// 16-output panel is [K/2][16][2] bfloat16. One 32-byte load holds inputs 2k and 2k + 1 of 8
+// outputs as 8 32-bit lanes; shifting each lane left by 16 gives input 2k's weights as float32,
+// masking off its low half gives input 2k + 1's. N and K are zero-padded to 16 and 32 in the
+// packed copy; x is read only up to its K.
+//
+// Loop (as cpu_avx512_linear.cpp's): a thread takes a contiguous range of panel pairs (a gated
+// layer's (gate, up) pair stays on one thread) and walks it four panels at a time, kChunk rows at
+// a time; every block of up to six rows keeps its sums for one panel in registers over the whole
+// of K (12 of the 16 ymm registers), and blocks after the first ask for their share of the next
+// group's weights ahead. A gated pair runs its gate panel's block into a small buffer, then its
+// up panel's block writes silu(gate) * up (three rows by both panels ran 0.7x as fast: twice
+// the widening per product). One or two rows keep separate sums for the even and odd inputs, so
+// the FMAs' latency does not hold back the weight stream.
+#include <cstdint>
+#include <cstring>
+
+#include "packed_call.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#include <omp.h>
+
+#include "fast_exp.h"
+
+namespace {
+
+constexpr int kRows = 5;         // rows per register block: 10 sums of the 16 ymm registers
+constexpr int kPanels = 4;       // 16-output panels per group (their weights stay in L2 for every block of rows)
+constexpr int64_t kChunk = 96;   // rows per sweep over a thread's panels (with K 1,536, 576 KB of x)
+
+inline void prefetch_line(const char* p) { _mm_prefetch(p, _MM_HINT_T0); }
+
+// Input pair k (inputs 2k, 2k + 1; Odd false: 2k only) of one panel times rows [0, R) of x,
+// added to `even` (input 2k) and `odd_sums` (input 2k + 1; the same array or one of its own).
+template <int R, bool Odd, int RO>
+__attribute__((always_inline)) inline void pair_step(const float* x, int64_t x_stride, const uint16_t* w, int k,
+                                                     __m256 (&even)[R][2], __m256 (&odd_sums)[RO][2]) {
+    const __m256i* src = reinterpret_cast<const __m256i*>(w + k * 32);
+    const __m256i lo = _mm256_loadu_si256(src), hi = _mm256_loadu_si256(src + 1);  // outputs 0-7, 8-15
+    const __m256 even_lo = _mm256_castsi256_ps(_mm256_slli_epi32(lo, 16));
+    const __m256 even_hi = _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+        const __m256 xb = _mm256_broadcast_ss(x + r * x_stride + 2 * k);
+        even[r][0] = _mm256_fmadd_ps(xb, even_lo, even[r][0]);
+        even[r][1] = _mm256_fmadd_ps(xb, even_hi, even[r][1]);
+    }
+    if constexpr (Odd) {
+        const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+        const __m256 odd_lo = _mm256_castsi256_ps(_mm256_and_si256(lo, high));
+        const __m256 odd_hi = _mm256_castsi256_ps(_mm256_and_si256(hi, high));
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+            const __m256 xb = _mm256_broadcast_ss(x + r * x_stride + 2 * k + 1);
+            odd_sums[r][0] = _mm256_fmadd_ps(xb, odd_lo, odd_sums[r][0]);
+            odd_sums[r][1] = _mm256_fmadd_ps(xb, odd_hi, odd_sums[r][1]);
+        }
+    }
+}
+
+// Rows [0, R) of x times one panel w (16 outputs from column n0), all of K, into float32 sums;
+// then, plain (gate null), y[r][n0 + j] = sum + bias for the columns below N; or, the up half
+// of a gated pair, y[r][n0 / 2 + j] = silu(gate[r][j]) * sum, gate holding the gate panel's sums
+// (16 a row, from a plain call with y = gate, n0 = 0, N = 16).
+template <int R>
+void block(const float* x, int64_t x_stride, const uint16_t* w, int K, const float* bias, int64_t n0, int64_t N,
+           float* y, int64_t y_stride, const float* gate, const char* ahead, int64_t ahead_lines) {
+    constexpr bool Split = R <= 2;  // even and odd inputs in sums of their own when few sums are live
+    __m256 acc[R][2], acc_odd[Split ? R : 1][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    if constexpr (Split) {
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) acc_odd[r][0] = acc_odd[r][1] = _mm256_setzero_ps();
+    }
+    const int pairs = K / 2;
+    const int64_t per_pair = pairs ? (ahead_lines + pairs - 1) / pairs : 0;  // lines to ask for per step
+    for (int k = 0; k < pairs; ++k) {
+        for (int64_t i = k * per_pair; i < (k + 1) * per_pair && i < ahead_lines; ++i) prefetch_line(ahead + 64 * i);
+        if constexpr (Split)
+            pair_step<R, true>(x, x_stride, w, k, acc, acc_odd);
+        else
+            pair_step<R, true>(x, x_stride, w, k, acc, acc);
+    }
+    if (K & 1) pair_step<R, false>(x, x_stride, w, pairs, acc, acc);  // the last input alone
+    alignas(32) float sums[16];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {  // unrolled, as every loop over acc: an indexed array would live in memory
+        if constexpr (Split) {
+            acc[r][0] = _mm256_add_ps(acc[r][0], acc_odd[r][0]);
+            acc[r][1] = _mm256_add_ps(acc[r][1], acc_odd[r][1]);
+        }
+        _mm256_store_ps(sums, acc[r][0]);
+        _mm256_store_ps(sums + 8, acc[r][1]);
+        float* out = y + r * y_stride;
+        if (gate != nullptr) {
+            const float* g = gate + 16 * r;
+#pragma omp simd
+            for (int j = 0; j < 16; ++j) out[n0 / 2 + j] = modserve::silu(g[j]) * sums[j];
+        } else {
+            const int64_t cols = N - n0 < 16 ? N - n0 : 16;
+            for (int j = 0; j < cols; ++j) out[n0 + j] = sums[j] + (bias != nullptr ? bias[n0 + j] : 0.f);
+        }
+    }
+}
+
+using Block = void (*)(const float*, int64_t, const uint16_t*, int, const float*, int64_t, int64_t, float*, int64_t,
+                       const float*, const char*, int64_t);
+
+// The instantiation for r rows (1..kRows).
+Block rows_block(int r) {
+    switch (r) {
+        case 1: return block<1>;
+        case 2: return block<2>;
+        case 3: return block<3>;
+        case 4: return block<4>;
+        default: return block<kRows>;
+    }
+}
+
+// One thread's share: panels [p0, p1) (whole gated pairs) for every row, kChunk rows at a time.
+void thread_part(const float* x, int64_t x_stride, int64_t M, const uint16_t* w, int64_t panel, int64_t N, int K,
+                 const float* bias, float* y, int64_t y_stride, bool gated, int64_t p0, int64_t p1) {
+    alignas(32) float gate[kRows * 16];  // a gated pair's gate sums, until its up panel's block
+    for (int64_t c0 = 0; c0 < M; c0 += kChunk) {
+        const int64_t c1 = c0 + kChunk < M ? c0 + kChunk : M;
+        const int64_t blocks = (c1 - c0 + kRows - 1) / kRows;
+        for (int64_t g = p0; g < p1; g += kPanels) {
+            const int64_t g1 = g + kPanels < p1 ? g + kPanels : p1;
+            const int64_t after = p1 - g1 < kPanels ? p1 - g1 : kPanels;  // panels in the next group
+            const int64_t next_lines = c1 - c0 > 1 ? after * panel * 2 / 64 : 0;  // one row streams as fast without
+            const char* next_w = reinterpret_cast<const char*>(w + g1 * panel);
+            for (int64_t b = 0; b < blocks; ++b) {
+                const int64_t m = c0 + b * kRows;
+                const Block run = rows_block(c1 - m < kRows ? static_cast<int>(c1 - m) : kRows);
+                const int64_t l0 = next_lines * b / blocks, l1 = next_lines * (b + 1) / blocks;
+                for (int64_t p = g; p < g1; ++p) {  // each panel's call asks for its part of the block's lines
+                    const int64_t a0 = l0 + (l1 - l0) * (p - g) / (g1 - g), a1 = l0 + (l1 - l0) * (p - g + 1) / (g1 - g);
+                    const char* ahead = next_w + 64 * a0;
+                    const float* xm = x + m * x_stride;
+                    if (gated && (p & 1) == 0)
+                        run(xm, x_stride, w + p * panel, K, nullptr, 0, 16, gate, 16, nullptr, ahead, a1 - a0);
+                    else
+                        run(xm, x_stride, w + p * panel, K, bias, (gated ? p - 1 : p) * 16, N, y + m * y_stride, y_stride,
+                            gated ? gate : nullptr, ahead, a1 - a0);  // gated: the pair's columns, from its gate panel's
+                }
+            }
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// x [M, K] float32 (rows x_stride elements apart), w packed [ceil(N/16)][ceil(K/32) * 16][16][2]
+// bfloat16, bias [N] float32 or null, y [M, y_stride] float32. Gated (a [gate; up] layer whose
+// panels alternate gate, up; N / 2 a multiple of 16, no bias): y [M, N / 2] = silu(gate) * up.
+void modserve_avx2_linear(const float* x, int64_t x_stride, int64_t M, const uint16_t* w, int64_t N, int K,
+                          const float* bias, float* y, int64_t y_stride, int threads, int gated) {
+    const int64_t panels = (N + 15) / 16, pairs = (panels + 1) / 2;
+    const int64_t panel = static_cast<int64_t>((K + 31) / 32) * 512;  // elements of one packed panel
+#pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t p0 = 2 * (pairs * t / nt), p1 = 2 * (pairs * (t + 1) / nt);
+        thread_part(x, x_stride, M, w, panel, N, K, bias, y, y_stride, gated != 0, p0, p1 < panels ? p1 : panels);
+    }
+}
+
+int modserve_avx2_linear_available() { return 1; }
+
+}  // extern "C"
+
+MODSERVE_PACKED(modserve_avx2_linear) {
+    using modserve::packed::ptr;
+    modserve_avx2_linear(ptr<const float*>(a[0]), a[1], a[2], ptr<const uint16_t*>(a[3]), a[4], a[5],
+                         ptr<const float*>(a[6]), ptr<float*>(a[7]), a[8], a[9], a[10]);
+    return 0;
+}
+
+#else  // no AVX2 or FMA: the loader refuses the kernel
+
+extern "C" int modserve_avx2_linear_available() { return 0; }
+
+#endif

@@ -1,0 +1,57 @@
+"""float32 linear layers whose weights are exact in bfloat16, held as bfloat16 panels and
+multiplied in float32 with AVX2 and FMA: a bfloat16 checkpoint served in float32.
+
+Why: float32 is the default dtype on CPUs without native bfloat16 arithmetic (AVX2-only ones,
+AVX-512 ones without AVX512_BF16), and there a decode step's time is its weight bytes over the
+memory bandwidth. When every weight of a layer is a bfloat16 value (as every weight of a
+bfloat16 checkpoint is), holding it in bfloat16 loses nothing and halves those bytes; the
+kernel (``native/cpu_avx2_linear.cpp``) widens each weight with a shift or a mask and sums in
+float32, so results equal ``F.linear``'s up to float32 summation order. It also makes such a
+model's decode steps recordable as call lists (oneDNN's float32 product is not).
+
+A layer with any weight that bfloat16 cannot hold keeps oneDNN's float32 product: rounding it
+would change the model.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+from torch import nn
+
+from modserve.core.contract import NativeFunction
+from modserve.native.build import SOURCES, KernelUnavailable, compile_and_load
+from modserve.plugins.platforms.cpu_panel_linear import PanelLinear
+
+SOURCE = SOURCES / "cpu_avx2_linear.cpp"
+
+
+@functools.cache
+def load() -> NativeFunction:
+    """The compiled kernel; raises ``KernelUnavailable`` where it cannot be built, or where the
+    compiler does not target AVX2 and FMA on this CPU (``-march=native``)."""
+    lib = compile_and_load(SOURCE, "the AVX2 linear kernel")
+    lib.modserve_avx2_linear_available.restype = ctypes.c_int
+    if not lib.modserve_avx2_linear_available():
+        raise KernelUnavailable("the AVX2 linear kernel: the compiler does not target AVX2 and FMA on this CPU (-march=native)")
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    return NativeFunction(lib, "modserve_avx2_linear", [ptr, i64, i64, ptr, i64, i32, ptr, ptr, i64, i32, i32])
+
+
+def exact_in_bfloat16(weight: torch.Tensor) -> bool:
+    """Whether every value of ``weight`` survives a round trip through bfloat16."""
+    w = weight.detach()
+    return w.dtype == torch.bfloat16 or bool(torch.equal(w.to(torch.bfloat16).to(w.dtype), w))
+
+
+class Avx2Linear(PanelLinear):
+    """``y = x @ W.T + b`` for float32 ``x`` with ``W`` held as bfloat16 panels (rounded there:
+    the platform builds one only for weights :func:`exact_in_bfloat16`); gated on request
+    (:class:`PanelLinear`: ``silu(gate) * up`` in float32)."""
+
+    dtype = torch.float32
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__(linear, load())

@@ -1,0 +1,194 @@
+"""float32 linears over bfloat16-held weights (``device: {linear_kernel: auto | avx2}``): a
+bfloat16 checkpoint served in float32 reads half the weight bytes, for the same sums.
+
+The kernel's products equal ``F.linear``'s on the same float32 values up to summation order,
+for any row count and shape, gated or not; a served bfloat16 checkpoint gives HF float32's
+greedy tokens, and its decode steps replay as call lists (oneDNN's float32 product cannot);
+``auto`` takes the kernel only on CPUs without AVX-512, only for layers bfloat16 holds exactly;
+every misuse is refused by name. Kernel tests run where the CPU has AVX2 and FMA."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from modserve import LLM, SamplingParams
+from modserve.plugins.platforms import cpu, cpu_avx2_linear
+from modserve.plugins.platforms.cpu_avx2_linear import Avx2Linear, exact_in_bfloat16
+from modserve.plugins.platforms.cpu_linear import PackedLinear
+from tiny_models import build_model, hf_greedy, prompts
+
+HAS_AVX2 = cpu.avx2_unavailable() is None
+needs_avx2 = pytest.mark.skipif(not HAS_AVX2, reason="this CPU has no AVX2 and FMA (or no compiler targets them)")
+AVX2_ONLY = ("an AVX2 EPYC", frozenset({"avx2", "fma"}))
+
+
+def bf16_weights(n: int, k: int, bias: bool, seed: int) -> nn.Linear:
+    """A float32 layer whose weights are bfloat16 values (as a bfloat16 checkpoint's are)."""
+    g = torch.Generator().manual_seed(seed)
+    lin = nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, generator=g).to(torch.bfloat16).float())
+        if bias:
+            lin.bias.copy_(torch.randn(n, generator=g))
+    return lin
+
+
+def test_the_kernel_builds_where_the_cpu_has_avx2_and_fma():
+    """A compile error must fail here, not quietly skip the kernel tests."""
+    if not {"avx2", "fma"} <= cpu.cpu_model_and_flags()[1]:
+        pytest.skip("this CPU has no AVX2 and FMA")
+    why = cpu.avx2_unavailable()
+    assert why is None or "does not target" in why, why
+
+
+def test_exact_in_bfloat16():
+    w = torch.randn(8, 8)
+    assert not exact_in_bfloat16(w)
+    assert exact_in_bfloat16(w.to(torch.bfloat16).float()) and exact_in_bfloat16(w.to(torch.bfloat16))
+
+
+@needs_avx2
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13, 16, 97, 200])
+@pytest.mark.parametrize("n,k", [(960, 576), (40, 1536), (100, 50), (16, 32), (33, 96), (70, 33)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_products_equal_float32_products_of_the_same_weights(rows, n, k, bias):
+    """Row counts off and on the blocks (6 rows; a 96-row sweep), outputs off the 16-wide
+    panels, inputs off the 32-wide tiles (an odd count too): float32 sums in another order."""
+    lin = bf16_weights(n, k, bias, rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    got = Avx2Linear(lin)(x)
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    torch.testing.assert_close(got, F.linear(x, lin.weight, lin.bias), atol=1e-4 * k**0.5, rtol=1e-5)
+
+
+@needs_avx2
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 100])
+@pytest.mark.parametrize("inter", [48, 64])
+def test_gated_product_equals_the_fused_silu_mul_of_the_plain_product(rows, inter):
+    """enable_silu_mul: ``silu(gate) * up`` in the kernel's epilogue, as the fused op computes
+    it from the plain product; an odd and an even count of (gate, up) panel pairs."""
+    from modserve.core.models import cpu_fused
+
+    layer = Avx2Linear(bf16_weights(2 * inter, 96, False, rows))
+    x = torch.randn(rows, 96)
+    want = cpu_fused.silu_mul(layer(x))
+    assert layer.enable_silu_mul()
+    got = layer(x)
+    assert got.shape == (rows, inter)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)  # the gated blocks sum in another order
+
+
+@needs_avx2
+def test_strided_and_batched_inputs_no_rows_and_wrong_inputs():
+    lin = bf16_weights(48, 64, True, 0)
+    module = Avx2Linear(lin)
+    view = torch.randn(7, 200)[:, 10:74]  # stride 200 between rows
+    torch.testing.assert_close(module(view), lin(view.contiguous()), atol=1e-4, rtol=1e-5)
+    x3 = torch.randn(2, 5, 64)
+    torch.testing.assert_close(module(x3), lin(x3), atol=1e-4, rtol=1e-5)
+    assert module(torch.empty(0, 64)).shape == (0, 48)
+    with pytest.raises(TypeError, match="Avx2Linear takes float32 inputs, got torch.bfloat16"):
+        module(torch.randn(2, 64).to(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"Avx2Linear: inputs of 64 features, got shape \(4, 32\)"):
+        module(torch.randn(4, 32))
+
+
+# ----------------------------------------------------------------------------- the engine
+
+
+@pytest.fixture(scope="module")
+def bf16_checkpoint(tmp_path_factory):
+    """A tiny Llama saved in bfloat16 (as SmolLM2 and most checkpoints ship); HF's float32 model
+    of the same values."""
+    path = str(tmp_path_factory.mktemp("llama_bf16"))
+    hf = build_model(path, "llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
+    with torch.no_grad():
+        for p in hf.parameters():  # the parameters only: RoPE's inverse frequencies stay float32
+            p.copy_(p.to(torch.bfloat16).float())
+    copy.deepcopy(hf).to(torch.bfloat16).save_pretrained(path)
+    return path, hf
+
+
+def engine(path: str, kernel: str = "avx2", graphs: bool = True, dtype: str = "float32") -> LLM:
+    return LLM(
+        model={"path": path, "dtype": dtype, "max_model_len": 256},
+        device={"plugin": "cpu", "linear_kernel": kernel, "decode_graphs": graphs, "graph_max_batch": 4},
+        kv_cache={"plugin": "paged", "block_size": 16, "num_blocks": 64}, scheduler={"plugin": "fcfs", "max_num_seqs": 5},
+    )  # fmt: skip
+
+
+def linear_types(llm: LLM) -> set[type]:
+    return {type(m) for m in llm.engine.c.runner.model.modules()}
+
+
+@needs_avx2
+def test_a_bfloat16_checkpoint_in_float32_gives_hf_tokens_with_call_lists(bf16_checkpoint):
+    """Every linear (the tied head too) on the kernel, the MLP gated in it; greedy tokens are
+    HF float32's token for token; decode steps of 1-4 requests replay as call lists and give
+    the eager engine's tokens."""
+    path, hf = bf16_checkpoint
+    ps = prompts(hf.config.vocab_size, count=5, seed=3)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 6, 9, 12, 24)]
+    llm = engine(path)
+    assert Avx2Linear in linear_types(llm) and PackedLinear not in linear_types(llm)
+    assert all(layer.mlp.gated_product for layer in llm.engine.c.runner.model.layers)
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], params)]
+    assert got == [hf_greedy(hf, p, n.max_tokens) for p, n in zip(ps, params)]
+    graphs = llm.engine.runner.graphs
+    assert graphs.unavailable is None and all(graphs.replays[s] > 0 for s in graphs.sizes), graphs.replays
+    eager = engine(path, graphs=False)
+    assert [o.outputs[0].token_ids for o in eager.generate([{"prompt_token_ids": p} for p in ps], params)] == got
+
+
+@needs_avx2
+def test_auto_takes_the_kernel_on_avx2_cpus_for_weights_bfloat16_holds(monkeypatch, bf16_checkpoint, tiny_llama, caplog):
+    """Without AVX-512 (oneDNN's float32 product is AVX2 there too) ``auto`` holds a bfloat16
+    checkpoint's float32 layers in bfloat16; a float32 checkpoint's layers keep oneDNN (and
+    its decode steps run eagerly, saying why); with AVX-512, oneDNN everywhere."""
+    monkeypatch.setattr(cpu, "cpu_model_and_flags", lambda: AVX2_ONLY)
+    assert Avx2Linear in linear_types(engine(bf16_checkpoint[0], "auto"))
+    with caplog.at_level(logging.INFO, logger="modserve"):
+        types = linear_types(engine(tiny_llama[0], "auto"))  # random float32 weights
+    assert PackedLinear in types and Avx2Linear not in types
+    assert re.search(r"device\.decode_graphs: off, linear layers\.0\.self_attn\.qkv_proj multiplies through torch", caplog.text)
+    info = cpu.CPUPlatform(cpu.CPUConfig(), None).info()
+    assert info.kernels[0] == "linears: oneDNN packed in bfloat16, AVX2 over bfloat16-held weights where exact, else oneDNN packed in float32"
+    monkeypatch.setattr(cpu, "cpu_model_and_flags", lambda: ("an AVX-512 Xeon", frozenset({"avx2", "fma", "avx512f"})))
+    assert Avx2Linear not in linear_types(engine(bf16_checkpoint[0], "auto"))
+    assert cpu.CPUPlatform(cpu.CPUConfig(), None).float32_kernel == "onednn"
+
+
+@needs_avx2
+def test_named_avx2_is_refused_where_it_cannot_hold_or_run(monkeypatch, bf16_checkpoint, tiny_llama):
+    with pytest.raises(Exception, match=r"device\.linear_kernel: avx2 holds float32 weights in bfloat16, but lm_head "
+                                        r"has weights bfloat16 cannot hold \(a float32 checkpoint; rounding them would change the model\); use auto or onednn"):  # fmt: skip
+        engine(tiny_llama[0])
+    with pytest.raises(Exception, match=r"device\.linear_kernel: avx2 runs float32 weights, not torch\.bfloat16; use auto or onednn"):
+        engine(bf16_checkpoint[0], dtype="bfloat16")
+    with pytest.raises(Exception, match=r"device\.linear_kernel: avx2 packs the weights; it cannot go with pack_weights: false"):
+        LLM(model={"path": bf16_checkpoint[0], "dtype": "float32"}, device={"plugin": "cpu", "linear_kernel": "avx2", "pack_weights": False})
+    monkeypatch.setattr(cpu, "cpu_model_and_flags", lambda: ("an old CPU", frozenset({"sse4_2"})))
+    with pytest.raises(Exception, match=r"device\.linear_kernel: avx2 cannot run here: this CPU \(an old CPU\) has no FMA; use auto or onednn"):
+        engine(bf16_checkpoint[0])
+
+
+def test_auto_warns_and_keeps_onednn_where_the_kernel_does_not_build(monkeypatch, caplog):
+    from modserve.native.build import KernelUnavailable
+
+    def broken():
+        raise KernelUnavailable("compiling the AVX2 linear kernel failed (test)")
+
+    monkeypatch.setattr(cpu, "cpu_model_and_flags", lambda: AVX2_ONLY)
+    monkeypatch.setattr(cpu_avx2_linear, "load", broken)
+    with caplog.at_level("WARNING", logger="modserve.platform"):
+        assert cpu.CPUPlatform(cpu.CPUConfig(), None).float32_kernel == "onednn"
+    assert "device.linear_kernel auto: compiling the AVX2 linear kernel failed (test); float32 layers use oneDNN" in caplog.text
+    with pytest.raises(ValueError, match=r"device\.linear_kernel: avx2 cannot run here: compiling the AVX2 linear kernel failed \(test\)"):
+        cpu.CPUPlatform(cpu.CPUConfig(linear_kernel="avx2"), None)
