@@ -61,6 +61,36 @@ void add_rms_norm(const T* x, int64_t x_stride, T* residual, const T* w, T* out,
     }
 }
 
+// Each of `heads` heads of each of `rows` rows of x (row r's head h at x + r x_stride + h dim)
+// normalised over its own `dim` channels, into out [rows, heads * dim]: the q/k norms of Qwen3
+// (per head) and OLMo 2 (heads 1: the whole projection), read in place from the fused qkv rows.
+// `accumulate`: out += the normalised rows instead (OLMo 2's post-norm residual add), rounded as
+// torch's add of the rounded norm.
+template <typename T>
+void rms_norm_heads(const T* x, int64_t x_stride, int heads, const T* w, T* out, int rows, int dim, float eps,
+                    bool accumulate, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * heads >= 8)
+    for (int i = 0; i < rows * heads; ++i) {
+        const int r = i / heads, h = i % heads;
+        const T* src = x + r * x_stride + static_cast<int64_t>(h) * dim;
+        T* o = out + static_cast<int64_t>(i) * dim;
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int j = 0; j < dim; ++j) sum += widen(src[j]) * widen(src[j]);
+        const float inv = 1.f / std::sqrt(sum / dim + eps);
+        if (accumulate) {  // the norm through a buffer: in float32 one expression would contract into an FMA
+            float normed[256];
+            for (int j0 = 0; j0 < dim; j0 += 256) {
+                const int n = dim - j0 < 256 ? dim - j0 : 256;
+                for (int j = 0; j < n; ++j) normed[j] = rounded<T>(widen(w[j0 + j]) * rounded<T>(widen(src[j0 + j]) * inv));
+                for (int j = 0; j < n; ++j) o[j0 + j] = narrow<T>(widen(o[j0 + j]) + normed[j]);
+            }
+        } else {
+            for (int j = 0; j < dim; ++j) o[j] = narrow<T>(widen(w[j]) * rounded<T>(widen(src[j]) * inv));
+        }
+    }
+}
+
 template <typename T>
 void silu_mul(const T* gate_up, T* out, int rows, int inter, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -111,6 +141,19 @@ void modserve_add_rms_norm(int dtype, const void* x, int64_t x_stride, void* res
     } else {
         add_rms_norm(static_cast<const float*>(x), x_stride, static_cast<float*>(residual),
                      static_cast<const float*>(w), static_cast<float*>(out), out_stride, rows, dim, eps, threads);
+    }
+}
+
+// out [rows, heads * dim] = (accumulate: out +) each dim-wide head of x's rows (x_stride apart)
+// RMS-normalised, times w [dim].
+void modserve_rms_norm_heads(int dtype, const void* x, int64_t x_stride, int heads, const void* w, void* out, int rows,
+                             int dim, float eps, int accumulate, int threads) {
+    if (dtype == 1) {
+        rms_norm_heads(static_cast<const bf16*>(x), x_stride, heads, static_cast<const bf16*>(w), static_cast<bf16*>(out),
+                       rows, dim, eps, accumulate != 0, threads);
+    } else {
+        rms_norm_heads(static_cast<const float*>(x), x_stride, heads, static_cast<const float*>(w),
+                       static_cast<float*>(out), rows, dim, eps, accumulate != 0, threads);
     }
 }
 
@@ -173,6 +216,12 @@ using modserve::packed::ptr;
 MODSERVE_PACKED(modserve_add_rms_norm) {
     modserve_add_rms_norm(a[0], ptr<const void*>(a[1]), a[2], ptr<void*>(a[3]), ptr<const void*>(a[4]), ptr<void*>(a[5]),
                           a[6], a[7], a[8], f32(a[9]), a[10]);
+    return 0;
+}
+
+MODSERVE_PACKED(modserve_rms_norm_heads) {
+    modserve_rms_norm_heads(a[0], ptr<const void*>(a[1]), a[2], a[3], ptr<const void*>(a[4]), ptr<void*>(a[5]), a[6], a[7],
+                            f32(a[8]), a[9], a[10]);
     return 0;
 }
 

@@ -38,6 +38,28 @@ def test_add_rms_norm_adds_in_place_then_normalises(rows):
     assert torch.equal(residual, before)  # no add: the stream is only read
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,heads", [(1, 4), (7, 2), (300, 1)])
+def test_rms_norm_heads_reads_each_head_in_place_from_the_qkv_rows(rows, heads, dtype):
+    """Qwen3's per-head and OLMo 2's whole-projection q/k norms straight from a strided view of
+    the fused qkv rows: bit for bit the fused norm of the contiguous copy (what ran before)."""
+    torch.manual_seed(rows)
+    qkv = torch.randn(rows, heads * 32 + 40).to(dtype)
+    q, weight = qkv[:, 8 : 8 + heads * 32], torch.randn(32).to(dtype)  # rows qkv.stride(0) apart
+    got = cpu_fused.rms_norm_heads(q, weight, 1e-6, heads)
+    assert got.is_contiguous() and got.shape == q.shape
+    want = cpu_fused.add_rms_norm(q.reshape(rows * heads, 32).contiguous(), None, weight, 1e-6).view(rows, -1)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got.float(), reference_norm(q.float().reshape(rows * heads, 32), weight.float(), 1e-6).view(rows, -1),
+                               rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=2e-2 if dtype == torch.bfloat16 else 1e-5)  # fmt: skip
+    with pytest.raises(ValueError, match=r"rms_norm_heads of 3 heads of 32 over rows of"):
+        cpu_fused.rms_norm_heads(q, weight, 1e-6, 3)
+    residual = torch.randn(rows, heads * 32).to(dtype)
+    want_sum = residual + want  # OLMo 2's post-norm add: torch's add of the rounded norm
+    assert cpu_fused.rms_norm_heads(q, weight, 1e-6, heads, add_to=residual) is residual
+    assert torch.equal(residual, want_sum)
+
+
 def test_silu_mul_matches_torch_over_the_whole_range():
     torch.manual_seed(0)
     gate_up = torch.randn(33, 2 * 40) * 6

@@ -34,6 +34,7 @@ class Kernels:
     """The compiled ops, recordable into a decode step's call list (:mod:`native_calls`)."""
 
     add_rms_norm: NativeFunction
+    rms_norm_heads: NativeFunction
     silu_mul: NativeFunction
     rope: NativeFunction
     gather_rows: NativeFunction
@@ -45,6 +46,7 @@ def load() -> Kernels:
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     return Kernels(
         NativeFunction(lib, "modserve_add_rms_norm", [i32, ptr, i64, ptr, ptr, ptr, i64, i32, i32, f32, i32]),
+        NativeFunction(lib, "modserve_rms_norm_heads", [i32, ptr, i64, i32, ptr, ptr, i32, i32, f32, i32, i32]),
         NativeFunction(lib, "modserve_silu_mul", [i32, ptr, ptr, i32, i32, i32]),
         NativeFunction(lib, "modserve_rope", [i32, ptr, i64, ptr, ptr, i32, i32, i32, i32]),
         NativeFunction(lib, "modserve_gather_rows", [i32, ptr, i64, ptr, i32, i32, i32, ptr, i32], ctypes.c_int),
@@ -78,6 +80,29 @@ def add_rms_norm(residual: torch.Tensor, add: torch.Tensor | None, weight: torch
     load().add_rms_norm(
         code, src.data_ptr(), stride, res, weight.data_ptr(), out.data_ptr(), out.stride(0), rows, dim, eps,
         torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def rms_norm_heads(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, heads: int, add_to: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``rms_norm`` of each of ``heads`` equal slices of ``x``'s rows, times ``weight`` (one
+    slice wide), into a new contiguous ``[T, width]``: a q/k norm per head (Qwen3) or over the
+    whole projection (OLMo 2, ``heads`` 1), read from ``x`` where it lies (a strided view of
+    the fused qkv rows, unit inner stride), so no torch copy makes it contiguous first.
+    ``add_to`` (contiguous ``[T, width]``): added into it in place instead, and returned (OLMo
+    2's ``residual += norm(sublayer)``, rounded as torch's add of the rounded norm)."""
+    rows, width = x.shape
+    if width != heads * weight.shape[0]:
+        raise ValueError(f"fused cpu ops: rms_norm_heads of {heads} heads of {weight.shape[0]} over rows of {width}")
+    code = _check(x, weight) if add_to is None else _check(x, weight, add_to)
+    if add_to is not None and (add_to.shape != x.shape or not add_to.is_contiguous()):
+        raise ValueError(f"fused cpu ops: rms_norm_heads adds into a contiguous {tuple(x.shape)}, got {tuple(add_to.shape)}")
+    out = torch.empty(rows, width, dtype=x.dtype) if add_to is None else add_to
+    load().rms_norm_heads(
+        code, x.data_ptr(), x.stride(0), heads, weight.data_ptr(), out.data_ptr(), rows, weight.shape[0], eps,
+        add_to is not None, torch.get_num_threads(),
     )  # fmt: skip
     return out
 

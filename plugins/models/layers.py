@@ -49,6 +49,13 @@ class RMSNorm(nn.Module):
             return (xf * (1.0 + self.weight.float())).to(residual.dtype)
         return self.weight * xf.to(residual.dtype)
 
+    def add_normed_(self, residual: torch.Tensor, x: torch.Tensor) -> None:
+        """``residual += norm(x)`` (a post-norm layer's residual add), one kernel when fused."""
+        if self.fused and not self.unit_offset:
+            cpu_fused.rms_norm_heads(x, self.weight, self.eps, 1, add_to=residual)
+        else:
+            residual.add_(self.forward(x))
+
 
 class Attention(nn.Module):
     """Self-attention over the paged KV cache, q/k/v as one fused projection.
@@ -103,6 +110,10 @@ class Attention(nn.Module):
 
     def _normed(self, qkv: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = qkv.split_with_sizes(self.split, -1)
+        if self.fused and not self.q_norm.unit_offset:  # read in place from the qkv rows (recordable: no torch copy)
+            heads = (self.num_heads, self.num_kv_heads) if self.qk_norm == "head" else (1, 1)
+            q = cpu_fused.rms_norm_heads(q, self.q_norm.weight, self.q_norm.eps, heads[0])
+            return q, cpu_fused.rms_norm_heads(k, self.k_norm.weight, self.k_norm.eps, heads[1]), v
         if self.qk_norm == "head":
             q = self.q_norm.forward(q.reshape(t * self.num_heads, self.head_dim)).view(t, -1)
             k = self.k_norm.forward(k.reshape(t * self.num_kv_heads, self.head_dim)).view(t, -1)

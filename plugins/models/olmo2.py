@@ -26,11 +26,11 @@ class PostNormLayer(nn.Module):
         self.mlp = MLP(spec)
         self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    def forward(self, residual, add, cos, sin, cache, meta) -> torch.Tensor:
-        if add is not None:
-            residual.add_(add)
-        residual.add_(self.post_attention_layernorm.forward(self.self_attn.forward(residual, cos, sin, cache, meta)))
-        return self.post_feedforward_layernorm.forward(self.mlp.forward(residual))
+    def forward(self, residual, add, cos, sin, cache, meta) -> None:
+        """Both normed sublayer outputs go into ``residual`` here (one kernel each when fused),
+        so nothing is handed to the next layer: ``add`` is always None."""
+        self.post_attention_layernorm.add_normed_(residual, self.self_attn.forward(residual, cos, sin, cache, meta))
+        self.post_feedforward_layernorm.add_normed_(residual, self.mlp.forward(residual))
 
 
 class Olmo2ForCausalLM(DecoderLM):
