@@ -16,6 +16,7 @@ docs/benchmarks.md ("Roofline").
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import time
@@ -109,6 +110,27 @@ def model_flops(spec, prompt_len: int, output_len: int) -> float:
 def weight_bytes(spec, dtype_bytes: int) -> int:
     """Bytes of every matmul weight (all layers and the LM head): what one forward reads at least."""
     return (layer_matmul_params(spec) * spec.num_layers + spec.hidden_size * spec.vocab_size) * dtype_bytes
+
+
+def held_weight_bytes(model) -> int:
+    """Bytes of every tensor ``model`` holds outside its embedding table, each storage once: what
+    one forward reads at least, as the platform keeps it (a float32 model's linears held as
+    bfloat16 panels, quantized codes and their scales, a tied head's own packed copy), where
+    :func:`weight_bytes` assumes every weight in the model's dtype."""
+    seen, total = set(), 0
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] == "embed_tokens":  # a lookup reads a step's rows, not the table
+            continue
+        for tensor in itertools.chain(module.parameters(recurse=False), module.buffers(recurse=False)):
+            try:
+                storage = tensor.untyped_storage()
+                key, nbytes = storage.data_ptr(), storage.nbytes()
+            except NotImplementedError:  # oneDNN's packed weights: opaque, no storage to share
+                key, nbytes = id(tensor), tensor.numel() * tensor.element_size()
+            if key not in seen:
+                seen.add(key)
+                total += nbytes
+    return total
 
 
 def kv_bytes_per_context_token(spec, dtype_bytes: int, int8: bool = False) -> int:
@@ -428,7 +450,7 @@ def run_engine(args, resolved, llm, machine: dict[str, Any]) -> dict[str, Any]:
     spec, dtype_bytes = c.spec, c.dtype.itemsize
     dtype = str(c.dtype).removeprefix("torch.")
     int8 = getattr(getattr(llm.engine.kv, "config", None), "kv_dtype", "auto") == "int8"
-    account = _StepAccount(spec, weight_bytes(spec, dtype_bytes), kv_bytes_per_context_token(spec, dtype_bytes, int8))
+    account = _StepAccount(spec, held_weight_bytes(llm.engine.runner.model), kv_bytes_per_context_token(spec, dtype_bytes, int8))
     c.registry.pm.register(account)
     detach = account.attach(llm.engine.scheduler)
     # timers measure launches on a GPU, and never see a decode step replayed from a graph or call list

@@ -8,8 +8,9 @@ import json
 import pytest
 import yaml
 
-from modserve import cli
+from modserve import LLM, cli
 from modserve.bench.roofline import (
+    held_weight_bytes,
     kv_bytes_per_context_token,
     layer_matmul_params,
     model_flops,
@@ -58,6 +59,20 @@ def tiny_dir(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("roofline-llama"))
     build_model(path, "llama")
     return path
+
+
+def test_held_weight_bytes_are_the_weights_as_the_platform_keeps_them(tiny_dir):
+    """The decode roofline's bytes a step: what the model holds (the tied head once, the
+    embedding table not at all), not every weight in the model's dtype: int8 codes hold a
+    quarter of float32's bytes (and a bfloat16 checkpoint on the AVX2 kernel half)."""
+    spec = read_model_spec(locate(tiny_dir))
+    norms, head = (2 * spec.num_layers + 1) * spec.hidden_size * 4, spec.vocab_size * spec.hidden_size * 4
+    kv = {"plugin": "paged", "num_blocks": 64}
+    plain = LLM(model={"path": tiny_dir, "dtype": "float32"}, device={"plugin": "cpu", "pack_weights": False}, kv_cache=kv)
+    assert held_weight_bytes(plain.engine.runner.model) == weight_bytes(spec, 4) + norms
+    int8 = LLM(model={"path": tiny_dir, "dtype": "float32"}, device={"plugin": "cpu", "quantization": "int8"}, kv_cache=kv)
+    layers = weight_bytes(spec, 4) - head
+    assert norms + head + layers / 4 <= held_weight_bytes(int8.engine.runner.model) < norms + head + layers / 2
 
 
 @pytest.fixture
