@@ -91,6 +91,17 @@ void rms_norm_heads(const T* x, int64_t x_stride, int heads, const T* w, T* out,
     }
 }
 
+// x *= factor in place, rounded as torch's multiply by a Python float (float32 arithmetic).
+template <typename T>
+void scale(T* x, int64_t x_stride, float factor, int rows, int width, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 64)
+    for (int r = 0; r < rows; ++r) {
+        T* xr = x + r * x_stride;
+#pragma omp simd
+        for (int j = 0; j < width; ++j) xr[j] = narrow<T>(widen(xr[j]) * factor);
+    }
+}
+
 template <typename T>
 void silu_mul(const T* gate_up, T* out, int rows, int inter, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -154,6 +165,15 @@ void modserve_rms_norm_heads(int dtype, const void* x, int64_t x_stride, int hea
     } else {
         rms_norm_heads(static_cast<const float*>(x), x_stride, heads, static_cast<const float*>(w),
                        static_cast<float*>(out), rows, dim, eps, accumulate != 0, threads);
+    }
+}
+
+// x [rows, width] (rows x_stride apart) *= factor: Granite's embedding and residual multipliers.
+void modserve_scale(int dtype, void* x, int64_t x_stride, float factor, int rows, int width, int threads) {
+    if (dtype == 1) {
+        scale(static_cast<bf16*>(x), x_stride, factor, rows, width, threads);
+    } else {
+        scale(static_cast<float*>(x), x_stride, factor, rows, width, threads);
     }
 }
 
@@ -222,6 +242,11 @@ MODSERVE_PACKED(modserve_add_rms_norm) {
 MODSERVE_PACKED(modserve_rms_norm_heads) {
     modserve_rms_norm_heads(a[0], ptr<const void*>(a[1]), a[2], a[3], ptr<const void*>(a[4]), ptr<void*>(a[5]), a[6], a[7],
                             f32(a[8]), a[9], a[10]);
+    return 0;
+}
+
+MODSERVE_PACKED(modserve_scale) {
+    modserve_scale(a[0], ptr<void*>(a[1]), a[2], f32(a[3]), a[4], a[5], a[6]);
     return 0;
 }
 

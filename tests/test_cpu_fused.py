@@ -60,6 +60,15 @@ def test_rms_norm_heads_reads_each_head_in_place_from_the_qkv_rows(rows, heads, 
     assert torch.equal(residual, want_sum)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scale_is_torchs_multiply_by_a_python_float(dtype):
+    """Granite's multipliers: bit for bit ``mul_`` (float32 product, one rounding), on strided rows."""
+    x = torch.randn(70, 300).to(dtype)[:, 20:276]
+    for factor in (0.22, 12.0, 1 / 3):
+        want = x.clone().mul_(factor)
+        assert cpu_fused.scale_(x, factor) is x and torch.equal(x, want)
+
+
 def test_silu_mul_matches_torch_over_the_whole_range():
     torch.manual_seed(0)
     gate_up = torch.randn(33, 2 * 40) * 6

@@ -35,6 +35,7 @@ class Kernels:
 
     add_rms_norm: NativeFunction
     rms_norm_heads: NativeFunction
+    scale: NativeFunction
     silu_mul: NativeFunction
     rope: NativeFunction
     gather_rows: NativeFunction
@@ -47,6 +48,7 @@ def load() -> Kernels:
     return Kernels(
         NativeFunction(lib, "modserve_add_rms_norm", [i32, ptr, i64, ptr, ptr, ptr, i64, i32, i32, f32, i32]),
         NativeFunction(lib, "modserve_rms_norm_heads", [i32, ptr, i64, i32, ptr, ptr, i32, i32, f32, i32, i32]),
+        NativeFunction(lib, "modserve_scale", [i32, ptr, i64, f32, i32, i32, i32]),
         NativeFunction(lib, "modserve_silu_mul", [i32, ptr, ptr, i32, i32, i32]),
         NativeFunction(lib, "modserve_rope", [i32, ptr, i64, ptr, ptr, i32, i32, i32, i32]),
         NativeFunction(lib, "modserve_gather_rows", [i32, ptr, i64, ptr, i32, i32, i32, ptr, i32], ctypes.c_int),
@@ -105,6 +107,14 @@ def rms_norm_heads(
         add_to is not None, torch.get_num_threads(),
     )  # fmt: skip
     return out
+
+
+def scale_(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """``x.mul_(factor)`` for 2-D rows with unit inner stride, as one recordable kernel (the
+    same float32 product and rounding as torch's multiply by a Python float); returns ``x``."""
+    code = _check(x)
+    load().scale(code, x.data_ptr(), x.stride(0), factor, x.shape[0], x.shape[1], torch.get_num_threads())
+    return x
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

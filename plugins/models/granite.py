@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from modserve.core.contract import AttentionBackend, CausalLM, ModelArchitecture, ModelSpec, hookimpl
+from modserve.core.models import cpu_fused
 from modserve.plugins.models.decoder import DecoderLM, PreNormLayer
 from modserve.plugins.models.layers import MLP, Attention
 
@@ -36,8 +37,15 @@ class GraniteSpec(ModelSpec):
     logits_scaling: float = 1.0
 
 
+def _scaled(x: torch.Tensor, factor: float, fused: bool) -> torch.Tensor:
+    """``x.mul_(factor)``; with the fused CPU ops on, as their kernel (a decode step stays recordable)."""
+    return cpu_fused.scale_(x, factor) if fused else x.mul_(factor)
+
+
 class GraniteLayer(PreNormLayer):
     """Llama's pre-norm layer whose sublayer outputs are scaled by ``residual_multiplier``."""
+
+    fused = False  # set by DecoderLM.use_cpu_fused_ops
 
     def __init__(self, spec: GraniteSpec, attention: Attention, mlp: MLP) -> None:
         super().__init__(spec, attention, mlp)
@@ -45,8 +53,9 @@ class GraniteLayer(PreNormLayer):
 
     def forward(self, residual, add, cos, sin, cache, meta) -> torch.Tensor:
         m = self.residual_multiplier
-        attn = self.self_attn.forward(self.input_layernorm.forward(residual, add), cos, sin, cache, meta).mul_(m)
-        return self.mlp.forward(self.post_attention_layernorm.forward(residual, attn)).mul_(m)
+        attn = self.self_attn.forward(self.input_layernorm.forward(residual, add), cos, sin, cache, meta)
+        mlp = self.mlp.forward(self.post_attention_layernorm.forward(residual, _scaled(attn, m, self.fused)))
+        return _scaled(mlp, m, self.fused)
 
 
 class GraniteForCausalLM(DecoderLM):
@@ -58,7 +67,7 @@ class GraniteForCausalLM(DecoderLM):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The embeddings times ``embedding_multiplier`` (a Python float, as HF multiplies)."""
-        return self.embed_tokens(input_ids).mul_(self.embedding_multiplier)
+        return _scaled(super().embed(input_ids), self.embedding_multiplier, self.fused_lookups)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         out = super().compute_logits(hidden)
