@@ -1005,6 +1005,32 @@ void write_new_rows(void* k_cache, void* v_cache, const void* k_new, const void*
     }
 }
 
+// The step's new K/V rows (float32 or bfloat16, T) into an int8 cache: per token and head, the
+// scale max|x| / 127 (at least 1e-8 / 127) and the codes round(x / scale), clamped to +-127:
+// core/kv_quant.py's quantize_per_token_head, bit for bit, so a decode step stays one kernel
+// call (recordable) instead of torch's quantize and index_copy_.
+template <typename T>
+void write_new_rows_int8(void* k_cache, void* v_cache, float* k_scale, float* v_scale, const void* k_new,
+                         const void* v_new, int64_t k_stride, int64_t v_stride, const int64_t* slots, int n_new, int KVH,
+                         int D, int threads) {
+    const auto quantize = [&](const T* x, int8_t* q, float* scale) {
+        float amax = 0.f;
+        for (int d = 0; d < D; ++d) amax = std::fmax(amax, std::fabs(load(x, d)));
+        const float s = std::fmax(amax, 1e-8f) / 127.f;
+        for (int d = 0; d < D; ++d) q[d] = static_cast<int8_t>(std::fmin(std::fmax(std::nearbyint(load(x, d) / s), -127.f), 127.f));
+        *scale = s;
+    };
+#pragma omp parallel for num_threads(threads) schedule(static) if (n_new >= 64)
+    for (int i = 0; i < n_new; ++i) {
+        if (slots[i] < 0) continue;  // a padding row (slot -1): nothing to keep
+        for (int h = 0; h < KVH; ++h) {
+            const int64_t at = slots[i] * KVH + h;
+            quantize(static_cast<const T*>(k_new) + i * k_stride + h * D, static_cast<int8_t*>(k_cache) + at * D, k_scale + at);
+            quantize(static_cast<const T*>(v_new) + i * v_stride + h * D, static_cast<int8_t*>(v_cache) + at * D, v_scale + at);
+        }
+    }
+}
+
 template <typename T>
 int dispatch_head_dim(const QIO& io, const void* k_cache, const void* v_cache, const float* k_scale,
                       const float* v_scale, const int32_t* block_tables, int table_width, const int64_t* rows,
@@ -1045,7 +1071,8 @@ int modserve_tiled(int D) {
 // out_stride elements between tokens; only the token rows listed in `rows` are read and
 // written. A bfloat16 q over a bfloat16 cache lets decode rows use bfloat16 dot products
 // (P.V then uses the weights rounded to bfloat16). k_new / v_new: n_new rows [KVH, D] in
-// the cache's dtype (not int8), written to their `slots` before any row attends. window > 0:
+// the cache's dtype (an int8 cache: in q's, quantized here), written to their `slots` before
+// any row attends. window > 0:
 // a row at position p sees positions > p - window only; softcap > 0: scores capped at
 // softcap * tanh(s / softcap) (0 for either: plain causal attention).
 int modserve_paged_attention(int dtype, int io_bf16, const void* q, int64_t q_stride, void* out, int64_t out_stride,
@@ -1055,7 +1082,7 @@ int modserve_paged_attention(int dtype, int io_bf16, const void* q, int64_t q_st
                              const int64_t* rows, const int32_t* row_seq, const int32_t* row_pos, int n_rows, int H,
                              int KVH, int D, int bs, float scale, int threads, int window, float softcap) {
     if (H % KVH || H / KVH > kMaxGroup || D > kMaxHeadDim || bs > kMaxBlock) return 1;
-    if (n_new > 0 && (dtype == 2 || !k_new || !v_new || !slots)) return 4;
+    if (n_new > 0 && (!k_new || !v_new || !slots)) return 4;
     const QIO io{q, out, q_stride, out_stride, io_bf16 != 0};
     const int64_t row_elems = static_cast<int64_t>(KVH) * D;
     switch (dtype) {
@@ -1071,6 +1098,13 @@ int modserve_paged_attention(int dtype, int io_bf16, const void* q, int64_t q_st
                                                row_seq, row_pos, n_rows, H, KVH, D, bs, scale, threads, window, softcap);
         case 2:
             if (!k_scale || !v_scale) return 2;
+            if (io_bf16) {
+                write_new_rows_int8<uint16_t>(k_cache, v_cache, const_cast<float*>(k_scale), const_cast<float*>(v_scale),
+                                              k_new, v_new, k_new_stride, v_new_stride, slots, n_new, KVH, D, threads);
+            } else {
+                write_new_rows_int8<float>(k_cache, v_cache, const_cast<float*>(k_scale), const_cast<float*>(v_scale), k_new,
+                                           v_new, k_new_stride, v_new_stride, slots, n_new, KVH, D, threads);
+            }
             return dispatch_head_dim<int8_t>(io, k_cache, v_cache, k_scale, v_scale, block_tables, table_width, rows,
                                              row_seq, row_pos, n_rows, H, KVH, D, bs, scale, threads, window, softcap);
     }

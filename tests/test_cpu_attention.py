@@ -183,6 +183,35 @@ def test_greedy_output_matches_hf(tiny_models, arch, max_query_len):
         assert o.outputs[0].token_ids == hf_greedy(hf, p, 24), f"prompt of {len(p)} tokens diverged"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_new_rows_into_an_int8_cache_are_write_kvs_bytes(dtype):
+    """The kernel quantizes the step's new K/V rows itself (a decode step stays one recordable
+    call): codes and scales bit for bit those of torch's write_kv; slot -1 writes nothing."""
+    from modserve.core.contract import LayerKVCache
+    from modserve.plugins.attention.torch_backend import write_kv
+
+    H, KVH, D, bs = 4, 2, 64, 16
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(5, KVH, D, generator=g).mul_(torch.rand(5, KVH, 1, generator=g) * 8).to(dtype) for _ in "kv")
+    k[2, 1] = 0  # an all-zero head: the 1e-8 floor
+    slots = torch.tensor([3, 17, 40, -1, 63])
+
+    def cache():
+        return LayerKVCache(torch.zeros(4, bs, KVH, D, dtype=torch.int8), torch.zeros(4, bs, KVH, D, dtype=torch.int8),
+                            torch.zeros(4, bs, KVH), torch.zeros(4, bs, KVH))  # fmt: skip
+
+    mine, theirs = cache(), cache()
+    keep = slots >= 0
+    write_kv(k[keep], v[keep], theirs, slots[keep])
+    q = torch.randn(5, H, D).to(dtype)
+    cpu_kernel_build.paged_attention(
+        q, torch.empty_like(q), mine.k, mine.v, mine.k_scale, mine.v_scale, torch.tensor([[0, 1, 2, 3]], dtype=torch.int32),
+        torch.tensor([0]), torch.tensor([0], dtype=torch.int32), torch.tensor([63], dtype=torch.int32), 0.125, new_kv=(k, v, slots),
+    )  # fmt: skip
+    for a, b in ((mine.k, theirs.k), (mine.v, theirs.v), (mine.k_scale, theirs.k_scale), (mine.v_scale, theirs.v_scale)):
+        assert torch.equal(a, b)
+
+
 def test_kernel_refuses_what_it_cannot_read():
     """Each wrong input is a ValueError naming it, before any memory is touched."""
     H, KVH, D = 4, 2, 64
@@ -211,8 +240,8 @@ def test_kernel_refuses_what_it_cannot_read():
         call(new_kv=(k, v, slots.int()))
     with pytest.raises(ValueError, match="new_kv slots must be contiguous int64, one per new row"):
         call(new_kv=(k, v, torch.tensor([3, 4])))
-    with pytest.raises(ValueError, match="new_kv needs a float32 or bfloat16 cache; quantize int8 rows first"):
-        call(cache=torch.zeros(4, 16, KVH, D, dtype=torch.int8), new_kv=(k, v, slots))
+    with pytest.raises(ValueError, match="new k rows must be torch.float32 with contiguous heads"):  # int8: q's dtype
+        call(cache=torch.zeros(4, 16, KVH, D, dtype=torch.int8), new_kv=(k.bfloat16(), v, slots))
     for name, args in (("block_tables", (tables.long(), rows, seq, pos)), ("rows", (tables, rows.int(), seq, pos)),
                        ("row_seq", (tables, rows, seq.long(), pos)), ("row_pos", (tables, rows, seq, torch.tensor([3, 4], dtype=torch.int32)))):  # fmt: skip
         with pytest.raises(ValueError, match=f"{name} must be contiguous torch.int"):

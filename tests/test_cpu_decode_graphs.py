@@ -201,14 +201,18 @@ def test_linears_that_multiply_through_torch_turn_call_lists_off_and_say_so(mode
     assert re.search(r"device\.decode_graphs: off, linear layers\.0\.self_attn\.qkv_proj multiplies through torch", caplog.text)
 
 
-@pytest.mark.skipif(not NATIVE_LINEARS, reason="bfloat16 linears are oneDNN's here: refused before the KV write")
-def test_an_int8_kv_cache_quantized_by_torch_runs_eagerly(model_dir, caplog):
-    want = run(engine(model_dir, "bfloat16", graphs=False, kv_dtype="int8"))
-    with caplog.at_level(logging.INFO, logger="modserve"):
-        llm = engine(model_dir, "bfloat16", graphs=True, kv_dtype="int8")
-        assert run(llm) == want
-    assert llm.engine.runner.graphs.unavailable is not None
-    assert re.search(r"device\.decode_graphs: torch operator \S+ (computes|copies) outside the recorded kernels", caplog.text)
+@pytest.mark.skipif(not NATIVE_LINEARS, reason="bfloat16 linears are oneDNN's here: no call lists at all")
+def test_an_int8_kv_cache_replays_with_the_eager_tokens_and_bytes(model_dir):
+    """The attention kernel quantizes the new K/V rows itself, so an int8 cache's decode steps
+    record: tokens, codes and scales as the eager engine's."""
+    eager = engine(model_dir, "bfloat16", graphs=False, kv_dtype="int8")
+    want = run(eager)
+    llm = engine(model_dir, "bfloat16", graphs=True, kv_dtype="int8")
+    assert run(llm) == want
+    graphs = llm.engine.runner.graphs
+    assert graphs.unavailable is None and all(graphs.replays[s] > 0 for s in graphs.sizes), graphs.replays
+    for mine, theirs in zip(llm.engine.kv.layer_caches(), eager.engine.kv.layer_caches()):
+        assert all(torch.equal(a, b) for a, b in ((mine.k, theirs.k), (mine.v, theirs.v), (mine.k_scale, theirs.k_scale)))
 
 
 def test_the_float_slots_carry_float32_bits():

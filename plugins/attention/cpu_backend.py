@@ -32,7 +32,7 @@ import torch
 from modserve.core.contract import AttentionBackend, AttentionMetadata, AttentionSpec, BuildContext, LayerKVCache, hookimpl
 from modserve.plugins.attention import cpu_amx_prefill as amx_prefill
 from modserve.plugins.attention import cpu_kernel_build as kernel
-from modserve.plugins.attention.torch_backend import PrefillChunk, layer_view, plan_prefills, run_prefills, write_kv
+from modserve.plugins.attention.torch_backend import PrefillChunk, layer_view, plan_prefills, run_prefills
 from modserve.plugins.platforms.cpu import cpu_model_and_flags
 
 MODSERVE_CONTRACT = "2.0"
@@ -113,19 +113,14 @@ class CpuAttention(AttentionBackend):
         return torch.tensor(rows, dtype=torch.int64), torch.tensor(seq, dtype=torch.int32), torch.tensor(pos, dtype=torch.int32)
 
     def forward(self, q, k, v, cache: LayerKVCache, meta: AttentionMetadata) -> torch.Tensor:
-        """One kernel call writes the step's K/V rows into the cache and attends for the
-        kernel's rows, reading q and writing out in the model's dtype (a quantized cache is
-        written by ``write_kv`` first); chunks beyond ``max_query_len`` then go to SDPA."""
+        """One kernel call writes the step's K/V rows into the cache (an int8 cache: quantized
+        there, as ``write_kv`` would) and attends for the kernel's rows, reading q and writing
+        out in the model's dtype; chunks beyond ``max_query_len`` then go to SDPA."""
         state: _StepState = meta.backend_state
         out = torch.empty(q.shape, dtype=q.dtype)
-        new_kv = None
-        if cache.quantized:  # int8: quantized by write_kv first
-            write_kv(k, v, cache, meta.slot_mapping)
-        else:
-            new_kv = (k, v)
         kernel.attend(
             state.step, q, out, cache.k, cache.v, cache.k_scale, cache.v_scale, self.spec.scale,
-            new_kv=new_kv, window=self.window, softcap=self.softcap,
+            new_kv=(k, v), window=self.window, softcap=self.softcap,
         )  # fmt: skip
         if not state.prefills:
             return out

@@ -130,8 +130,9 @@ def attend(
     ``q``/``out``: ``[T, H, D]``, both float32 or both bfloat16 (a bfloat16 q over a bfloat16
     cache lets decode rows use bfloat16 dot products, with P.V's weights rounded to bfloat16),
     heads contiguous, any stride between tokens (q may be a view into the qkv rows).
-    ``new_kv``: ``(k, v)``, the step's K/V rows ``[N, KVH, D]`` in the cache's dtype (not
-    int8: quantize first), one per slot, written before any row attends.
+    ``new_kv``: ``(k, v)``, the step's K/V rows ``[N, KVH, D]`` in the cache's dtype (an int8
+    cache: in q's dtype, quantized per token and head as :mod:`modserve.core.kv_quant` does),
+    one per slot, written before any row attends.
     ``lib``: a variant build from :func:`load` (default: the standard one). ``window``: a row
     at ``pos`` sees positions ``> pos - window`` only; ``softcap``: scaled scores become
     ``softcap * tanh(s / softcap)`` (a layer's settings, see ``AttentionBackend.for_layer``)."""
@@ -147,13 +148,12 @@ def attend(
     k_new = v_new = slots = None
     k_stride = v_stride = n_new = 0
     if new_kv is not None:
-        if k_cache.dtype == torch.int8:
-            raise ValueError("cpu paged attention: new_kv needs a float32 or bfloat16 cache; quantize int8 rows first")
         k_new, v_new = new_kv
+        row_dtype = dtype if k_cache.dtype == torch.int8 else k_cache.dtype  # int8: quantized from q's dtype
         for name, t in (("k", k_new), ("v", v_new)):
             st = t.stride()
-            if t.dtype != k_cache.dtype or st[2] != 1 or st[1] != D:
-                raise ValueError(f"cpu paged attention: new {name} rows must be {k_cache.dtype} with contiguous heads")
+            if t.dtype != row_dtype or st[2] != 1 or st[1] != D:
+                raise ValueError(f"cpu paged attention: new {name} rows must be {row_dtype} with contiguous heads")
         n_new = -1 if step.slots is None else step.slots.numel()
         if n_new != k_new.shape[0] or n_new != v_new.shape[0]:
             raise ValueError("cpu paged attention: new_kv slots must be contiguous int64, one per new row")
