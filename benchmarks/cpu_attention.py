@@ -1,8 +1,8 @@
 """The `cpu` attention kernel at SmolLM2's shape, against its baselines in the same run.
 
 Decode: one step's attention over all layers, each layer with its own cache (so the KV
-comes from memory, not from L3, as in the engine), the standard build against the
-portable (``-mno-avx512f``) build. Prefill: causal chunks read from the paged cache, the
+comes from memory, not from L3, as in the engine), the standard build and the AVX2 build
+(``-mno-avx512f``) against the portable one (``-mno-avx512f -mno-avx2``). Prefill: causal chunks read from the paged cache, the
 kernel against SDPA's flash kernel on the same inputs. Prints times and ratios.
 
     python benchmarks/cpu_attention.py [--dtype bfloat16] [--batch 64] [--context 300]
@@ -42,7 +42,11 @@ def decode(args, dtype: torch.dtype) -> None:
     seq = torch.arange(args.batch, dtype=torch.int32)
     pos = torch.full((args.batch,), args.context - 1, dtype=torch.int32)
     times, outs = {}, {}
-    variants = [("portable build", ("-mno-avx512f",), torch.float32), ("standard build", (), torch.float32)]
+    variants = [
+        ("portable build", ("-mno-avx512f", "-mno-avx2"), torch.float32),
+        ("AVX2 build", ("-mno-avx512f",), torch.float32),  # the AVX2 path, where the CPU has AVX2
+        ("standard build", (), torch.float32),
+    ]
     if dtype == torch.bfloat16:
         variants.append(("standard, bf16 q", (), torch.bfloat16))  # what the backend passes with a bf16 model
     for name, flags, io_dtype in variants:

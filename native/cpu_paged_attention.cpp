@@ -11,7 +11,8 @@
 // The token at position p attends to cache positions 0..p of its own sequence, so decode
 // rows, speculative verify rows and chunks with cached context all use the same loop.
 // Those are the portable loops; with AVX-512 (head_dim 64 or 128) decode rows and tiles of
-// consecutive rows take the paths further down (docs/cpu_attention.md).
+// consecutive rows take the paths further down (docs/cpu_attention.md), and with AVX2 and FMA
+// but no AVX-512, every row takes attend_avx2.
 //
 // Per layer (Gemma, Mistral): a sliding window `window` > 0 limits the token at position p to
 // positions > p - window (the loops start at the window's first chunk and mask the rest), and
@@ -24,6 +25,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "avx2.h"
 #include "avx512.h"
 #include "bf16.h"
 #include "fast_exp.h"
@@ -878,6 +880,119 @@ struct SplitRow {
     int row, parts, first_part;  // rows[row], cut into parts first_part .. first_part + parts - 1
 };
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// attend() for head_dim D (a multiple of 8) on a CPU with AVX2 and FMA but no AVX-512: the
+// structure of attend_avx512 with 8 lanes, 8 cache rows (a chunk) at a time. A chunk's rows
+// for the item's KV heads are widened to float32 once (read in place when the cache is
+// float32); each query head takes its 8 scores as 8 partial vectors folded pairwise as they
+// come (4 live), a vector exp, and P.V with 8 accumulator vectors (64 elements of the head) in
+// registers at a time. q is read from L1 rather than held: 16 ymm registers do not hold a
+// 128-wide q beside the sums.
+template <typename T, int D>
+void attend_avx2(const QIO& io, int64_t token, const T* kc, const T* vc, const float* ks, const float* vs,
+                 const int32_t* table, int32_t pos, int KVH, int G, int bs, float scale, int h0, int h1, int window,
+                 float softcap, int from = 0, int to = -1, const Partial* part = nullptr) {
+    using modserve::load8;
+    constexpr int NV = D / 8;             // vectors per row
+    constexpr int W = NV < 8 ? NV : 8;    // accumulator vectors in registers at a time
+    const int nh = (h1 - h0) * G;
+    const int64_t row_stride = static_cast<int64_t>(KVH) * D;
+    const int64_t block_stride = static_cast<int64_t>(bs) * row_stride;
+    const int heads = h1 - h0;
+    static thread_local std::vector<float> work;
+    work.resize(static_cast<size_t>(nh) * (2 * D + 2) + 2 * 8 * heads * D);
+    float* qs = work.data();  // [nh][D], pre-scaled
+    float* acc = qs + nh * D;  // [nh][D]
+    float* m = acc + nh * D;  // [nh] running max
+    float* l = m + nh;  // [nh] running sum of weights
+    float* kbuf = l + nh;  // [8][heads][D]: the item's K rows of an 8-token chunk, as float32
+    float* vbuf = kbuf + 8 * heads * D;  // [8][heads][D]
+    start_heads(io, token, h0 * G, nh, D, scale, qs, acc, m, l);
+    const int n_tokens = to < 0 ? pos + 1 : to;  // the end of this call's positions
+    const int chunk = bs < 8 ? bs : 8;  // block sizes are powers of two: a chunk never crosses a block
+    const int lo = window_start(pos, window);
+    const __m256i lane_ids = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int start = std::max(lo / chunk * chunk, from); start < n_tokens; start += chunk) {
+        const int in_block = start % bs;
+        const int n = n_tokens - start < chunk ? n_tokens - start : chunk;
+        const int64_t block = table[start / bs];
+        const T* kb = kc + block * block_stride + static_cast<int64_t>(in_block) * row_stride;
+        const T* vb = vc + block * block_stride + static_cast<int64_t>(in_block) * row_stride;
+        const float* ksb = ks ? ks + (block * bs + in_block) * KVH : nullptr;
+        const float* vsb = vs ? vs + (block * bs + in_block) * KVH : nullptr;
+        // keys that exist (t < n) and are in the window (start + t >= lo), as all-ones lanes
+        const int first = lo > start ? lo - start : 0;
+        const __m256 valid = _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane_ids),
+                                                                   _mm256_cmpgt_epi32(lane_ids, _mm256_set1_epi32(first - 1))));
+        if constexpr (!std::is_same_v<T, float>) {  // widen the item's heads of each row in one sweep
+            for (int t = 0; t < n; ++t) {
+                for (int j = 0; j < heads * NV; ++j) {
+                    _mm256_storeu_ps(kbuf + (t * heads) * D + 8 * j, load8(kb + t * row_stride + h0 * D + 8 * j));
+                    _mm256_storeu_ps(vbuf + (t * heads) * D + 8 * j, load8(vb + t * row_stride + h0 * D + 8 * j));
+                }
+            }
+        }
+        for (int h = h0; h < h1; ++h) {
+            const float* kr;
+            const float* vr;
+            int64_t stride;
+            if constexpr (std::is_same_v<T, float>) {
+                kr = kb + h * D, vr = vb + h * D, stride = row_stride;
+            } else {
+                kr = kbuf + (h - h0) * D, vr = vbuf + (h - h0) * D, stride = static_cast<int64_t>(heads) * D;
+            }
+            __m256 kscale = _mm256_set1_ps(1.f), vscale = _mm256_set1_ps(1.f);
+            if (ksb) {
+                alignas(32) float k8[8] = {}, v8[8] = {};
+                for (int t = 0; t < n; ++t) k8[t] = ksb[t * KVH + h], v8[t] = vsb[t * KVH + h];
+                kscale = _mm256_load_ps(k8), vscale = _mm256_load_ps(v8);
+            }
+            for (int g = 0; g < G; ++g) {
+                const int i = (h - h0) * G + g;
+                const float* qi = qs + i * D;
+                constexpr int QR = NV <= 8 ? NV : 1;  // q vectors held in registers (head_dim 64: all)
+                __m256 qv[QR];
+                for (int j = 0; j < QR; ++j) qv[j] = _mm256_loadu_ps(qi + 8 * j);
+                const auto qvec = [&](int j) { return NV <= 8 ? qv[j < QR ? j : 0] : _mm256_loadu_ps(qi + 8 * j); };
+                const auto dot = [&](int t) {  // key t's products as 8 partial sums (0 past the chunk)
+                    if (t >= n) return _mm256_setzero_ps();
+                    __m256 s = _mm256_mul_ps(qvec(0), _mm256_loadu_ps(kr + t * stride));
+                    for (int j = 1; j < NV; ++j) s = _mm256_fmadd_ps(qvec(j), _mm256_loadu_ps(kr + t * stride + 8 * j), s);
+                    return s;
+                };
+                __m256 pairs[4];
+                for (int u = 0; u < 4; ++u) pairs[u] = _mm256_hadd_ps(dot(2 * u), dot(2 * u + 1));
+                __m256 scores = _mm256_mul_ps(modserve::transpose_sum8_from_pairs(pairs), kscale);
+                if (softcap > 0.f) {
+                    alignas(32) float x[8];
+                    _mm256_store_ps(x, scores);
+                    for (float& s : x) s = cap_score(s, softcap);
+                    scores = _mm256_load_ps(x);
+                }
+                scores = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), scores, valid);
+                const float bmax = std::fmax(m[i], modserve::hmax8(scores));
+                const float correction = exp_nonpositive(m[i] - bmax);  // ~0 on the first chunk (m = -inf)
+                const __m256 p = _mm256_and_ps(modserve::exp256_nonpositive(_mm256_sub_ps(scores, _mm256_set1_ps(bmax))), valid);
+                l[i] = l[i] * correction + modserve::hsum8(p);
+                m[i] = bmax;
+                const __m256 pv = _mm256_mul_ps(p, vscale);  // int8: the V rows' scales folded in
+                const __m256 corr = _mm256_set1_ps(correction);
+                for (int j0 = 0; j0 < NV; j0 += W) {
+                    __m256 a[W];
+                    for (int j = 0; j < W; ++j) a[j] = _mm256_mul_ps(_mm256_loadu_ps(acc + i * D + 8 * (j0 + j)), corr);
+                    for (int t = 0; t < n; ++t) {
+                        const __m256 pt = _mm256_permutevar8x32_ps(pv, _mm256_set1_epi32(t));  // lane t, in registers
+                        for (int j = 0; j < W; ++j) a[j] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vr + t * stride + 8 * (j0 + j)), a[j]);
+                    }
+                    for (int j = 0; j < W; ++j) _mm256_storeu_ps(acc + i * D + 8 * (j0 + j), a[j]);
+                }
+            }
+        }
+    }
+    if (!keep_part(part, nh, D, acc, m, l)) finish_heads(io, token, h0 * G, nh, D, acc, l);
+}
+#endif  // AVX2 without AVX-512
+
 // Where a row split into `parts` parts cuts its n positions: multiples of `align` (16 and
 // the block size: a 16-key chunk, and the portable loop's block, never crosses a part),
 // `parts` + 1 bounds from 0 to n.
@@ -973,6 +1088,13 @@ void run(const QIO& io, const void* k_cache, const void* v_cache, const float* k
                 attend_avx512<T, FixedD>(io, rows[i], kc, vc, k_scale, v_scale, table, row_pos[i], KVH, H / KVH, bs,
                                          scale, it.h0, it.h1, window, softcap, it.from, it.to, part);
             }
+            continue;
+        }
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+        if constexpr (FixedD > 0) {
+            attend_avx2<T, FixedD>(io, rows[i], kc, vc, k_scale, v_scale, table, row_pos[i], KVH, H / KVH, bs, scale,
+                                   it.h0, it.h1, window, softcap, it.from, it.to, part);
             continue;
         }
 #endif

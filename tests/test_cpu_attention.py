@@ -29,9 +29,10 @@ def reference(q, k_rows, v_rows, pos, scale):
     return F.scaled_dot_product_attention(q[:, None], k, v, scale=scale)[:, 0]
 
 
-# The standard build takes the AVX-512 path for head_dim 64 and 128 where the CPU has it;
-# the "-mno-avx512f" build runs the portable loops on the same CPU, so both are checked here.
-BUILDS = {"native": (), "portable": ("-mno-avx512f",)}
+# The standard build takes the AVX-512 path for head_dim 64 and 128 where the CPU has it; the
+# "-mno-avx512f" build the AVX2 path (where the CPU has AVX2), and "-mno-avx2" too the portable
+# loops, on the same CPU, so all three are checked here.
+BUILDS = {"native": (), "avx2": ("-mno-avx512f",), "portable": ("-mno-avx512f", "-mno-avx2")}
 
 
 # Query rows per sequence (lengths 1, 17, 40, 100, 600): "verify" takes each one's last 3
