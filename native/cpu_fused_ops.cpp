@@ -115,14 +115,14 @@ void silu_mul(const T* gate_up, T* out, int rows, int inter, int threads) {
 }
 
 template <typename T>
-void rope(T* x, int64_t x_stride, const T* cos, const T* sin, int rows, int heads, int D, int threads) {
+void rope(T* x, int64_t x_stride, const T* cos, const T* sin, int rows, int heads, int D, int head_stride, int threads) {
     const int half = D / 2;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int r = 0; r < rows; ++r) {
         const T* c = cos + static_cast<int64_t>(r) * D;
         const T* s = sin + static_cast<int64_t>(r) * D;
         for (int h = 0; h < heads; ++h) {
-            T* a = x + r * x_stride + static_cast<int64_t>(h) * D;
+            T* a = x + r * x_stride + static_cast<int64_t>(h) * head_stride;
             T* b = a + half;
 #pragma omp simd
             for (int i = 0; i < half; ++i) {
@@ -186,19 +186,36 @@ void modserve_silu_mul(int dtype, const void* gate_up, void* out, int rows, int 
     }
 }
 
-// Rotate-half RoPE, in place on the first `heads` heads of each row of x (the q and k
-// heads at the front of a fused qkv row): for i < D/2,
+// Rotate-half RoPE, in place on the first D channels of the first `heads` heads of each row
+// of x (the q and k heads at the front of a fused qkv row, head_stride apart: D below it
+// rotates part of each head, Phi-4-mini): for i < D/2,
 //   x[i]       <- x[i] * cos[i] - x[i + D/2] * sin[i]
 //   x[i + D/2] <- x[i + D/2] * cos[i + D/2] + x[i] * sin[i + D/2]
 // cos, sin: [rows, D], already gathered for each row's position.
 void modserve_rope(int dtype, void* x, int64_t x_stride, const void* cos, const void* sin, int rows, int heads, int D,
-                   int threads) {
+                   int head_stride, int threads) {
     if (dtype == 1) {
         rope(static_cast<bf16*>(x), x_stride, static_cast<const bf16*>(cos), static_cast<const bf16*>(sin), rows, heads,
-             D, threads);
+             D, head_stride, threads);
     } else {
         rope(static_cast<float*>(x), x_stride, static_cast<const float*>(cos), static_cast<const float*>(sin), rows,
-             heads, D, threads);
+             heads, D, head_stride, threads);
+    }
+}
+
+// LongRoPE's table row for each of a step's tokens (core/models/rope.py): a token whose
+// request is longer than `original` (its own position + 1, or the request's length where
+// request_lens is given: tokens query_start_loc[r] .. [r + 1] belong to request r) rotates
+// with the long factors' row, its position; a shorter one with the short factors' row,
+// position + max_positions.
+void modserve_longrope_rows(const int64_t* positions, const int32_t* query_start_loc, const int32_t* request_lens,
+                            int requests, int tokens, int64_t original, int64_t max_positions, int64_t* rows) {
+    for (int r = 0; r < (request_lens ? requests : 1); ++r) {
+        const int t0 = request_lens ? query_start_loc[r] : 0, t1 = request_lens ? query_start_loc[r + 1] : tokens;
+        for (int t = t0; t < t1; ++t) {
+            const int64_t length = request_lens && request_lens[r] > positions[t] + 1 ? request_lens[r] : positions[t] + 1;
+            rows[t] = length > original ? positions[t] : positions[t] + max_positions;
+        }
     }
 }
 
@@ -256,7 +273,14 @@ MODSERVE_PACKED(modserve_silu_mul) {
 }
 
 MODSERVE_PACKED(modserve_rope) {
-    modserve_rope(a[0], ptr<void*>(a[1]), a[2], ptr<const void*>(a[3]), ptr<const void*>(a[4]), a[5], a[6], a[7], a[8]);
+    modserve_rope(a[0], ptr<void*>(a[1]), a[2], ptr<const void*>(a[3]), ptr<const void*>(a[4]), a[5], a[6], a[7], a[8],
+                  a[9]);
+    return 0;
+}
+
+MODSERVE_PACKED(modserve_longrope_rows) {
+    modserve_longrope_rows(ptr<const int64_t*>(a[0]), ptr<const int32_t*>(a[1]), ptr<const int32_t*>(a[2]), a[3], a[4], a[5],
+                           a[6], ptr<int64_t*>(a[7]));
     return 0;
 }
 

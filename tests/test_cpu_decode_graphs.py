@@ -175,7 +175,7 @@ def test_call_lists_give_the_eager_tokens_and_kv(model_dir):
     assert graphs.graphs == captured
 
 
-REPLAYED = ("mistral", "qwen3", "olmo2", "granite")  # q/k norms read in place (rms_norm_heads), multipliers as scale_
+REPLAYED = ("mistral", "qwen3", "olmo2", "granite", "phi3")  # q/k norms in place, multipliers, LongRoPE rows as kernels
 
 
 @pytest.mark.skipif(not NATIVE_LINEARS, reason="bfloat16 linears are oneDNN's here: no call lists at all")

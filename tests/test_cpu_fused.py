@@ -95,6 +95,48 @@ def test_rope_rotates_q_and_k_in_place_and_leaves_v():
     assert torch.equal(v, want_v)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_of_part_of_each_head_leaves_the_rest(dtype):
+    """Phi-4-mini rotates the first rotary_dim channels of each head: the fused op equals the
+    torch path (``layers._rotate``: rotate, concatenate the rest), bit for bit in bfloat16
+    (float32: up to the fused multiply-adds), and leaves the other channels alone."""
+    from modserve.plugins.models.layers import _rotate
+
+    torch.manual_seed(1)
+    t, heads, d, r = 9, 3, 32, 24
+    x = torch.randn(t, heads * d + 16).to(dtype)
+    angles = torch.rand(t, r // 2) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([angles.sin()] * 2, -1).to(dtype)
+    want = _rotate(x[:, : heads * d].reshape(t, heads, d), cos[:, None], sin[:, None], r)
+    tail = x[:, heads * d :].clone()
+    cpu_fused.rope_(x, cos, sin, heads, d, r)
+    got = x[:, : heads * d].reshape(t, heads, d)
+    assert torch.equal(got, want) if dtype == torch.bfloat16 else torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[..., r:], want[..., r:]) and torch.equal(x[:, heads * d :], tail)
+    with pytest.raises(ValueError, match="rope of 24 channels of 20-wide heads, cos rows of 24"):
+        cpu_fused.rope_(x, cos, sin, heads, 20, 24)
+
+
+def test_longrope_rows_are_the_rotary_tables(tmp_path):
+    """LongRoPE's rows as a kernel (recordable) equal RotaryTable's torch choice: by position
+    alone, and by each token's request length (a request longer than the original length
+    takes the long factors for every token, also the early ones)."""
+    from types import SimpleNamespace
+
+    from modserve.core.models.rope import RotaryTable
+
+    scaling = {"rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 16,
+               "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}  # fmt: skip
+    table = RotaryTable(8, 64, 10000.0, scaling, "cpu")
+    positions = torch.tensor([0, 5, 15, 16, 3, 4, 40, 2], dtype=torch.int64)
+    meta = SimpleNamespace(query_start_loc=torch.tensor([0, 3, 4, 6, 8], dtype=torch.int32),
+                           request_lens=torch.tensor([16, 17, 30, 3], dtype=torch.int32))  # fmt: skip
+    for m in (None, meta):
+        want = table._longrope_rows(positions, m)
+        assert torch.equal(cpu_fused.longrope_rows(positions, m, table.original, table.max_positions), want)
+    assert cpu_fused.longrope_rows(positions, meta, 16, 64).tolist() == [64, 69, 79, 16, 3, 4, 40, 66]
+
+
 def bf16_ulps(got: torch.Tensor, want: torch.Tensor) -> int:
     """Largest distance in bfloat16 steps (same-sign values: their bit patterns' difference)."""
     assert got.dtype == want.dtype == torch.bfloat16

@@ -39,6 +39,7 @@ class Kernels:
     silu_mul: NativeFunction
     rope: NativeFunction
     gather_rows: NativeFunction
+    longrope_rows: NativeFunction
 
 
 @lru_cache(maxsize=1)
@@ -50,8 +51,9 @@ def load() -> Kernels:
         NativeFunction(lib, "modserve_rms_norm_heads", [i32, ptr, i64, i32, ptr, ptr, i32, i32, f32, i32, i32]),
         NativeFunction(lib, "modserve_scale", [i32, ptr, i64, f32, i32, i32, i32]),
         NativeFunction(lib, "modserve_silu_mul", [i32, ptr, ptr, i32, i32, i32]),
-        NativeFunction(lib, "modserve_rope", [i32, ptr, i64, ptr, ptr, i32, i32, i32, i32]),
+        NativeFunction(lib, "modserve_rope", [i32, ptr, i64, ptr, ptr, i32, i32, i32, i32, i32]),
         NativeFunction(lib, "modserve_gather_rows", [i32, ptr, i64, ptr, i32, i32, i32, ptr, i32], ctypes.c_int),
+        NativeFunction(lib, "modserve_longrope_rows", [ptr, ptr, ptr, i32, i32, i64, i64, ptr]),
     )
 
 
@@ -128,16 +130,38 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> None:
-    """Rotate-half RoPE in place on the first ``heads`` heads of each row of ``x``
-    (``[T, >= heads * head_dim]``, unit inner stride); ``cos``/``sin``: contiguous ``[T, head_dim]``."""
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int, rotary_dim: int | None = None) -> None:
+    """Rotate-half RoPE in place on the first ``rotary_dim`` channels (default: all) of the
+    first ``heads`` heads of each row of ``x`` (``[T, >= heads * head_dim]``, unit inner
+    stride); ``cos``/``sin``: contiguous ``[T, rotary_dim]``."""
     code = _check(x, cos, sin)
     if not (cos.is_contiguous() and sin.is_contiguous()):
         raise ValueError("fused cpu ops: cos and sin must be contiguous")
+    rotary_dim = head_dim if rotary_dim is None else rotary_dim
+    if cos.shape[-1] != rotary_dim or rotary_dim > head_dim or rotary_dim % 2:
+        raise ValueError(f"fused cpu ops: rope of {rotary_dim} channels of {head_dim}-wide heads, cos rows of {cos.shape[-1]}")
     load().rope(
-        code, x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), x.shape[0], heads, head_dim,
+        code, x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), x.shape[0], heads, rotary_dim, head_dim,
         torch.get_num_threads(),
     )  # fmt: skip
+
+
+def longrope_rows(positions: torch.Tensor, meta, original: int, max_positions: int) -> torch.Tensor:
+    """LongRoPE's table rows for a step (:meth:`RotaryTable._longrope_rows` as one recordable
+    kernel): each token's position where its request is longer than ``original``, else the
+    short factors' row, position + ``max_positions``. ``meta``: the step's metadata (a token's
+    request length from ``request_lens``) or None (its position alone)."""
+    positions = positions.to(torch.int64).contiguous()  # no copy where it already is (a decode graph's inputs)
+    rows = torch.empty_like(positions)
+    lens = None if meta is None else meta.request_lens
+    starts = None if lens is None else meta.query_start_loc
+    if lens is not None and (lens.dtype != torch.int32 or starts.dtype != torch.int32):
+        raise ValueError("fused cpu ops: longrope_rows needs int32 request_lens and query_start_loc")
+    load().longrope_rows(
+        positions.data_ptr(), None if lens is None else starts.data_ptr(), None if lens is None else lens.data_ptr(),
+        0 if lens is None else lens.shape[0], positions.shape[0], original, max_positions, rows.data_ptr(),
+    )  # fmt: skip
+    return rows
 
 
 def gather_rows(table: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

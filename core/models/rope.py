@@ -73,12 +73,19 @@ class RotaryTable:
 
     def lookup(
         self, positions: torch.Tensor, dtype: torch.dtype, meta: AttentionMetadata | None = None, gather=None,
+        longrope_rows=None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows for this step's positions, shaped to broadcast over heads: ``[T, 1, D]``.
         LongRoPE picks each token's factors by its request's length in ``meta`` (without
         one, by its position alone); a position past the original length always takes the
-        long factors. ``gather(table, rows, dtype)``: a kernel for ``table[rows].to(dtype)``."""
-        rows = positions if self.original is None else self._longrope_rows(positions, meta)
+        long factors. ``gather(table, rows, dtype)``: a kernel for ``table[rows].to(dtype)``;
+        ``longrope_rows(positions, meta, original, max_positions)``: one for the LongRoPE rows."""
+        if self.original is None:
+            rows = positions
+        elif longrope_rows is not None:
+            rows = longrope_rows(positions, meta, self.original, self.max_positions)
+        else:
+            rows = self._longrope_rows(positions, meta)
         if gather is not None:
             return gather(self.cos, rows, dtype).unsqueeze(1), gather(self.sin, rows, dtype).unsqueeze(1)
         return self.cos[rows].to(dtype).unsqueeze(1), self.sin[rows].to(dtype).unsqueeze(1)

@@ -104,7 +104,8 @@ class DecoderLM(CausalLM):
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm."""
         residual = self.embed(input_ids)
-        cos, sin = self.rotary.lookup(positions, residual.dtype, meta, cpu_fused.gather_rows if self.fused_lookups else None)
+        kernels = (cpu_fused.gather_rows, cpu_fused.longrope_rows) if self.fused_lookups else (None, None)
+        cos, sin = self.rotary.lookup(positions, residual.dtype, meta, *kernels)
         add = None
         for layer, cache in zip(self.layers, caches):
             add = layer.forward(residual, add, cos, sin, cache, meta)

@@ -90,17 +90,17 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, cache: LayerKVCache, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj.forward(x)
         t, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        fused_rope = self.fused and self.rotary_dim == d
+        fused_rope, r = self.fused, self.rotary_dim
         if self.qk_norm is None:
-            if fused_rope:  # rotate q and k in place inside the fused qkv rows
-                cpu_fused.rope_(qkv, cos.squeeze(1), sin.squeeze(1), h + kvh, d)
+            if fused_rope:  # rotate q and k in place inside the fused qkv rows (their first r channels)
+                cpu_fused.rope_(qkv, cos.squeeze(1), sin.squeeze(1), h + kvh, d, r)
             q, k, v = qkv.split_with_sizes(self.split, -1)  # not Tensor.split's Python wrapper: 1.5 against 3.4 us
         else:
             q, k, v = self._normed(qkv, t)  # fresh contiguous q and k
             if fused_rope:
                 cos, sin = cos.squeeze(1), sin.squeeze(1)
-                cpu_fused.rope_(q, cos, sin, h, d)
-                cpu_fused.rope_(k, cos, sin, kvh, d)
+                cpu_fused.rope_(q, cos, sin, h, d, r)
+                cpu_fused.rope_(k, cos, sin, kvh, d, r)
         q, k = q.view(t, h, d), k.view(t, kvh, d)
         if not fused_rope:
             q, k = _rotate(q, cos, sin, self.rotary_dim), _rotate(k, cos, sin, self.rotary_dim)
