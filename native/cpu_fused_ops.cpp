@@ -21,6 +21,7 @@
 
 namespace {
 
+using modserve::exp_nonpositive;
 using modserve::silu;
 using bf16 = uint16_t;
 
@@ -40,9 +41,25 @@ template <typename T>
 inline float rounded(float x) { return widen(narrow<T>(x)); }
 
 
+// Gemma's norm of one element: x * inv times (1 + w), all in float32, rounded once.
+template <typename T>
+inline T offset_normed(T x, float inv, T w) {
+    const float normed = widen(x) * inv;
+    return narrow<T>(normed * (1.f + widen(w)));
+}
+
+// gelu(x) with the tanh approximation (torch's approximate="tanh"), tanh from exp(-2|y|) so
+// that the loop vectorizes: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+inline float gelu_tanh(float x) {
+    const float y = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+    const float e = exp_nonpositive(-2.f * std::fabs(y));
+    const float t = (1.f - e) / (1.f + e);  // tanh(|y|)
+    return 0.5f * x * (1.f + (y >= 0.f ? t : -t));
+}
+
 template <typename T>
 void add_rms_norm(const T* x, int64_t x_stride, T* residual, const T* w, T* out, int64_t out_stride, int rows, int dim,
-                  float eps, int threads) {
+                  float eps, bool offset, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int r = 0; r < rows; ++r) {
         const T* xr = x + r * x_stride;
@@ -57,7 +74,11 @@ void add_rms_norm(const T* x, int64_t x_stride, T* residual, const T* w, T* out,
 #pragma omp simd reduction(+ : sum)
         for (int i = 0; i < dim; ++i) sum += widen(src[i]) * widen(src[i]);
         const float inv = 1.f / std::sqrt(sum / dim + eps);
-        for (int i = 0; i < dim; ++i) o[i] = narrow<T>(widen(w[i]) * rounded<T>(widen(src[i]) * inv));
+        if (offset) {
+            for (int i = 0; i < dim; ++i) o[i] = offset_normed<T>(src[i], inv, w[i]);
+        } else {
+            for (int i = 0; i < dim; ++i) o[i] = narrow<T>(widen(w[i]) * rounded<T>(widen(src[i]) * inv));
+        }
     }
 }
 
@@ -68,7 +89,7 @@ void add_rms_norm(const T* x, int64_t x_stride, T* residual, const T* w, T* out,
 // torch's add of the rounded norm.
 template <typename T>
 void rms_norm_heads(const T* x, int64_t x_stride, int heads, const T* w, T* out, int rows, int dim, float eps,
-                    bool accumulate, int threads) {
+                    bool accumulate, bool offset, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * heads >= 8)
     for (int i = 0; i < rows * heads; ++i) {
         const int r = i / heads, h = i % heads;
@@ -85,6 +106,8 @@ void rms_norm_heads(const T* x, int64_t x_stride, int heads, const T* w, T* out,
                 for (int j = 0; j < n; ++j) normed[j] = rounded<T>(widen(w[j0 + j]) * rounded<T>(widen(src[j0 + j]) * inv));
                 for (int j = 0; j < n; ++j) o[j0 + j] = narrow<T>(widen(o[j0 + j]) + normed[j]);
             }
+        } else if (offset) {
+            for (int j = 0; j < dim; ++j) o[j] = offset_normed<T>(src[j], inv, w[j]);
         } else {
             for (int j = 0; j < dim; ++j) o[j] = narrow<T>(widen(w[j]) * rounded<T>(widen(src[j]) * inv));
         }
@@ -99,6 +122,18 @@ void scale(T* x, int64_t x_stride, float factor, int rows, int width, int thread
         T* xr = x + r * x_stride;
 #pragma omp simd
         for (int j = 0; j < width; ++j) xr[j] = narrow<T>(widen(xr[j]) * factor);
+    }
+}
+
+template <typename T>
+void gelu_tanh_mul(const T* gate_up, T* out, int rows, int inter, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int r = 0; r < rows; ++r) {
+        const T* g = gate_up + static_cast<int64_t>(r) * 2 * inter;
+        const T* u = g + inter;
+        T* o = out + static_cast<int64_t>(r) * inter;
+#pragma omp simd
+        for (int j = 0; j < inter; ++j) o[j] = narrow<T>(rounded<T>(gelu_tanh(widen(g[j]))) * widen(u[j]));
     }
 }
 
@@ -143,28 +178,30 @@ extern "C" {
 // residual == nullptr: out = rms_norm(x) * w.
 // Otherwise:          residual += x, then out = rms_norm(residual) * w (the pre-norm
 // layer's "add the sublayer's output, normalise for the next sublayer").
-// x, residual, out: [rows, dim] with row strides; w: [dim].
+// x, residual, out: [rows, dim] with row strides; w: [dim]. offset (Gemma): scale by 1 + w
+// in float32 and round once, instead of rounding the normalised x and multiplying by w.
 void modserve_add_rms_norm(int dtype, const void* x, int64_t x_stride, void* residual, const void* w, void* out,
-                           int64_t out_stride, int rows, int dim, float eps, int threads) {
+                           int64_t out_stride, int rows, int dim, float eps, int offset, int threads) {
     if (dtype == 1) {
         add_rms_norm(static_cast<const bf16*>(x), x_stride, static_cast<bf16*>(residual), static_cast<const bf16*>(w),
-                     static_cast<bf16*>(out), out_stride, rows, dim, eps, threads);
+                     static_cast<bf16*>(out), out_stride, rows, dim, eps, offset != 0, threads);
     } else {
         add_rms_norm(static_cast<const float*>(x), x_stride, static_cast<float*>(residual),
-                     static_cast<const float*>(w), static_cast<float*>(out), out_stride, rows, dim, eps, threads);
+                     static_cast<const float*>(w), static_cast<float*>(out), out_stride, rows, dim, eps, offset != 0,
+                     threads);
     }
 }
 
 // out [rows, heads * dim] = (accumulate: out +) each dim-wide head of x's rows (x_stride apart)
 // RMS-normalised, times w [dim].
 void modserve_rms_norm_heads(int dtype, const void* x, int64_t x_stride, int heads, const void* w, void* out, int rows,
-                             int dim, float eps, int accumulate, int threads) {
+                             int dim, float eps, int accumulate, int offset, int threads) {
     if (dtype == 1) {
         rms_norm_heads(static_cast<const bf16*>(x), x_stride, heads, static_cast<const bf16*>(w), static_cast<bf16*>(out),
-                       rows, dim, eps, accumulate != 0, threads);
+                       rows, dim, eps, accumulate != 0, offset != 0, threads);
     } else {
         rms_norm_heads(static_cast<const float*>(x), x_stride, heads, static_cast<const float*>(w),
-                       static_cast<float*>(out), rows, dim, eps, accumulate != 0, threads);
+                       static_cast<float*>(out), rows, dim, eps, accumulate != 0, offset != 0, threads);
     }
 }
 
@@ -174,6 +211,15 @@ void modserve_scale(int dtype, void* x, int64_t x_stride, float factor, int rows
         scale(static_cast<bf16*>(x), x_stride, factor, rows, width, threads);
     } else {
         scale(static_cast<float*>(x), x_stride, factor, rows, width, threads);
+    }
+}
+
+// out[r, j] = gelu_tanh(gate_up[r, j]) * gate_up[r, inter + j] (GeGLU, Gemma).
+void modserve_gelu_tanh_mul(int dtype, const void* gate_up, void* out, int rows, int inter, int threads) {
+    if (dtype == 1) {
+        gelu_tanh_mul(static_cast<const bf16*>(gate_up), static_cast<bf16*>(out), rows, inter, threads);
+    } else {
+        gelu_tanh_mul(static_cast<const float*>(gate_up), static_cast<float*>(out), rows, inter, threads);
     }
 }
 
@@ -252,18 +298,23 @@ using modserve::packed::ptr;
 
 MODSERVE_PACKED(modserve_add_rms_norm) {
     modserve_add_rms_norm(a[0], ptr<const void*>(a[1]), a[2], ptr<void*>(a[3]), ptr<const void*>(a[4]), ptr<void*>(a[5]),
-                          a[6], a[7], a[8], f32(a[9]), a[10]);
+                          a[6], a[7], a[8], f32(a[9]), a[10], a[11]);
     return 0;
 }
 
 MODSERVE_PACKED(modserve_rms_norm_heads) {
     modserve_rms_norm_heads(a[0], ptr<const void*>(a[1]), a[2], a[3], ptr<const void*>(a[4]), ptr<void*>(a[5]), a[6], a[7],
-                            f32(a[8]), a[9], a[10]);
+                            f32(a[8]), a[9], a[10], a[11]);
     return 0;
 }
 
 MODSERVE_PACKED(modserve_scale) {
     modserve_scale(a[0], ptr<void*>(a[1]), a[2], f32(a[3]), a[4], a[5], a[6]);
+    return 0;
+}
+
+MODSERVE_PACKED(modserve_gelu_tanh_mul) {
+    modserve_gelu_tanh_mul(a[0], ptr<const void*>(a[1]), ptr<void*>(a[2]), a[3], a[4], a[5]);
     return 0;
 }
 

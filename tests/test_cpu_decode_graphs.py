@@ -63,7 +63,7 @@ def test_a_kernel_called_around_the_recorder_is_caught_by_the_poisoned_replay():
 
     def unrecorded(x, weight):
         out = torch.empty_like(x)
-        raw(0, x.data_ptr(), x.stride(0), None, weight.data_ptr(), out.data_ptr(), out.stride(0), x.shape[0], x.shape[1], 1e-6, 1)
+        raw(0, x.data_ptr(), x.stride(0), None, weight.data_ptr(), out.data_ptr(), out.stride(0), x.shape[0], x.shape[1], 1e-6, 0, 1)
         return cpu_fused.silu_mul(out)
 
     with pytest.raises(native_calls.NotReplayable, match="outside NativeFunction"):
@@ -175,11 +175,11 @@ def test_call_lists_give_the_eager_tokens_and_kv(model_dir):
     assert graphs.graphs == captured
 
 
-REPLAYED = ("mistral", "qwen3", "olmo2", "granite", "phi3")  # q/k norms in place, multipliers, LongRoPE rows as kernels
+REPLAYED = ("mistral", "qwen3", "olmo2", "granite", "phi3", "gemma2", "gemma3_text")  # each one's torch ops as kernels (docs)
 
 
 @pytest.mark.skipif(not NATIVE_LINEARS, reason="bfloat16 linears are oneDNN's here: no call lists at all")
-@pytest.mark.parametrize("arch", ["qwen3", "olmo2", "phi3", "gemma3_text", "granite", "mistral"])
+@pytest.mark.parametrize("arch", ["qwen3", "olmo2", "phi3", "gemma2", "gemma3_text", "granite", "mistral"])
 def test_every_architecture_keeps_its_tokens(tmp_path, arch):
     """Replayed where the forward is all recorded kernels, eager where the capture refused:
     the tokens are the eager engine's either way."""
@@ -218,5 +218,5 @@ def test_an_int8_kv_cache_replays_with_the_eager_tokens_and_bytes(model_dir):
 def test_the_float_slots_carry_float32_bits():
     fn = cpu_fused.load().add_rms_norm
     calls = native_calls.CallList()
-    calls.add(fn, (1, 2, 3, None, 4, 5, 6, 7, 8, 0.5, 2))
-    assert calls.words[2:] == [1, 2, 3, 0, 4, 5, 6, 7, 8, int.from_bytes(bytes(ctypes.c_float(0.5)), "little"), 2]
+    calls.add(fn, (1, 2, 3, None, 4, 5, 6, 7, 8, 0.5, 0, 2))
+    assert calls.words[2:] == [1, 2, 3, 0, 4, 5, 6, 7, 8, int.from_bytes(bytes(ctypes.c_float(0.5)), "little"), 0, 2]

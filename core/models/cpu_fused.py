@@ -37,6 +37,7 @@ class Kernels:
     rms_norm_heads: NativeFunction
     scale: NativeFunction
     silu_mul: NativeFunction
+    gelu_tanh_mul: NativeFunction
     rope: NativeFunction
     gather_rows: NativeFunction
     longrope_rows: NativeFunction
@@ -47,10 +48,11 @@ def load() -> Kernels:
     lib = compile_and_load(SOURCE, "the fused cpu ops")
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     return Kernels(
-        NativeFunction(lib, "modserve_add_rms_norm", [i32, ptr, i64, ptr, ptr, ptr, i64, i32, i32, f32, i32]),
-        NativeFunction(lib, "modserve_rms_norm_heads", [i32, ptr, i64, i32, ptr, ptr, i32, i32, f32, i32, i32]),
+        NativeFunction(lib, "modserve_add_rms_norm", [i32, ptr, i64, ptr, ptr, ptr, i64, i32, i32, f32, i32, i32]),
+        NativeFunction(lib, "modserve_rms_norm_heads", [i32, ptr, i64, i32, ptr, ptr, i32, i32, f32, i32, i32, i32]),
         NativeFunction(lib, "modserve_scale", [i32, ptr, i64, f32, i32, i32, i32]),
         NativeFunction(lib, "modserve_silu_mul", [i32, ptr, ptr, i32, i32, i32]),
+        NativeFunction(lib, "modserve_gelu_tanh_mul", [i32, ptr, ptr, i32, i32, i32]),
         NativeFunction(lib, "modserve_rope", [i32, ptr, i64, ptr, ptr, i32, i32, i32, i32, i32]),
         NativeFunction(lib, "modserve_gather_rows", [i32, ptr, i64, ptr, i32, i32, i32, ptr, i32], ctypes.c_int),
         NativeFunction(lib, "modserve_longrope_rows", [ptr, ptr, ptr, i32, i32, i64, i64, ptr]),
@@ -69,9 +71,12 @@ def can_fuse(device: torch.device, dtype: torch.dtype) -> bool:
     return True
 
 
-def add_rms_norm(residual: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``residual += add`` (in place, when given), then ``rms_norm(residual) * weight``.
-    ``residual``: contiguous ``[T, dim]``; ``add``: ``[T, dim]`` with unit inner stride."""
+def add_rms_norm(
+    residual: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor, eps: float, offset: bool = False
+) -> torch.Tensor:
+    """``residual += add`` (in place, when given), then ``rms_norm(residual) * weight``
+    (``offset``, Gemma: ``* (1 + weight)`` in float32, rounded once). ``residual``: contiguous
+    ``[T, dim]``; ``add``: ``[T, dim]`` with unit inner stride."""
     rows, dim = residual.shape
     if not residual.is_contiguous():
         raise ValueError("fused cpu ops: the residual stream must be contiguous")
@@ -82,21 +87,22 @@ def add_rms_norm(residual: torch.Tensor, add: torch.Tensor | None, weight: torch
         src, stride, res = add, add.stride(0), residual.data_ptr()
     code = _check(src, residual, weight)
     load().add_rms_norm(
-        code, src.data_ptr(), stride, res, weight.data_ptr(), out.data_ptr(), out.stride(0), rows, dim, eps,
+        code, src.data_ptr(), stride, res, weight.data_ptr(), out.data_ptr(), out.stride(0), rows, dim, eps, offset,
         torch.get_num_threads(),
     )  # fmt: skip
     return out
 
 
 def rms_norm_heads(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, heads: int, add_to: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, heads: int, add_to: torch.Tensor | None = None, offset: bool = False
 ) -> torch.Tensor:
     """``rms_norm`` of each of ``heads`` equal slices of ``x``'s rows, times ``weight`` (one
     slice wide), into a new contiguous ``[T, width]``: a q/k norm per head (Qwen3) or over the
     whole projection (OLMo 2, ``heads`` 1), read from ``x`` where it lies (a strided view of
     the fused qkv rows, unit inner stride), so no torch copy makes it contiguous first.
     ``add_to`` (contiguous ``[T, width]``): added into it in place instead, and returned (OLMo
-    2's ``residual += norm(sublayer)``, rounded as torch's add of the rounded norm)."""
+    2's ``residual += norm(sublayer)``, rounded as torch's add of the rounded norm). ``offset``:
+    Gemma 3's q/k norms (see :func:`add_rms_norm`)."""
     rows, width = x.shape
     if width != heads * weight.shape[0]:
         raise ValueError(f"fused cpu ops: rms_norm_heads of {heads} heads of {weight.shape[0]} over rows of {width}")
@@ -106,7 +112,7 @@ def rms_norm_heads(
     out = torch.empty(rows, width, dtype=x.dtype) if add_to is None else add_to
     load().rms_norm_heads(
         code, x.data_ptr(), x.stride(0), heads, weight.data_ptr(), out.data_ptr(), rows, weight.shape[0], eps,
-        add_to is not None, torch.get_num_threads(),
+        add_to is not None, offset, torch.get_num_threads(),
     )  # fmt: skip
     return out
 
@@ -119,14 +125,17 @@ def scale_(x: torch.Tensor, factor: float) -> torch.Tensor:
     return x
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` for ``gate_up = [gate | up]``, contiguous ``[T, 2 * inter]``."""
+def silu_mul(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """``act(gate) * up`` for ``gate_up = [gate | up]``, contiguous ``[T, 2 * inter]``;
+    ``activation`` ``"silu"`` (SwiGLU) or ``"gelu_tanh"`` (GeGLU: gelu with the tanh
+    approximation, its tanh from the kernels' exp, within ~1e-6 of torch's)."""
     rows, width = gate_up.shape
     code = _check(gate_up)
     if not gate_up.is_contiguous():
         raise ValueError("fused cpu ops: gate_up must be contiguous")
+    kernel = {"silu": load().silu_mul, "gelu_tanh": load().gelu_tanh_mul}[activation]
     out = gate_up.new_empty(rows, width // 2)
-    load().silu_mul(code, gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
+    kernel(code, gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
     return out
 
 

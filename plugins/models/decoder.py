@@ -97,6 +97,8 @@ class DecoderLM(CausalLM):
         self.to(device=device, dtype=dtype)
         s = self.spec
         self.rotary = RotaryTable(s.rotary_dim or s.head_dim, self.max_positions, s.rope_theta, s.rope_scaling, device)
+        if self.embed_scale is not None:  # the scale rounded to the model's dtype, made once (no tensor during a capture)
+            self.embed_scale_rounded = float(torch.tensor(self.embed_scale, dtype=dtype))
         return self
 
     def forward(
@@ -104,12 +106,16 @@ class DecoderLM(CausalLM):
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm."""
         residual = self.embed(input_ids)
-        kernels = (cpu_fused.gather_rows, cpu_fused.longrope_rows) if self.fused_lookups else (None, None)
-        cos, sin = self.rotary.lookup(positions, residual.dtype, meta, *kernels)
+        cos, sin = self.rotary_rows(self.rotary, positions, residual.dtype, meta)
         add = None
         for layer, cache in zip(self.layers, caches):
             add = layer.forward(residual, add, cos, sin, cache, meta)
         return self.norm.forward(residual, add)
+
+    def rotary_rows(self, table: RotaryTable, positions: torch.Tensor, dtype: torch.dtype, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """``table``'s cos/sin rows for the step, looked up by the fused kernels where they run."""
+        kernels = (cpu_fused.gather_rows, cpu_fused.longrope_rows) if self.fused_lookups else (None, None)
+        return table.lookup(positions, dtype, meta, *kernels)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The embeddings, a fresh tensor (the layers add into it), scaled by ``embed_scale``."""
@@ -117,8 +123,11 @@ class DecoderLM(CausalLM):
             x = cpu_fused.gather_rows(self.embed_tokens.weight, input_ids, self.embed_tokens.weight.dtype)
         else:
             x = self.embed_tokens(input_ids)
-        if self.embed_scale is not None:
-            x.mul_(torch.tensor(self.embed_scale, dtype=x.dtype))
+        if self.embed_scale is not None:  # HF's normalizer: the scale in the model's dtype
+            if self.fused_lookups:
+                cpu_fused.scale_(x, self.embed_scale_rounded)
+            else:
+                x.mul_(torch.tensor(self.embed_scale, dtype=x.dtype))
         return x
 
     def use_cpu_fused_ops(self) -> bool:

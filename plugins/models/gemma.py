@@ -84,8 +84,8 @@ class GemmaForCausalLM(DecoderLM):
 
     def forward(self, input_ids, positions, caches, meta) -> torch.Tensor:
         residual = self.embed(input_ids)
-        rope = self.rotary.lookup(positions, residual.dtype, meta)
-        local = self.rotary_local.lookup(positions, residual.dtype, meta) if self.rotary_local is not None else rope
+        rope = self.rotary_rows(self.rotary, positions, residual.dtype, meta)
+        local = self.rotary_rows(self.rotary_local, positions, residual.dtype, meta) if self.rotary_local is not None else rope
         add = None
         for layer, cache, is_local in zip(self.layers, caches, self.local_rope):
             cos, sin = local if is_local else rope

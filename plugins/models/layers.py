@@ -27,7 +27,7 @@ class RMSNorm(nn.Module):
 
     Called on the residual stream with the previous sublayer's output as ``add``, it first
     adds it in place (``residual += add``), so the add and the norm can run as one kernel.
-    ``unit_offset`` (Gemma): scale by ``1 + weight`` in float32, then cast back (never fused).
+    ``unit_offset`` (Gemma): scale by ``1 + weight`` in float32, then cast back.
     """
 
     fused = False  # set by DecoderLM.use_cpu_fused_ops
@@ -39,8 +39,8 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
 
     def forward(self, residual: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
-        if self.fused and not self.unit_offset:
-            return cpu_fused.add_rms_norm(residual, add, self.weight, self.eps)
+        if self.fused:
+            return cpu_fused.add_rms_norm(residual, add, self.weight, self.eps, self.unit_offset)
         if add is not None:
             residual.add_(add)
         xf = residual.float()
@@ -51,8 +51,8 @@ class RMSNorm(nn.Module):
 
     def add_normed_(self, residual: torch.Tensor, x: torch.Tensor) -> None:
         """``residual += norm(x)`` (a post-norm layer's residual add), one kernel when fused."""
-        if self.fused and not self.unit_offset:
-            cpu_fused.rms_norm_heads(x, self.weight, self.eps, 1, add_to=residual)
+        if self.fused:
+            cpu_fused.rms_norm_heads(x, self.weight, self.eps, 1, add_to=residual, offset=self.unit_offset)
         else:
             residual.add_(self.forward(x))
 
@@ -110,10 +110,11 @@ class Attention(nn.Module):
 
     def _normed(self, qkv: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = qkv.split_with_sizes(self.split, -1)
-        if self.fused and not self.q_norm.unit_offset:  # read in place from the qkv rows (recordable: no torch copy)
+        if self.fused:  # read in place from the qkv rows (recordable: no torch copy)
             heads = (self.num_heads, self.num_kv_heads) if self.qk_norm == "head" else (1, 1)
-            q = cpu_fused.rms_norm_heads(q, self.q_norm.weight, self.q_norm.eps, heads[0])
-            return q, cpu_fused.rms_norm_heads(k, self.k_norm.weight, self.k_norm.eps, heads[1]), v
+            offset = self.q_norm.unit_offset
+            q = cpu_fused.rms_norm_heads(q, self.q_norm.weight, self.q_norm.eps, heads[0], offset=offset)
+            return q, cpu_fused.rms_norm_heads(k, self.k_norm.weight, self.k_norm.eps, heads[1], offset=offset), v
         if self.qk_norm == "head":
             q = self.q_norm.forward(q.reshape(t * self.num_heads, self.head_dim)).view(t, -1)
             k = self.k_norm.forward(k.reshape(t * self.num_kv_heads, self.head_dim)).view(t, -1)
@@ -153,8 +154,8 @@ class MLP(nn.Module):
             out = self.down_proj.forward(self.gate_up_proj.forward(x))
             return out if self.tp is None else self.tp.all_reduce(out)
         gate_up = self.gate_up_proj.forward(x)
-        if self.fused and self.activation == "silu":
-            out = self.down_proj.forward(cpu_fused.silu_mul(gate_up))
+        if self.fused:
+            out = self.down_proj.forward(cpu_fused.silu_mul(gate_up, self.activation))
         else:
             gate, up = gate_up.split(self.intermediate, dim=-1)
             act = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
