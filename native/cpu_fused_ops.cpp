@@ -11,6 +11,8 @@
 // so the fused ops give HF's bfloat16 values, not a more precise float32 chain:
 // norm: x -> bf16(x * rsqrt(mean(x^2) + eps)) -> bf16(w * that); silu: bf16(silu(g)) then
 // bf16(that * u); rope: bf16(bf16(a * cos) + bf16(rot * sin)); residual: bf16(r + x).
+// Gemma's norm (offset) rounds once, bf16((x * rsqrt(...)) * (1 + w)), as HF's does; its
+// GeGLU takes tanh from exp_nonpositive (within ~1e-6 of torch's, not bit for bit).
 #include <cmath>
 #include <cstdint>
 #include <cstring>
