@@ -26,10 +26,10 @@
 #include <cstring>
 
 #include "packed_call.h"
+#include "panel_threads.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-#include <omp.h>
 
 #include "fast_exp.h"
 
@@ -169,14 +169,10 @@ extern "C" {
 // panels alternate gate, up; N / 2 a multiple of 16, no bias): y [M, N / 2] = silu(gate) * up.
 void modserve_avx2_linear(const float* x, int64_t x_stride, int64_t M, const uint16_t* w, int64_t N, int K,
                           const float* bias, float* y, int64_t y_stride, int threads, int gated) {
-    const int64_t panels = (N + 15) / 16, pairs = (panels + 1) / 2;
     const int64_t panel = static_cast<int64_t>((K + 31) / 32) * 512;  // elements of one packed panel
-#pragma omp parallel num_threads(threads)
-    {
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t p0 = 2 * (pairs * t / nt), p1 = 2 * (pairs * (t + 1) / nt);
-        thread_part(x, x_stride, M, w, panel, N, K, bias, y, y_stride, gated != 0, p0, p1 < panels ? p1 : panels);
-    }
+    modserve::for_panel_ranges(N, threads, [&](int64_t p0, int64_t p1) {
+        thread_part(x, x_stride, M, w, panel, N, K, bias, y, y_stride, gated != 0, p0, p1);
+    });
 }
 
 int modserve_avx2_linear_available() { return 1; }

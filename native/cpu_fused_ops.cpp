@@ -127,27 +127,16 @@ void scale(T* x, int64_t x_stride, float factor, int rows, int width, int thread
     }
 }
 
-template <typename T>
-void gelu_tanh_mul(const T* gate_up, T* out, int rows, int inter, int threads) {
+// out[r, j] = act(gate[r, j]) * up[r, j] for gate_up rows [gate | up]: SwiGLU (silu) or GeGLU (gelu_tanh).
+template <typename T, float (*Act)(float)>
+void act_mul(const T* gate_up, T* out, int rows, int inter, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int r = 0; r < rows; ++r) {
         const T* g = gate_up + static_cast<int64_t>(r) * 2 * inter;
         const T* u = g + inter;
         T* o = out + static_cast<int64_t>(r) * inter;
 #pragma omp simd
-        for (int j = 0; j < inter; ++j) o[j] = narrow<T>(rounded<T>(gelu_tanh(widen(g[j]))) * widen(u[j]));
-    }
-}
-
-template <typename T>
-void silu_mul(const T* gate_up, T* out, int rows, int inter, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int r = 0; r < rows; ++r) {
-        const T* g = gate_up + static_cast<int64_t>(r) * 2 * inter;
-        const T* u = g + inter;
-        T* o = out + static_cast<int64_t>(r) * inter;
-#pragma omp simd
-        for (int j = 0; j < inter; ++j) o[j] = narrow<T>(rounded<T>(silu(widen(g[j]))) * widen(u[j]));
+        for (int j = 0; j < inter; ++j) o[j] = narrow<T>(rounded<T>(Act(widen(g[j]))) * widen(u[j]));
     }
 }
 
@@ -219,18 +208,18 @@ void modserve_scale(int dtype, void* x, int64_t x_stride, float factor, int rows
 // out[r, j] = gelu_tanh(gate_up[r, j]) * gate_up[r, inter + j] (GeGLU, Gemma).
 void modserve_gelu_tanh_mul(int dtype, const void* gate_up, void* out, int rows, int inter, int threads) {
     if (dtype == 1) {
-        gelu_tanh_mul(static_cast<const bf16*>(gate_up), static_cast<bf16*>(out), rows, inter, threads);
+        act_mul<bf16, gelu_tanh>(static_cast<const bf16*>(gate_up), static_cast<bf16*>(out), rows, inter, threads);
     } else {
-        gelu_tanh_mul(static_cast<const float*>(gate_up), static_cast<float*>(out), rows, inter, threads);
+        act_mul<float, gelu_tanh>(static_cast<const float*>(gate_up), static_cast<float*>(out), rows, inter, threads);
     }
 }
 
 // out[r, j] = silu(gate_up[r, j]) * gate_up[r, inter + j]; gate_up: [rows, 2 * inter].
 void modserve_silu_mul(int dtype, const void* gate_up, void* out, int rows, int inter, int threads) {
     if (dtype == 1) {
-        silu_mul(static_cast<const bf16*>(gate_up), static_cast<bf16*>(out), rows, inter, threads);
+        act_mul<bf16, silu>(static_cast<const bf16*>(gate_up), static_cast<bf16*>(out), rows, inter, threads);
     } else {
-        silu_mul(static_cast<const float*>(gate_up), static_cast<float*>(out), rows, inter, threads);
+        act_mul<float, silu>(static_cast<const float*>(gate_up), static_cast<float*>(out), rows, inter, threads);
     }
 }
 

@@ -240,6 +240,37 @@ void attend(const QIO& io, int64_t token, const T* kc, const T* vc, const float*
     if (!keep_part(part, nh, D, acc, m, l)) finish_heads(io, token, h0 * G, nh, D, acc, l);
 }
 
+// Where the chunk of cache positions from `start` (within one block) lies: its first K and V
+// rows and their int8 scales (null for a float cache). The vector paths' chunk loops share it.
+template <typename T>
+struct ChunkRows {
+    const T* k;
+    const T* v;
+    const float* k_scale;
+    const float* v_scale;
+};
+
+template <typename T>
+inline ChunkRows<T> chunk_rows(const T* kc, const T* vc, const float* ks, const float* vs, const int32_t* table, int start,
+                               int bs, int KVH, int64_t row_stride) {
+    const int64_t slot = static_cast<int64_t>(table[start / bs]) * bs + start % bs;  // the chunk's first cache row
+    return {kc + slot * row_stride, vc + slot * row_stride, ks ? ks + slot * KVH : nullptr, vs ? vs + slot * KVH : nullptr};
+}
+
+// KV head h's rows of a chunk as float32, and the distance between them: in place in a float32
+// cache, else in the buffers the chunk was widened into ([rows][heads][D], heads from h0).
+template <typename T>
+inline int64_t head_rows(const ChunkRows<T>& c, const float* kbuf, const float* vbuf, int h, int h0, int heads, int D,
+                         int64_t row_stride, const float*& kr, const float*& vr) {
+    if constexpr (std::is_same_v<T, float>) {
+        kr = c.k + h * D, vr = c.v + h * D;
+        return row_stride;
+    } else {
+        kr = kbuf + (h - h0) * D, vr = vbuf + (h - h0) * D;
+        return static_cast<int64_t>(heads) * D;
+    }
+}
+
 #if defined(__AVX512F__)
 // The 16 scores of a chunk, one a lane, from dot(t): key t's products as a vector of partial
 // sums (lanes n.. are 0). A full chunk's keys come in pairs, each pair folded at once
@@ -283,7 +314,6 @@ void attend_avx512(const QIO& io, int64_t token, const T* kc, const T* vc, const
     constexpr int NV = D / 16;  // vectors per row
     const int nh = (h1 - h0) * G;
     const int64_t row_stride = static_cast<int64_t>(KVH) * D;
-    const int64_t block_stride = static_cast<int64_t>(bs) * row_stride;
     const int heads = h1 - h0;
     static thread_local std::vector<float> work;
     work.resize(static_cast<size_t>(nh) * (2 * D + 2) + 2 * 16 * heads * D);
@@ -298,32 +328,24 @@ void attend_avx512(const QIO& io, int64_t token, const T* kc, const T* vc, const
     const int chunk = bs < 16 ? bs : 16;  // block sizes are powers of two: a chunk never crosses a block
     const int lo = window_start(pos, window);
     for (int start = std::max(lo / chunk * chunk, from); start < n_tokens; start += chunk) {
-        const int in_block = start % bs;
         const int n = n_tokens - start < chunk ? n_tokens - start : chunk;
-        const int64_t block = table[start / bs];
-        const T* kb = kc + block * block_stride + static_cast<int64_t>(in_block) * row_stride;
-        const T* vb = vc + block * block_stride + static_cast<int64_t>(in_block) * row_stride;
-        const float* ksb = ks ? ks + (block * bs + in_block) * KVH : nullptr;
-        const float* vsb = vs ? vs + (block * bs + in_block) * KVH : nullptr;
+        const ChunkRows<T> c = chunk_rows(kc, vc, ks, vs, table, start, bs, KVH, row_stride);
+        const float* ksb = c.k_scale;
+        const float* vsb = c.v_scale;
         // keys that exist (t < n) and are in the window (start + t >= lo)
         const __mmask16 valid = static_cast<__mmask16>(((1u << n) - 1u) & ~((1u << (lo > start ? lo - start : 0)) - 1u));
         if constexpr (!std::is_same_v<T, float>) {  // widen the item's heads of each row in one sweep
             for (int t = 0; t < n; ++t) {
                 for (int j = 0; j < heads * NV; ++j) {
-                    _mm512_storeu_ps(kbuf + (t * heads) * D + 16 * j, load16(kb + t * row_stride + h0 * D + 16 * j));
-                    _mm512_storeu_ps(vbuf + (t * heads) * D + 16 * j, load16(vb + t * row_stride + h0 * D + 16 * j));
+                    _mm512_storeu_ps(kbuf + (t * heads) * D + 16 * j, load16(c.k + t * row_stride + h0 * D + 16 * j));
+                    _mm512_storeu_ps(vbuf + (t * heads) * D + 16 * j, load16(c.v + t * row_stride + h0 * D + 16 * j));
                 }
             }
         }
         for (int h = h0; h < h1; ++h) {
             const float* kr;
             const float* vr;
-            int64_t stride;
-            if constexpr (std::is_same_v<T, float>) {
-                kr = kb + h * D, vr = vb + h * D, stride = row_stride;
-            } else {
-                kr = kbuf + (h - h0) * D, vr = vbuf + (h - h0) * D, stride = static_cast<int64_t>(heads) * D;
-            }
+            const int64_t stride = head_rows(c, kbuf, vbuf, h, h0, heads, D, row_stride, kr, vr);
             __m512 kscale = _mm512_set1_ps(1.f), vscale = _mm512_set1_ps(1.f);
             if (ksb) {
                 alignas(64) float k16[16] = {}, v16[16] = {};
@@ -897,7 +919,6 @@ void attend_avx2(const QIO& io, int64_t token, const T* kc, const T* vc, const f
     constexpr int W = NV < 8 ? NV : 8;    // accumulator vectors in registers at a time
     const int nh = (h1 - h0) * G;
     const int64_t row_stride = static_cast<int64_t>(KVH) * D;
-    const int64_t block_stride = static_cast<int64_t>(bs) * row_stride;
     const int heads = h1 - h0;
     static thread_local std::vector<float> work;
     work.resize(static_cast<size_t>(nh) * (2 * D + 2) + 2 * 8 * heads * D);
@@ -913,13 +934,10 @@ void attend_avx2(const QIO& io, int64_t token, const T* kc, const T* vc, const f
     const int lo = window_start(pos, window);
     const __m256i lane_ids = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     for (int start = std::max(lo / chunk * chunk, from); start < n_tokens; start += chunk) {
-        const int in_block = start % bs;
         const int n = n_tokens - start < chunk ? n_tokens - start : chunk;
-        const int64_t block = table[start / bs];
-        const T* kb = kc + block * block_stride + static_cast<int64_t>(in_block) * row_stride;
-        const T* vb = vc + block * block_stride + static_cast<int64_t>(in_block) * row_stride;
-        const float* ksb = ks ? ks + (block * bs + in_block) * KVH : nullptr;
-        const float* vsb = vs ? vs + (block * bs + in_block) * KVH : nullptr;
+        const ChunkRows<T> c = chunk_rows(kc, vc, ks, vs, table, start, bs, KVH, row_stride);
+        const float* ksb = c.k_scale;
+        const float* vsb = c.v_scale;
         // keys that exist (t < n) and are in the window (start + t >= lo), as all-ones lanes
         const int first = lo > start ? lo - start : 0;
         const __m256 valid = _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane_ids),
@@ -927,20 +945,15 @@ void attend_avx2(const QIO& io, int64_t token, const T* kc, const T* vc, const f
         if constexpr (!std::is_same_v<T, float>) {  // widen the item's heads of each row in one sweep
             for (int t = 0; t < n; ++t) {
                 for (int j = 0; j < heads * NV; ++j) {
-                    _mm256_storeu_ps(kbuf + (t * heads) * D + 8 * j, load8(kb + t * row_stride + h0 * D + 8 * j));
-                    _mm256_storeu_ps(vbuf + (t * heads) * D + 8 * j, load8(vb + t * row_stride + h0 * D + 8 * j));
+                    _mm256_storeu_ps(kbuf + (t * heads) * D + 8 * j, load8(c.k + t * row_stride + h0 * D + 8 * j));
+                    _mm256_storeu_ps(vbuf + (t * heads) * D + 8 * j, load8(c.v + t * row_stride + h0 * D + 8 * j));
                 }
             }
         }
         for (int h = h0; h < h1; ++h) {
             const float* kr;
             const float* vr;
-            int64_t stride;
-            if constexpr (std::is_same_v<T, float>) {
-                kr = kb + h * D, vr = vb + h * D, stride = row_stride;
-            } else {
-                kr = kbuf + (h - h0) * D, vr = vbuf + (h - h0) * D, stride = static_cast<int64_t>(heads) * D;
-            }
+            const int64_t stride = head_rows(c, kbuf, vbuf, h, h0, heads, D, row_stride, kr, vr);
             __m256 kscale = _mm256_set1_ps(1.f), vscale = _mm256_set1_ps(1.f);
             if (ksb) {
                 alignas(32) float k8[8] = {}, v8[8] = {};

@@ -11,7 +11,6 @@ distinguishes: Llama-style (Metaspace, prefix space), Phi-3 (prefix by a normali
 from __future__ import annotations
 
 import json
-import os
 import random
 
 import gguf

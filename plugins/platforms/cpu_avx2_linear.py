@@ -15,15 +15,14 @@ would change the model.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 
 import torch
 from torch import nn
 
 from modserve.core.contract import NativeFunction
-from modserve.native.build import SOURCES, KernelUnavailable, compile_and_load
-from modserve.plugins.platforms.cpu_panel_linear import PanelLinear
+from modserve.native.build import SOURCES
+from modserve.plugins.platforms.cpu_panel_linear import PanelLinear, load_kernel
 
 SOURCE = SOURCES / "cpu_avx2_linear.cpp"
 
@@ -32,12 +31,7 @@ SOURCE = SOURCES / "cpu_avx2_linear.cpp"
 def load() -> NativeFunction:
     """The compiled kernel; raises ``KernelUnavailable`` where it cannot be built, or where the
     compiler does not target AVX2 and FMA on this CPU (``-march=native``)."""
-    lib = compile_and_load(SOURCE, "the AVX2 linear kernel")
-    lib.modserve_avx2_linear_available.restype = ctypes.c_int
-    if not lib.modserve_avx2_linear_available():
-        raise KernelUnavailable("the AVX2 linear kernel: the compiler does not target AVX2 and FMA on this CPU (-march=native)")
-    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    return NativeFunction(lib, "modserve_avx2_linear", [ptr, i64, i64, ptr, i64, i32, ptr, ptr, i64, i32, i32])
+    return load_kernel(SOURCE, "the AVX2 linear kernel", "modserve_avx2_linear", "AVX2 and FMA")
 
 
 def exact_in_bfloat16(weight: torch.Tensor) -> bool:

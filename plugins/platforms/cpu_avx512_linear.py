@@ -17,14 +17,13 @@ same bytes as oneDNN's copy. Results equal ``F.linear`` up to float32 summation 
 
 from __future__ import annotations
 
-import ctypes
 import functools
 
 from torch import nn
 
 from modserve.core.contract import NativeFunction
-from modserve.native.build import SOURCES, KernelUnavailable, compile_and_load
-from modserve.plugins.platforms.cpu_panel_linear import PanelLinear
+from modserve.native.build import SOURCES
+from modserve.plugins.platforms.cpu_panel_linear import PanelLinear, load_kernel
 
 SOURCE = SOURCES / "cpu_avx512_linear.cpp"
 
@@ -33,12 +32,7 @@ SOURCE = SOURCES / "cpu_avx512_linear.cpp"
 def load() -> NativeFunction:
     """The compiled kernel; raises ``KernelUnavailable`` where it cannot be built, or where the
     compiler does not target AVX512_BF16 on this CPU (``-march=native``)."""
-    lib = compile_and_load(SOURCE, "the AVX512_BF16 linear kernel")
-    lib.modserve_avx512_linear_available.restype = ctypes.c_int
-    if not lib.modserve_avx512_linear_available():
-        raise KernelUnavailable("the AVX512_BF16 linear kernel: the compiler does not target AVX512_BF16 on this CPU (-march=native)")
-    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    return NativeFunction(lib, "modserve_avx512_linear", [ptr, i64, i64, ptr, i64, i32, ptr, ptr, i64, i32, i32])
+    return load_kernel(SOURCE, "the AVX512_BF16 linear kernel", "modserve_avx512_linear", "AVX512_BF16")
 
 
 class Avx512Linear(PanelLinear):

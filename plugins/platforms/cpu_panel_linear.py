@@ -17,9 +17,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modserve.core.contract import GatedLinear
+from modserve.core.contract import GatedLinear, NativeFunction
+from modserve.native.build import KernelUnavailable, compile_and_load
 
 TILE_N, TILE_K = 16, 32  # outputs and inputs per packed weight tile
+
+
+def load_kernel(source, what: str, symbol: str, instructions: str) -> NativeFunction:
+    """A panel kernel built from ``source``: ``symbol(x, x_stride, M, packed, N, K, bias_f32, y,
+    y_stride, threads, gated)``, with ``<symbol>_available()`` 0 where the compiler does not
+    target ``instructions`` on this CPU (then ``KernelUnavailable``, naming them)."""
+    lib = compile_and_load(source, what)
+    available = getattr(lib, f"{symbol}_available")
+    available.restype = ctypes.c_int
+    if not available():
+        raise KernelUnavailable(f"{what}: the compiler does not target {instructions} on this CPU (-march=native)")
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    return NativeFunction(lib, symbol, [ptr, i64, i64, ptr, i64, i32, ptr, ptr, i64, i32, i32])
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
