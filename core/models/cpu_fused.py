@@ -125,15 +125,22 @@ def scale_(x: torch.Tensor, factor: float) -> torch.Tensor:
     return x
 
 
-def silu_mul(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
-    """``act(gate) * up`` for ``gate_up = [gate | up]``, contiguous ``[T, 2 * inter]``;
-    ``activation`` ``"silu"`` (SwiGLU) or ``"gelu_tanh"`` (GeGLU: gelu with the tanh
-    approximation, its tanh from the kernels' exp, within ~1e-6 of torch's)."""
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` (SwiGLU) for ``gate_up = [gate | up]``, contiguous ``[T, 2 * inter]``."""
+    return _act_mul(gate_up, load().silu_mul)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` (GeGLU, Gemma) for ``gate_up = [gate | up]``, contiguous: gelu
+    with the tanh approximation, its tanh from the kernels' exp (within ~1e-6 of torch's)."""
+    return _act_mul(gate_up, load().gelu_tanh_mul)
+
+
+def _act_mul(gate_up: torch.Tensor, kernel: NativeFunction) -> torch.Tensor:
     rows, width = gate_up.shape
     code = _check(gate_up)
     if not gate_up.is_contiguous():
         raise ValueError("fused cpu ops: gate_up must be contiguous")
-    kernel = {"silu": load().silu_mul, "gelu_tanh": load().gelu_tanh_mul}[activation]
     out = gate_up.new_empty(rows, width // 2)
     kernel(code, gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
     return out

@@ -155,7 +155,8 @@ class MLP(nn.Module):
             return out if self.tp is None else self.tp.all_reduce(out)
         gate_up = self.gate_up_proj.forward(x)
         if self.fused:
-            out = self.down_proj.forward(cpu_fused.silu_mul(gate_up, self.activation))
+            act_mul = cpu_fused.silu_mul if self.activation == "silu" else cpu_fused.gelu_tanh_mul
+            out = self.down_proj.forward(act_mul(gate_up))
         else:
             gate, up = gate_up.split(self.intermediate, dim=-1)
             act = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")

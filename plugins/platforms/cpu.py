@@ -4,9 +4,10 @@ What it adds over plain torch: linear weights packed once for the product kernel
 bfloat16, panels read by AMX tiles where the CPU has AMX-BF16, :mod:`cpu_amx_linear`, or by
 VDPBF16PS where it has AVX512_BF16, :mod:`cpu_avx512_linear`; for float32 on an AVX2 CPU, the
 same bfloat16 panels multiplied in float32 where bfloat16 holds the weights exactly,
-:mod:`cpu_avx2_linear`; else oneDNN's blocked layout, :mod:`cpu_linear`), the model's fused C++ elementwise kernels, freed step memory kept in
-the process (:mod:`cpu_memory`), and the compiled ``cpu`` paged-attention kernel as the
-default attention backend where the machine's C++ compiler can build it.
+:mod:`cpu_avx2_linear`; else oneDNN's blocked layout, :mod:`cpu_linear`), the model's fused
+C++ elementwise kernels, freed step memory kept in the process (:mod:`cpu_memory`), and the
+compiled ``cpu`` paged-attention kernel as the default attention backend where the machine's
+C++ compiler can build it.
 """
 
 from __future__ import annotations
@@ -250,9 +251,9 @@ def _float_kernel(config: CPUConfig) -> str:
 def _float32_kernel(config: CPUConfig) -> str:
     """What multiplies float32 layers whose weights bfloat16 holds exactly: ``avx2``
     (:mod:`cpu_avx2_linear`, half the weight bytes) where asked for, or under ``auto`` where the
-    CPU has AVX2 and FMA but no AVX-512 (there oneDNN's float32 product is AVX2 too and the
-    kernel ran 1.1-2.9x faster at 1-64 rows and within 4% at prefill sizes; with AVX-512, oneDNN's wider product wins from
-    about 16 rows), else ``onednn``."""
+    CPU has AVX2 and FMA but no AVX-512 (there oneDNN's float32 product is AVX2 too, and the
+    kernel ran 1.1-2.9x faster at 1-64 rows and within 4% at prefill sizes; with AVX-512,
+    oneDNN's wider product wins from about 16 rows), else ``onednn``."""
     asked, flags = config.linear_kernel, cpu_model_and_flags()[1]
     if asked not in ("auto", "avx2") or not config.pack_weights or (asked == "auto" and "avx512f" in flags):
         return "onednn"
