@@ -477,7 +477,8 @@ def run_engine(args, resolved, llm, machine: dict[str, Any]) -> dict[str, Any]:
     report = engine_report(account, spec, machine, dtype, wall, out_tokens, args, c.model_name, lengths)
     report["forward_parts"] = None if parts is None else forward_parts.report(
         parts, account.times["model"], wall, out_tokens, account.linear_flops, report["peak_flops_per_s"])
-    report["forward_parts_off"] = None if parts else "decode graphs replay the steps" if graphs else "timed on the CPU only"
+    replayed = "not timed: decode steps replay as graphs, which no timer sees (device.decode_graphs: false times them)"
+    report["forward_parts_off"] = None if parts else replayed if graphs else "timed on the CPU only"
     report["plugins"] = {k: v for k, v in c.info()["plugins"].items() if v is not None}
     if resolved.pipeline.speculative:
         report["notes"].append("speculative decoding is on: drafts make the FLOP and decode figures inexact")
@@ -609,8 +610,6 @@ def print_engine(e: dict[str, Any]) -> None:
 
 def _print_forward_parts(p: dict[str, Any] | None, why_not: str | None, output_tok_s: float, row) -> None:
     if p is None:
-        if why_not == "decode graphs replay the steps":
-            why_not = "not timed: decode steps replay as graphs, which no timer sees (device.decode_graphs: false times them)"
         print(f"  model forward by part: {why_not or 'timed on the CPU only'}")
         return
     print("  model forward by part (timers around each call), share of the wall time:")

@@ -42,12 +42,38 @@ inline bf16 narrow<bf16>(float x) { return modserve::float_to_bf16(x); }
 template <typename T>
 inline float rounded(float x) { return widen(narrow<T>(x)); }
 
-
-// Gemma's norm of one element: x * inv times (1 + w), all in float32, rounded once.
+// One element of a norm's output before its last rounding to T: w * (x * inv), the inner
+// product rounded to T as torch's op rounds it; with offset (Gemma), (x * inv) * (1 + w) in
+// float32, to be rounded once.
 template <typename T>
-inline T offset_normed(T x, float inv, T w) {
-    const float normed = widen(x) * inv;
-    return narrow<T>(normed * (1.f + widen(w)));
+inline float plain_normed(T x, float inv, T w) { return widen(w) * rounded<T>(widen(x) * inv); }
+template <typename T>
+inline float offset_normed(T x, float inv, T w) { return widen(x) * inv * (1.f + widen(w)); }
+
+// Row `src` (dim elements) RMS-normalised and scaled by w into o; accumulate: o += that, rounded
+// as torch's add of the rounded norm (OLMo 2's post-norm residual add). The one norm of
+// add_rms_norm and rms_norm_heads.
+template <typename T>
+void norm_row(const T* src, const T* w, T* o, int dim, float eps, bool offset, bool accumulate) {
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int j = 0; j < dim; ++j) sum += widen(src[j]) * widen(src[j]);
+    const float inv = 1.f / std::sqrt(sum / dim + eps);
+    if (accumulate) {  // the norm through a buffer: in float32 one expression would contract into an FMA
+        float normed[256];
+        for (int j0 = 0; j0 < dim; j0 += 256) {
+            const int n = dim - j0 < 256 ? dim - j0 : 256;
+            for (int j = 0; j < n; ++j) {
+                const T x = src[j0 + j], wj = w[j0 + j];
+                normed[j] = rounded<T>(offset ? offset_normed<T>(x, inv, wj) : plain_normed<T>(x, inv, wj));
+            }
+            for (int j = 0; j < n; ++j) o[j0 + j] = narrow<T>(widen(o[j0 + j]) + normed[j]);
+        }
+    } else if (offset) {
+        for (int j = 0; j < dim; ++j) o[j] = narrow<T>(offset_normed<T>(src[j], inv, w[j]));
+    } else {
+        for (int j = 0; j < dim; ++j) o[j] = narrow<T>(plain_normed<T>(src[j], inv, w[j]));
+    }
 }
 
 // gelu(x) with the tanh approximation (torch's approximate="tanh"), tanh from exp(-2|y|) so
@@ -72,47 +98,22 @@ void add_rms_norm(const T* x, int64_t x_stride, T* residual, const T* w, T* out,
             for (int i = 0; i < dim; ++i) res[i] = narrow<T>(widen(res[i]) + widen(xr[i]));
             src = res;
         }
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int i = 0; i < dim; ++i) sum += widen(src[i]) * widen(src[i]);
-        const float inv = 1.f / std::sqrt(sum / dim + eps);
-        if (offset) {
-            for (int i = 0; i < dim; ++i) o[i] = offset_normed<T>(src[i], inv, w[i]);
-        } else {
-            for (int i = 0; i < dim; ++i) o[i] = narrow<T>(widen(w[i]) * rounded<T>(widen(src[i]) * inv));
-        }
+        norm_row(src, w, o, dim, eps, offset, false);
     }
 }
 
 // Each of `heads` heads of each of `rows` rows of x (row r's head h at x + r x_stride + h dim)
 // normalised over its own `dim` channels, into out [rows, heads * dim]: the q/k norms of Qwen3
 // (per head) and OLMo 2 (heads 1: the whole projection), read in place from the fused qkv rows.
-// `accumulate`: out += the normalised rows instead (OLMo 2's post-norm residual add), rounded as
-// torch's add of the rounded norm.
+// `accumulate`: out += the normalised rows instead (see norm_row).
 template <typename T>
 void rms_norm_heads(const T* x, int64_t x_stride, int heads, const T* w, T* out, int rows, int dim, float eps,
                     bool accumulate, bool offset, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * heads >= 8)
     for (int i = 0; i < rows * heads; ++i) {
         const int r = i / heads, h = i % heads;
-        const T* src = x + r * x_stride + static_cast<int64_t>(h) * dim;
-        T* o = out + static_cast<int64_t>(i) * dim;
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int j = 0; j < dim; ++j) sum += widen(src[j]) * widen(src[j]);
-        const float inv = 1.f / std::sqrt(sum / dim + eps);
-        if (accumulate) {  // the norm through a buffer: in float32 one expression would contract into an FMA
-            float normed[256];
-            for (int j0 = 0; j0 < dim; j0 += 256) {
-                const int n = dim - j0 < 256 ? dim - j0 : 256;
-                for (int j = 0; j < n; ++j) normed[j] = rounded<T>(widen(w[j0 + j]) * rounded<T>(widen(src[j0 + j]) * inv));
-                for (int j = 0; j < n; ++j) o[j0 + j] = narrow<T>(widen(o[j0 + j]) + normed[j]);
-            }
-        } else if (offset) {
-            for (int j = 0; j < dim; ++j) o[j] = offset_normed<T>(src[j], inv, w[j]);
-        } else {
-            for (int j = 0; j < dim; ++j) o[j] = narrow<T>(widen(w[j]) * rounded<T>(widen(src[j]) * inv));
-        }
+        norm_row(x + r * x_stride + static_cast<int64_t>(h) * dim, w, out + static_cast<int64_t>(i) * dim, dim, eps,
+                 offset, accumulate);
     }
 }
 

@@ -250,10 +250,14 @@ struct ChunkRows {
     const float* v_scale;
 };
 
+// The cache row (slot: a row of the [blocks * bs] rows) holding position `start` of a sequence
+// with block table `table`.
+inline int64_t slot_of(const int32_t* table, int start, int bs) { return static_cast<int64_t>(table[start / bs]) * bs + start % bs; }
+
 template <typename T>
 inline ChunkRows<T> chunk_rows(const T* kc, const T* vc, const float* ks, const float* vs, const int32_t* table, int start,
                                int bs, int KVH, int64_t row_stride) {
-    const int64_t slot = static_cast<int64_t>(table[start / bs]) * bs + start % bs;  // the chunk's first cache row
+    const int64_t slot = slot_of(table, start, bs);  // the chunk's first cache row
     return {kc + slot * row_stride, vc + slot * row_stride, ks ? ks + slot * KVH : nullptr, vs ? vs + slot * KVH : nullptr};
 }
 
@@ -440,7 +444,6 @@ void attend_bf16dot(const QIO& io, int64_t token, const uint16_t* kc, const uint
     const int heads = h1 - h0;
     const int nh = heads * G;
     const int64_t row_stride = static_cast<int64_t>(KVH) * D;
-    const int64_t block_stride = static_cast<int64_t>(bs) * row_stride;
     static thread_local std::vector<float> work;
     static thread_local std::vector<uint16_t> bwork;
     work.resize(static_cast<size_t>(nh) * (D + 2 + kRow));
@@ -462,9 +465,7 @@ void attend_bf16dot(const QIO& io, int64_t token, const uint16_t* kc, const uint
     const __m512 vscale = _mm512_set1_ps(scale);
     const int n_tokens = to < 0 ? pos + 1 : to;  // the end of this call's positions
     const int chunk = bs < 16 ? bs : 16;
-    const auto rows_at = [&](const uint16_t* cache, int start) {
-        return cache + table[start / bs] * block_stride + static_cast<int64_t>(start % bs) * row_stride;
-    };
+    const auto rows_at = [&](const uint16_t* cache, int start) { return cache + slot_of(table, start, bs) * row_stride; };
     // The two chunks read next (their rows' lines for the item's heads) are fetched in nh
     // shares of whole rows, one share per step of the current sweep, so the lines arrive
     // while this chunk and the next compute (the hardware prefetchers stop at each scattered
@@ -624,7 +625,6 @@ void attend_tile_avx512(const QIO& io, const int64_t* rows, int n_rows, int32_t 
     const int R = n_rows * G;  // row-heads, row-major: rh = i * G + g
     const int R_pad = (R + 15) / 16 * 16;  // whole groups of 16 (and of kRowGroup)
     const int64_t row_stride = static_cast<int64_t>(KVH) * D;
-    const int64_t block_stride = static_cast<int64_t>(bs) * row_stride;
     static thread_local std::vector<float> work;
     work.resize(static_cast<size_t>(R_pad) * (2 * D + 16 + 16 + 4) + 2 * 16 * D + 64);
     float* qs = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(work.data()) + 63) & ~uintptr_t{63});
@@ -649,14 +649,13 @@ void attend_tile_avx512(const QIO& io, const int64_t* rows, int n_rows, int32_t 
     const int chunk = bs < 16 ? bs : 16;
     for (int start = window_start(first_pos, window) / chunk * chunk; start < n_keys; start += chunk) {
         const int n = n_keys - start < chunk ? n_keys - start : chunk;
-        const int64_t block = table[start / bs];
-        const int64_t offset = block * block_stride + static_cast<int64_t>(start % bs) * row_stride + h * D;
+        const int64_t srow = slot_of(table, start, bs);  // the chunk's first cache row
+        const int64_t offset = srow * row_stride + h * D;
         const T* kb = kc + offset;
         const T* vb = vc + offset;
         __m512 kscale = _mm512_set1_ps(1.f), vscale = _mm512_set1_ps(1.f);
         if (ks) {
             alignas(64) float k16[16] = {}, v16[16] = {};
-            const int64_t srow = block * bs + start % bs;
             for (int t = 0; t < n; ++t) k16[t] = ks[(srow + t) * KVH + h], v16[t] = vs[(srow + t) * KVH + h];
             kscale = _mm512_load_ps(k16), vscale = _mm512_load_ps(v16);
         }
@@ -746,7 +745,6 @@ void attend_tile_bf16dot(const QIO& io, const int64_t* rows, int n_rows, int32_t
     const int R = n_rows * G;  // row-heads, row-major: rh = i * G + g
     const int R_pad = (R + 15) / 16 * 16;
     const int64_t row_stride = static_cast<int64_t>(KVH) * D;
-    const int64_t block_stride = static_cast<int64_t>(bs) * row_stride;
     static thread_local std::vector<float> work;
     work.resize(static_cast<size_t>(R_pad) * (D + 16 + 16 + 4 + NP + 8) + NP * 16 + 8 * NB * 32 + 16);
     float* acc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(work.data()) + 63) & ~uintptr_t{63});  // [R_pad][D]
@@ -777,7 +775,7 @@ void attend_tile_bf16dot(const QIO& io, const int64_t* rows, int n_rows, int32_t
     const int chunk = bs < 16 ? bs : 16;
     for (int start = 0; start < n_keys; start += chunk) {
         const int n = n_keys - start < chunk ? n_keys - start : chunk;
-        const int64_t offset = table[start / bs] * block_stride + static_cast<int64_t>(start % bs) * row_stride + h * D;
+        const int64_t offset = slot_of(table, start, bs) * row_stride + h * D;
         const uint16_t* kb = kc + offset;
         const uint16_t* vb = vc + offset;
         for (int jj = 0; jj < NP / 16; ++jj) {  // K: 16 keys x 16 dimension pairs per transpose

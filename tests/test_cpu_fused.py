@@ -92,6 +92,9 @@ def test_gemma_norm_scales_by_one_plus_weight_in_float32(dtype):
     norm32 = RMSNorm(32, 1e-6, unit_offset=True)
     norm32.weight.data = weight[:32].clone()
     torch.testing.assert_close(heads, norm32.forward(add.reshape(99, 32).clone()).view(33, 96), **tol)
+    into = torch.randn(33, 96).to(dtype)
+    want_sum = into + cpu_fused.rms_norm_heads(add, weight, 1e-6, 1, offset=True)  # a post-norm add of Gemma's norm
+    assert torch.equal(cpu_fused.rms_norm_heads(add, weight, 1e-6, 1, add_to=into, offset=True), want_sum)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

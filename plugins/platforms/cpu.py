@@ -234,18 +234,11 @@ def _float_kernel(config: CPUConfig) -> str:
         if asked != "onednn" and asked != "auto":
             raise ValueError(f"device.linear_kernel: {asked} packs the weights; it cannot go with pack_weights: false")
         return "onednn"
-    kernels = (("amx", "amx_bf16", lambda: amx_unavailable(amx_linear.load)), ("avx512bf16", "avx512_bf16", avx512_bf16_unavailable))
-    for kernel, flag, unavailable in kernels:
-        if asked not in ("auto", kernel):
-            continue
-        why = unavailable()
-        if why is None:
-            return kernel
-        if asked == kernel:
-            raise ValueError(f"device.linear_kernel: {kernel} cannot run here: {why}; use auto or onednn")
-        if flag in cpu_model_and_flags()[1]:  # a CPU with the instructions, a kernel that failed to build
-            log.warning("device.linear_kernel auto: %s; trying the next kernel (amx, avx512bf16, onednn)", why)
-    return "onednn"
+    kernels = (
+        ("amx", {"amx_bf16"}, lambda: amx_unavailable(amx_linear.load)),
+        ("avx512bf16", {"avx512_bf16"}, avx512_bf16_unavailable),
+    )
+    return _first_that_runs(asked, kernels, "trying the next kernel (amx, avx512bf16, onednn)")
 
 
 def _float32_kernel(config: CPUConfig) -> str:
@@ -254,16 +247,27 @@ def _float32_kernel(config: CPUConfig) -> str:
     CPU has AVX2 and FMA but no AVX-512 (there oneDNN's float32 product is AVX2 too, and the
     kernel ran 1.1-2.9x faster at 1-64 rows and within 4% at prefill sizes; with AVX-512,
     oneDNN's wider product wins from about 16 rows), else ``onednn``."""
-    asked, flags = config.linear_kernel, cpu_model_and_flags()[1]
-    if asked not in ("auto", "avx2") or not config.pack_weights or (asked == "auto" and "avx512f" in flags):
+    asked = config.linear_kernel
+    if not config.pack_weights or (asked == "auto" and "avx512f" in cpu_model_and_flags()[1]):
         return "onednn"
-    why = avx2_unavailable()
-    if why is None:
-        return "avx2"
-    if asked == "avx2":
-        raise ValueError(f"device.linear_kernel: avx2 cannot run here: {why}; use auto or onednn")
-    if {"avx2", "fma"} <= flags:  # a CPU with the instructions, a kernel that failed to build
-        log.warning("device.linear_kernel auto: %s; float32 layers use oneDNN", why)
+    return _first_that_runs(asked, (("avx2", {"avx2", "fma"}, avx2_unavailable),), "float32 layers use oneDNN")
+
+
+def _first_that_runs(asked: str, kernels: tuple, otherwise: str) -> str:
+    """The first of ``kernels`` ((name, the CPU flags it needs, why_unavailable)) that ``asked``
+    (``auto`` or a name) admits and that runs here, else ``onednn``. A kernel named but unable
+    to run is refused with why; under ``auto``, one whose CPU has the instructions but whose
+    build failed is passed over with a warning ending in ``otherwise``."""
+    for kernel, flags, unavailable in kernels:
+        if asked not in ("auto", kernel):
+            continue
+        why = unavailable()
+        if why is None:
+            return kernel
+        if asked == kernel:
+            raise ValueError(f"device.linear_kernel: {kernel} cannot run here: {why}; use auto or onednn")
+        if flags <= cpu_model_and_flags()[1]:  # a CPU with the instructions, a kernel that failed to build
+            log.warning("device.linear_kernel auto: %s; %s", why, otherwise)
     return "onednn"
 
 

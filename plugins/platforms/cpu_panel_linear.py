@@ -76,7 +76,7 @@ class PanelLinear(nn.Module, GatedLinear):
     input_multiple = 1
     dtype = torch.bfloat16  # of the inputs and outputs (the weights are bfloat16 panels either way)
 
-    def __init__(self, linear: nn.Linear, kernel: ctypes._CFuncPtr) -> None:
+    def __init__(self, linear: nn.Linear, kernel: NativeFunction) -> None:
         super().__init__()
         self._kernel = kernel
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -113,9 +113,9 @@ class PanelLinear(nn.Module, GatedLinear):
     def enable_silu_mul(self) -> bool:
         """Reorder the packed panels as (gate, up) pairs of the same 16 intermediate columns, so
         that the kernel's epilogue computes ``bf16(bf16(silu(gate)) * up)`` (the fused op's
-        rounding; in float32, ``silu(gate) * up``) and the ``[gate; up]`` output never goes to memory: at 2,048 rows that output
-        and the separate SiLU-mul pass over it took 1.2 ms of a layer (SmolLM2). Needs an even
-        split into 16-column panels and no bias."""
+        rounding; in float32, ``silu(gate) * up``) and the ``[gate; up]`` output never goes to
+        memory: at 2,048 rows that output and the separate SiLU-mul pass over it took 1.2 ms of
+        a layer (SmolLM2). Needs an even split into 16-column panels and no bias."""
         inter = self.out_features // 2
         if self.gated or self.bias is not None or self.out_features % 2 or inter % TILE_N:
             return self.gated
