@@ -33,6 +33,7 @@ from modserve.core.contract import (
     ToolParser,
 )
 from modserve.core.decode_graphs import DecodeGraphs, graph_refusal
+from modserve.core.piecewise_graphs import AttentionBoundary, PiecewiseGraphs, piece_refusal
 from modserve.core.models.loader import (
     LoadedModel,
     ModelSource,
@@ -154,6 +155,7 @@ class Shard:
     kv: KVBackend
     attention: Any
     model: CausalLM
+    boundary: AttentionBoundary | None = None  # what the model calls where graph pieces may be captured
 
 
 def build_shard(r: ResolvedPipeline, rank: int = 0, tp=None, model_name: str = "", replica: int | None = None, on_read=None) -> Shard:
@@ -173,8 +175,9 @@ def build_shard(r: ResolvedPipeline, rank: int = 0, tp=None, model_name: str = "
     attention = r.build("attention", ctx)
     if on_read is not None:
         on_read()
-    model = build_model(ckpt, attention, ctx, max_model_len, tp=tp)
-    return Shard(ctx, ckpt.tokenizer, kv, attention, model)
+    boundary = AttentionBoundary(attention) if piece_refusal(r.platform, None, attention, tp is not None) is None else None
+    model = build_model(ckpt, boundary or attention, ctx, max_model_len, tp=tp)
+    return Shard(ctx, ckpt.tokenizer, kv, attention, model, boundary)
 
 
 def build_components(
@@ -209,13 +212,24 @@ def _decode_graphs(platform: Platform, shard: Shard, ctx: BuildContext) -> Decod
     return DecodeGraphs(platform, shard.model, shard.attention, shard.kv, ctx.device, ctx.max_model_len)
 
 
+def _piecewise_graphs(platform: Platform, shard: Shard, ctx: BuildContext) -> PiecewiseGraphs | None:
+    """Graph pieces for the other steps where the platform, model and attention backend allow them."""
+    refusal = piece_refusal(platform, shard.model, shard.attention, tensor_parallel=False)
+    if refusal is not None or shard.boundary is None:
+        if platform.piece_token_sizes():
+            log.info("graph pieces off: %s", refusal)
+        return None
+    return PiecewiseGraphs(platform, shard.model, shard.boundary, shard.kv, ctx.device)
+
+
 def _build(r: ResolvedPipeline, workers, replica: int | None) -> EngineComponents:
     p = r.pipeline
     model_name = p.model.name or r.source.default_name
     shard = build_shard(r, 0, workers.tp if workers is not None else None, model_name, replica)
     ctx, kv = shard.ctx, shard.kv
     if workers is None:
-        runner = ModelRunner(shard.model, kv, shard.attention, ctx.device, _decode_graphs(r.platform, shard, ctx))
+        runner = ModelRunner(shard.model, kv, shard.attention, ctx.device, _decode_graphs(r.platform, shard, ctx),
+                             _piecewise_graphs(r.platform, shard, ctx))
     else:
         from modserve.core.distributed.tp_runner import TPModelRunner
 

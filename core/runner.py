@@ -12,6 +12,7 @@ import torch
 
 from modserve.core.contract import AttentionBackend, AttentionMetadata, CausalLM, KVBackend, SchedulerOutput
 from modserve.core.decode_graphs import DecodeGraphs
+from modserve.core.piecewise_graphs import PiecewiseGraphs
 
 
 @dataclass
@@ -29,7 +30,7 @@ class ModelRunner:
 
     def __init__(
         self, model: CausalLM, kv: KVBackend, attention: AttentionBackend, device: torch.device,
-        graphs: DecodeGraphs | None = None,
+        graphs: DecodeGraphs | None = None, pieces: PiecewiseGraphs | None = None,
     ) -> None:  # fmt: skip
         self.model = model
         self.kv = kv
@@ -37,6 +38,7 @@ class ModelRunner:
         self.device = device
         self.block_size = kv.block_size
         self.graphs = graphs  # decode steps replayed from captured graphs, where the platform has them
+        self.pieces = pieces  # other steps replayed as graph pieces between eager attention calls
 
     def prepare(self, sched: SchedulerOutput) -> StepBatch:
         input_ids: list[int] = []
@@ -93,6 +95,8 @@ class ModelRunner:
         hidden = self.graphs.run(batch) if self.graphs is not None else None
         if hidden is None:
             self.attention.prepare(batch.meta)
+            hidden = self.pieces.run(batch) if self.pieces is not None else None
+        if hidden is None:
             hidden = self.model(batch.input_ids, batch.positions, self.kv.layer_caches(), batch.meta)
         rows = torch.tensor(logits_rows, dtype=torch.int64, device=hidden.device)
         return self.model.compute_logits(hidden[rows])

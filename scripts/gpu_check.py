@@ -9,7 +9,8 @@ compares greedy tokens with HF ``transformers`` on the same weights, or with ano
 configuration where that is the claim: the ``torch`` and ``triton`` attention backends (Triton
 compiled on CUDA, interpreted on the CPU), INT8 KV, prefix-cache hits, preemption and
 speculative decoding, and on CUDA the decode steps replayed from CUDA graphs (the platform's
-default, so every Triton check above runs them too) against eager steps. Exit status 0 when
+default, so every Triton check above runs them too) against eager steps, and the other steps
+replayed from CUDA graph pieces (``piecewise_graphs: true``) against HF. Exit status 0 when
 every check that ran passed. CI runs the CPU mode
 (``tests/test_gpu_check.py``), so the script cannot rot between the sessions that have a GPU.
 """
@@ -123,6 +124,18 @@ class Checks:
         ok, detail = self.same(got, eager, "eager steps (cuda_graphs: false)")
         return ok and len(replays) >= 3, f"{detail}; steps replayed per graph size: {replays}"
 
+    def graph_pieces(self) -> tuple[bool, str]:
+        """Every step that is not a single decode (prompt chunks beside decodes, up to 64 tokens;
+        decodes of 2-6 requests, with ``graph_max_batch: 1``) replayed as CUDA graph pieces
+        between eager attention calls, against HF."""
+        llm = self.llm(attention={"plugin": "triton"},
+                       device={"plugin": "cuda", "graph_max_batch": 1, "piecewise_graphs": True})
+        got = self.greedy(llm)
+        pieces = llm.engine.runner.pieces
+        replays = {size: n for size, n in pieces.replays.items() if n} if pieces is not None else {}
+        ok, detail = self.same(got, self.want, "HF transformers")
+        return ok and len(replays) >= 2, f"{detail}; steps replayed per piece size (tokens): {replays}"
+
     def speculative(self) -> tuple[bool, str]:
         llm = self.llm(attention={"plugin": "triton"}, speculative={"plugin": "ngram", "num_speculative_tokens": 3})
         accepted = []
@@ -158,6 +171,8 @@ def run(device: str) -> list[Result]:
             ("speculative decoding (ngram)", checks.speculative, ""),
             ("CUDA graphs (decode)", checks.cuda_graphs if on_cuda else None,
              "needs CUDA (tests/test_decode_graphs.py checks the engine's side with a replaying CPU platform)"),
+            ("CUDA graph pieces (other steps)", checks.graph_pieces if on_cuda else None,
+             "needs CUDA (tests/test_piecewise_graphs.py checks the engine's side with a recording CPU platform)"),
         ]
         return run_checks(plan)
 

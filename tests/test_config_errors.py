@@ -41,6 +41,9 @@ CONFIG_ERRORS = [
     ({"device": {"plugin": "cuda", "cuda_graphs": "yes"}}, "device.cuda_graphs: expected bool, got 'yes'"),
     ({"device": {"plugin": "cuda", "graph_max_batch": 0}}, "device.graph_max_batch: expected int >= 1, got 0"),
     ({"device": {"plugin": "cuda", "graph_max_batch": 2048}}, "device.graph_max_batch: expected int <= 1024, got 2048"),
+    ({"device": {"plugin": "cuda", "piecewise_graphs": 1}}, "device.piecewise_graphs: expected bool, got 1"),
+    ({"device": {"plugin": "cuda", "piece_max_tokens": 8}}, "device.piece_max_tokens: expected int >= 16, got 8"),
+    ({"device": {"plugin": "cuda", "piece_max_tokns": 512}}, "device.piece_max_tokns: unknown key"),
     ({"device": {"plugin": "cpu", "decode_graphs": "on"}}, "device.decode_graphs: expected bool, got 'on'"),
     ({"device": {"plugin": "cpu", "graph_max_batch": 0}}, "device.graph_max_batch: expected int >= 1, got 0"),
     ({"device": {"plugin": "cpu", "graph_max_batch": 512}}, "device.graph_max_batch: expected int <= 256, got 512"),
@@ -160,7 +163,7 @@ def test_cli_validate_and_plugins(tmp_path):
     import json
 
     data = json.loads(_cli("plugins", "--json").stdout)
-    assert data["contract"] == "2.6"
+    assert data["contract"] == "2.7"
     assert {"fcfs", "priority", "static"} <= {p["name"] for p in data["plugins"]["schedulers"]}
 
 

@@ -31,7 +31,7 @@ from modserve.core.contract.logits import LogitsProcessor, LogitsRow
 from modserve.core.contract.model import ModelArchitecture
 from modserve.core.contract.model_spec import ModelSpec
 from modserve.core.contract.observer import Observer
-from modserve.core.contract.platform import DeviceInfo, GatedLinear, Platform
+from modserve.core.contract.platform import DeviceInfo, GatedLinear, PieceRecorder, Platform
 from modserve.core.contract.plugin import NoOptions, Plugin
 from modserve.core.contract.reasoning_parser import ReasoningParser
 from modserve.core.contract.sampler import Sampler, SamplerOutput
@@ -60,8 +60,8 @@ __all__ = [
     "CONTRACT_VERSION", "ENTRY_POINT_GROUP", "KINDS", "MIGRATION_NOTES",
     "AttentionBackend", "AttentionMetadata", "AttentionSpec", "BlockCopy", "BuildContext", "CausalLM",
     "DeviceInfo", "EvictionPolicy", "GatedLinear", "KVBackend", "KVSpec", "KVStats", "LayerKVCache", "LogitsProcessor",
-    "LogitsRow", "ModelArchitecture", "ModelSpec", "NativeFunction", "NoOptions", "Observer", "Platform", "Plugin", "PrefixHit",
-    "Proposer", "ReasoningParser", "Sampler", "SamplerOutput", "ScheduledRequest", "Scheduler", "SchedulerOutput",
+    "LogitsRow", "ModelArchitecture", "ModelSpec", "NativeFunction", "NoOptions", "Observer", "PieceRecorder", "Platform", "Plugin",
+    "PrefixHit", "Proposer", "ReasoningParser", "Sampler", "SamplerOutput", "ScheduledRequest", "Scheduler", "SchedulerOutput",
     "SchedulerStats", "SpeculativeConfig", "StepStats", "TargetModel", "ToolCall", "ToolParse", "ToolParser", "copy_layer_blocks", "hookimpl", "hookspec",
 ]
 

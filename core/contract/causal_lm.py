@@ -23,7 +23,10 @@ class CausalLM(nn.Module):
 
     # Contract 2.5: ``forward`` never waits on the device (no ``.item()``, ``.tolist()``, no
     # shapes from tensor values), so a graph captured over it replays correctly; see
-    # :attr:`AttentionBackend.capturable`.
+    # :attr:`AttentionBackend.capturable`. Contract 2.7: and outside the calls of its attention
+    # backend's ``forward`` it reads the step only from ``input_ids``, ``positions``,
+    # ``meta.query_start_loc`` and ``meta.request_lens``, so graph pieces captured between
+    # those calls replay any step (:mod:`modserve.core.piecewise_graphs`).
     capturable: ClassVar[bool] = False
 
     @abstractmethod

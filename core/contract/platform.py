@@ -45,6 +45,27 @@ class GatedLinear(ABC):
         returns whether it does (False, and nothing changed, where this layer cannot)."""
 
 
+class PieceRecorder(ABC):
+    """Captures the consecutive pieces of one forward as graphs (contract 2.7); the work
+    between :meth:`stop` and the next :meth:`start` runs eagerly, in order with the pieces.
+    Used as a context manager around the whole capture (e.g. a side stream on CUDA)."""
+
+    def __enter__(self) -> PieceRecorder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:  # noqa: B027 - optional
+        pass
+
+    @abstractmethod
+    def start(self) -> None:
+        """Begin capturing a piece: device work from here on is recorded, not run."""
+
+    @abstractmethod
+    def stop(self) -> Callable[[], None]:
+        """End the piece; return its ``replay()``, which reruns the recorded work on whatever
+        its tensors then hold. Pieces of one recorder share memory: replay them in capture order."""
+
+
 class Platform(Plugin):
     """The hardware. Built first, with only ``ctx.registry`` and ``ctx.max_model_len`` set.
 
@@ -104,4 +125,16 @@ class Platform(Plugin):
         them in place) and returns ``fn``'s outputs, tensors overwritten by the next replay.
         None where the platform cannot capture. Called only where :meth:`graph_batch_sizes`
         names sizes; graphs of one engine may share a memory pool."""
+        return None
+
+    def piece_token_sizes(self) -> tuple[int, ...]:
+        """Token counts (ascending) up to which a step that is not replayed whole (a prefill
+        chunk, mixed prefill and decode, draft verification) replays its forward from graph
+        pieces captured between attention calls, the attention running eagerly between them
+        (contract 2.7; :mod:`modserve.core.piecewise_graphs`); () for none (the default)."""
+        return ()
+
+    def piece_recorder(self) -> PieceRecorder | None:
+        """A recorder for one forward's graph pieces, or None where this platform cannot
+        capture pieces. Called only where :meth:`piece_token_sizes` names sizes."""
         return None

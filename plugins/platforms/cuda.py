@@ -1,7 +1,11 @@
 """Platform ``cuda``: NVIDIA GPUs through torch (cuBLAS linears, NCCL collectives, Triton
-attention), with decode steps replayed from CUDA graphs (:mod:`modserve.core.decode_graphs`)."""
+attention), with decode steps replayed from CUDA graphs (:mod:`modserve.core.decode_graphs`)
+and other steps from CUDA graph pieces between eager attention calls
+(:mod:`modserve.core.piecewise_graphs`)."""
 
 from __future__ import annotations
+
+import contextlib
 
 from collections.abc import Callable
 from typing import Annotated, Any
@@ -10,9 +14,9 @@ import msgspec
 import torch
 
 from modserve.core.config import ConfigError
-from modserve.core.contract import DeviceInfo, Platform, hookimpl
+from modserve.core.contract import DeviceInfo, PieceRecorder, Platform, hookimpl
 
-MODSERVE_CONTRACT = "2.5"  # graph_batch_sizes, capture_graph
+MODSERVE_CONTRACT = "2.7"  # graph_batch_sizes, capture_graph; piece_token_sizes, piece_recorder
 
 GRAPH_SMALL_SIZES = (1, 2, 4, 8)  # then every multiple of GRAPH_SIZE_STEP up to graph_max_batch
 GRAPH_SIZE_STEP = 16
@@ -24,9 +28,22 @@ def graph_sizes(top: int) -> tuple[int, ...]:
     return tuple(sorted({*sizes, top}))
 
 
+PIECE_SMALL_SIZES = (16, 32, 64)  # then every multiple of PIECE_SIZE_STEP up to piece_max_tokens
+PIECE_SIZE_STEP = 128
+
+
+def piece_sizes(top: int) -> tuple[int, ...]:
+    """16, 32, 64, then multiples of 128, up to and including ``top``: a step pads to the next
+    size, at most about 1/8 more rows past 128 tokens, where padding is no longer free."""
+    sizes = [s for s in PIECE_SMALL_SIZES if s < top] + list(range(PIECE_SIZE_STEP, top, PIECE_SIZE_STEP))
+    return tuple(sorted({*sizes, top}))
+
+
 class CUDAConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    cuda_graphs: bool = True  # replay decode steps from CUDA graphs (false: every step eagerly, like vLLM's enforce_eager)
+    cuda_graphs: bool = True  # replay decode steps from CUDA graphs, other steps from graph pieces (false: every step eagerly, like vLLM's enforce_eager)
     graph_max_batch: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 256  # the largest decode batch captured; larger ones run eagerly
+    piecewise_graphs: bool = False  # steps that are not decode-only (prompt chunks beside decodes) as graph pieces between eager attention calls; off by default: no online gain measured yet (docs/triton_attention.md)
+    piece_max_tokens: Annotated[int, msgspec.Meta(ge=16, le=8192)] = 1024  # the most tokens a step replayed in pieces holds; larger ones run eagerly
 
 
 class CUDAPlatform(Platform):
@@ -83,6 +100,47 @@ class CUDAPlatform(Platform):
             return out
 
         return replay
+
+    def piece_token_sizes(self) -> tuple[int, ...]:
+        on = self.config.cuda_graphs and self.config.piecewise_graphs
+        return piece_sizes(self.config.piece_max_tokens) if on else ()
+
+    def piece_recorder(self) -> PieceRecorder:
+        return CUDAPieceRecorder(self)
+
+
+class CUDAPieceRecorder(PieceRecorder):
+    """Pieces captured one after another on a side stream into the platform's graph pool; the
+    eager work between them runs on that stream too, outside any capture."""
+
+    def __init__(self, platform: CUDAPlatform) -> None:
+        self.platform = platform
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def __enter__(self) -> CUDAPieceRecorder:
+        self.side = torch.cuda.Stream()
+        self.side.wait_stream(torch.cuda.current_stream())
+        self.on_side = torch.cuda.stream(self.side)
+        self.on_side.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.graph is not None:  # an error inside a piece: end the capture before leaving the stream
+            with contextlib.suppress(RuntimeError):  # the error that got here is the one to report
+                self.graph.capture_end()
+            self.graph = None
+        self.on_side.__exit__(*exc)
+        torch.cuda.current_stream().wait_stream(self.side)
+
+    def start(self) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        self.graph.capture_begin(pool=self.platform._pool)
+
+    def stop(self) -> Callable[[], None]:
+        graph, self.graph = self.graph, None
+        graph.capture_end()
+        self.platform._pool = graph.pool()
+        return graph.replay
 
 
 @hookimpl
