@@ -3,16 +3,23 @@
 For SmolLM2-, Llama-3.2-1B- and Llama-3.1-8B-shaped checkpoints with random bfloat16 weights
 (built here, no download) it measures, all in one run on one GPU:
 
-- offline output tok/s: modserve with CUDA graphs, the same engine with them off, and HF
+- offline output tok/s: modserve with CUDA graphs (decode graphs and graph pieces), with decode
+  graphs alone, the same engine with graphs off, and HF
   ``generate`` in static batches of 64 on the same requests (prompts 256 +- 50%, outputs
   128 +- 50%, ``ignore_eos``);
 - online output tok/s, median TPOT and p99 TTFT at 64 and 256 clients (``modserve serve`` and
-  ``modserve bench serve`` on 127.0.0.1), CUDA graphs on;
-- decode steps of 1 and 64 requests: wall time per step with and without graphs, the GPU time
-  of the forward alone (a graph replay timed with CUDA events), hence the engine's share of
-  the step, and the bytes a step reads (weights + KV) against the measured copy bandwidth;
+  ``modserve bench serve`` on 127.0.0.1), CUDA graphs on, each after a short warm-up round
+  (graphs are captured when a size is first needed);
+- online, the CPU seconds the server and the client spent per wall second, and with
+  ``--py-spy PATH`` a py-spy profile of the server (collapsed stacks, per thread) during the
+  256-client run: where the host time goes when online lags offline;
+- decode steps of 1, 64 and 256 requests: wall time per step with and without graphs, the GPU
+  time of the forward alone (a graph replay timed with CUDA events), hence the engine's share
+  of the step, and the bytes a step reads (weights + KV) against the measured copy bandwidth;
 - the Triton paged-decode kernel against ``scaled_dot_product_attention`` on contiguous K/V
-  (flash, GQA), 64 requests x 1,024 and 4,096 positions, each model's head shape.
+  (flash, GQA), 64 requests x 1,024 and 4,096 positions, each model's head shape; and the
+  kernel at 16, 64 and 256 requests of 450 and 2,048 positions split 1 to 16 ways, beside the
+  partitions the backend plans there.
 
     python benchmarks/gpu_throughput.py [--models smollm2,llama1b,llama8b] [--no-online] [--out DIR]
 
@@ -23,6 +30,7 @@ reading). Raw results: DIR/gpu_throughput.json (default benchmarks/results/, ign
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -115,10 +123,11 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def pipeline(path: str, device: str, smoke: bool) -> dict:
+def pipeline(path: str, device: str, smoke: bool, options: dict | None = None) -> dict:
+    """``options``: the device section's own (e.g. ``{"piecewise_graphs": false}``)."""
     return {
         "model": {"path": path, "dtype": "bfloat16", "max_model_len": 2048},
-        "device": device,
+        "device": {"plugin": device, **options} if options else device,
         "attention": {"plugin": "torch" if smoke else "triton"},
         "kv_cache": {"plugin": "paged", "block_size": 16, "memory_gb": 1.0 if smoke else 24.0},
         "scheduler": {"plugin": "fcfs", "max_num_seqs": 256, "max_num_batched_tokens": 8192},
@@ -127,14 +136,16 @@ def pipeline(path: str, device: str, smoke: bool) -> dict:
 
 
 class StepLog:
-    """Observer: every step's wall time and size."""
+    """Observer: every step's size and where its wall time went."""
+
+    PARTS = ("step", "schedule", "prepare", "model", "sample", "output")
 
     def __init__(self) -> None:
-        self.steps: list[tuple[float, int, int]] = []  # (seconds, scheduled tokens, prompt tokens)
+        self.steps: list = []  # StepStats
 
     @hookimpl
     def on_step_finished(self, stats) -> None:
-        self.steps.append((stats.step_time_s, stats.num_scheduled_tokens, stats.num_prompt_tokens))
+        self.steps.append(stats)
 
 
 def capture_every_size(llm) -> None:
@@ -158,15 +169,19 @@ def modserve_offline(llm, reqs) -> float:
     return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
 
 
-def decode_steps(llm, batch: int, log: StepLog) -> float:
-    """Median wall seconds of a decode-only step of ``batch`` requests (128-token prompts)."""
+STEP_BATCHES = (1, 64, 256)
+
+
+def decode_steps(llm, batch: int, log: StepLog) -> dict[str, float]:
+    """Median milliseconds of a decode-only step of ``batch`` requests (128-token prompts), whole
+    and by part (schedule, prepare, model: the forward and the wait for it, sample, output)."""
     from modserve import SamplingParams
 
     log.steps.clear()
     llm.generate([[100 + (i * 7 + j) % 250 for j in range(128)] for i in range(batch)],
                  SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
-    decode = [s for s, tokens, prompt in log.steps if prompt == 0 and tokens == batch]
-    return statistics.median(decode[4:])
+    decode = [s for s in log.steps if s.num_prompt_tokens == 0 and s.num_scheduled_tokens == batch][4:]
+    return {part: statistics.median(getattr(s, f"{part}_time_s") for s in decode) * 1e3 for part in StepLog.PARTS}
 
 
 def gpu_seconds(fn, repeats: int) -> float:
@@ -199,15 +214,33 @@ def copy_bandwidth(device: str) -> float:
     return 2 * src.numel() / gpu_seconds(lambda: dst.copy_(src), 10)
 
 
-def online(path: str, device: str, smoke: bool, out_dir: Path, name: str) -> dict:
-    """Output tok/s, median TPOT and p99 TTFT at 64 and 256 clients."""
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds process ``pid`` has used (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def profile_server(py_spy: str | None, pid: int, out: Path):
+    """py-spy sampling the server for 20 s from 5 s into the run (past the first prefills)."""
+    import subprocess
+
+    if not py_spy:
+        return None
+    cmd = f"sleep 5; exec {py_spy} record --pid {pid} --duration 20 --rate 50 --format raw --threads --nonblocking -o {out}"
+    return subprocess.Popen(["bash", "-c", cmd], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+
+def online(path: str, device: str, smoke: bool, out_dir: Path, name: str, py_spy: str | None = None,
+           options: dict | None = None) -> dict:
+    """Output tok/s, median TPOT and p99 TTFT at 64 and 256 clients, and each side's CPU use."""
+    import resource
     import subprocess
 
     import yaml
     from modserve.bench.launch import launch_server
 
     config = out_dir / f"{name}.yaml"
-    config.write_text(yaml.safe_dump({**pipeline(path, device, smoke), "observers": [{"plugin": "metrics"}]}))
+    config.write_text(yaml.safe_dump({**pipeline(path, device, smoke, options), "observers": [{"plugin": "metrics"}]}))
     proc, url, _ = launch_server(["modserve.server", "-c", str(config), "--port", "0"], out_dir / f"{name}-server.log", 600,
                                  cwd=str(out_dir))
     results = {}
@@ -218,10 +251,24 @@ def online(path: str, device: str, smoke: bool, out_dir: Path, name: str) -> dic
                    "--random-input-len", str(INPUT_LEN), "--random-output-len", str(OUTPUT_LEN),
                    "--random-range-ratio", str(RANGE), "--ignore-eos", "--max-concurrency", str(clients),
                    "--num-prompts", str(8 if smoke else 2 * clients), "--no-progress", "--output", str(result)]
+            # a short round first, so that most graph sizes are captured before the measured one
+            warm = [*cmd[: cmd.index("--random-output-len") + 1], "32", *cmd[cmd.index("--random-output-len") + 2 :]]
+            warm[warm.index("--num-prompts") + 1] = str(8 if smoke else clients)
+            warm[warm.index("--output") + 1] = str(out_dir / f"{name}-warm-{clients}.json")
+            subprocess.run(warm, check=True, capture_output=True, text=True, timeout=600, cwd=str(out_dir))
+            spy = profile_server(py_spy, proc.pid, out_dir / f"{name}-server-{clients}.pyspy.txt") if clients == 256 else None
+            t, server0 = time.perf_counter(), cpu_seconds(proc.pid)
+            client0 = resource.getrusage(resource.RUSAGE_CHILDREN)
             subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600, cwd=str(out_dir))
+            wall, client1 = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN)
             m = json.loads(result.read_text())
             results[clients] = {k: m[k] for k in ("output_throughput", "median_tpot_ms", "p99_ttft_ms", "failed")
                                 if k in m}
+            results[clients]["server_cpu_per_s"] = (cpu_seconds(proc.pid) - server0) / wall
+            results[clients]["client_cpu_per_s"] = (client1.ru_utime + client1.ru_stime - client0.ru_utime
+                                                    - client0.ru_stime) / wall
+            if spy is not None:
+                spy.wait(timeout=60)
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -235,7 +282,7 @@ def decode_kernel_vs_sdpa(shape: dict, device: str) -> dict:
 
     from modserve.core.contract import AttentionMetadata, LayerKVCache
     from modserve.plugins.attention import triton_kernels as tk
-    from modserve.plugins.attention.triton_backend import TritonAttention
+    from modserve.plugins.attention.triton_backend import TritonAttention, fill_programs, decode_splits
 
     plan = TritonAttention.Config()
 
@@ -253,9 +300,9 @@ def decode_kernel_vs_sdpa(shape: dict, device: str) -> dict:
         meta = AttentionMetadata(b, torch.arange(b + 1, dtype=torch.int32, device=device), seq, seq - 1,
                                  torch.zeros(b, dtype=torch.int64, device=device), table, [1] * b, [ctx] * b, 1, ctx)
         reqs = torch.arange(b, dtype=torch.int32, device=device)
-        splits = min(plan.decode_max_splits, -(-ctx // plan.decode_split_tokens))  # the backend's default plan
+        splits = decode_splits(plan, b * kv_heads, ctx, fill_programs(device))  # the backend's default plan
         partials = (torch.empty(b, heads, splits, d, dtype=torch.float32, device=device),
-                    torch.empty(b, heads, splits, dtype=torch.float32, device=device))
+                    torch.empty(b, heads, splits, dtype=torch.float32, device=device)) if splits > 1 else None
         o = torch.empty_like(q)
         cache = LayerKVCache(k=k, v=v)
         kc = k[table.long()].reshape(b, ctx, kv_heads, d).transpose(1, 2).contiguous()
@@ -268,6 +315,36 @@ def decode_kernel_vs_sdpa(shape: dict, device: str) -> dict:
             out.setdefault(ctx, {})[name] = gpu_seconds(fn, 50) * 1e6
         kv_bytes = 2 * b * ctx * kv_heads * d * 2
         out[ctx]["kv_bytes"] = kv_bytes
+    for b in (16, 64, 256):
+        for ctx in (450, 2048):
+            out[f"splits_b{b}_ctx{ctx}"] = split_sweep(shape, device, plan, b, ctx, decode_splits(
+                plan, b * kv_heads, ctx, fill_programs(device)))
+    return out
+
+
+def split_sweep(shape: dict, device: str, plan, b: int, ctx: int, planned: int) -> dict:
+    """Microseconds of the decode kernel over ``b`` rows of ``ctx`` positions split into 1, 2,
+    4, 8 and 16 partitions, beside the partitions the backend plans there."""
+    from modserve.core.contract import AttentionMetadata, LayerKVCache
+    from modserve.plugins.attention import triton_kernels as tk
+
+    heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
+    d, bs = shape["hidden_size"] // heads, 16
+    width = -(-ctx // bs)
+    k = torch.randn(b * width, bs, kv_heads, d, dtype=torch.bfloat16, device=device)
+    v = torch.randn_like(k)
+    table = torch.randperm(b * width, device=device, dtype=torch.int32).view(b, width)
+    q = torch.randn(b, heads, d, dtype=torch.bfloat16, device=device)
+    seq = torch.full((b,), ctx, dtype=torch.int32, device=device)
+    meta = AttentionMetadata(b, torch.arange(b + 1, dtype=torch.int32, device=device), seq, seq - 1,
+                             torch.zeros(b, dtype=torch.int64, device=device), table, [1] * b, [ctx] * b, 1, ctx)
+    reqs, o, cache = torch.arange(b, dtype=torch.int32, device=device), torch.empty_like(q), LayerKVCache(k=k, v=v)
+    out: dict = {"planned": planned}
+    for splits in (1, 2, 4, 8, 16):
+        partials = (torch.empty(b, heads, splits, d, dtype=torch.float32, device=device),
+                    torch.empty(b, heads, splits, dtype=torch.float32, device=device)) if splits > 1 else None
+        fn = lambda: tk.decode_attention(q, cache, meta, reqs, plan.block_n, d**-0.5, o, partials)  # noqa: E731
+        out[str(splits)] = gpu_seconds(fn, 30) * 1e6
     return out
 
 
@@ -283,13 +360,16 @@ def bench_model(name: str, args, bandwidth: float) -> dict:
         if args.hf:
             res["hf_offline_tok_s"] = hf_offline(hf, reqs, device)
         del hf
+        gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
         if args.offline:
             modserve_measures(res, name, args, path, reqs, bandwidth)
         if args.online:
+            if device == "cuda":  # what this process still holds when the server needs the GPU
+                res["gib_held_before_server"] = torch.cuda.memory_reserved() / 2**30
             try:
-                res["online"] = online(path, device, args.smoke, Path(args.out), name)
+                res["online"] = online(path, device, args.smoke, Path(args.out), name, args.py_spy, args.device_options)
             except Exception as e:  # noqa: BLE001 - reported beside the offline figures
                 res["online"] = f"{type(e).__name__}: {e}"
     return res
@@ -300,29 +380,38 @@ def modserve_measures(res: dict, name: str, args, path: str, reqs, bandwidth: fl
     from modserve import LLM
 
     device, smoke = args.device, args.smoke
-    llm = LLM(pipeline(path, device, smoke))
+    llm = LLM(pipeline(path, device, smoke, args.device_options))
     log = StepLog()
     llm.engine.c.registry.pm.register(log)
     t = time.perf_counter()
     capture_every_size(llm)
     res["capture_s"] = time.perf_counter() - t
+    modserve_offline(llm, reqs[:16])  # compiles the prefill kernels, else the first timed run pays for it
     graphs = llm.engine.runner.graphs
     res["offline_tok_s"] = modserve_offline(llm, reqs)
-    for b in (1, 64):
-        res[f"step_ms_b{b}"] = decode_steps(llm, b, log) * 1e3
+    pieces = llm.engine.runner.pieces
+    res["piece_replays"] = {s: n for s, n in (pieces.replays.items() if pieces else []) if n}
+    for b in STEP_BATCHES:
+        res[f"step_parts_ms_b{b}"] = parts = decode_steps(llm, b, log)
+        res[f"step_ms_b{b}"] = parts["step"]
         gpu = forward_gpu_seconds(llm, b) if device == "cuda" else None
         res[f"forward_gpu_ms_b{b}"] = gpu * 1e3 if gpu else None
-    llm.engine.runner.graphs = None  # the same engine and KV, every step eager (what cuda_graphs: false builds)
+    llm.engine.runner.pieces = None  # the same engine and KV, decode graphs only (piecewise_graphs: false)
+    res["decode_graphs_offline_tok_s"] = modserve_offline(llm, reqs)
+    llm.engine.runner.graphs = None  # and every step eager (what cuda_graphs: false builds)
     res["eager_offline_tok_s"] = modserve_offline(llm, reqs)
-    for b in (1, 64):
-        res[f"eager_step_ms_b{b}"] = decode_steps(llm, b, log) * 1e3
+    for b in STEP_BATCHES:
+        res[f"eager_step_parts_ms_b{b}"] = parts = decode_steps(llm, b, log)
+        res[f"eager_step_ms_b{b}"] = parts["step"]
     res["graph_replays"] = {s: n for s, n in (graphs.replays.items() if graphs else []) if n}
     kv_per_token = 2 * SHAPES[name]["num_hidden_layers"] * SHAPES[name]["num_key_value_heads"] * (
         SHAPES[name]["hidden_size"] // SHAPES[name]["num_attention_heads"]) * 2
     res["b1_bytes_per_step"] = res["weight_bytes"] + kv_per_token * 152  # 128-token prompt, ~24 outputs in
     # a step's bytes over the copy's bytes moved per second (read + write: HBM's whole rate)
     res["b1_fraction_of_copy_bw"] = res["b1_bytes_per_step"] / (res["step_ms_b1"] / 1e3) / bandwidth
-    del llm, graphs  # the graphs hold their memory pool: gone before a server needs the GPU
+    llm.engine.c.registry.pm.unregister(log)
+    del llm, graphs, log  # the graphs hold their memory pool: gone before a server needs the GPU
+    gc.collect()  # the engine's reference cycles kept 44 GiB alive once, and the 8B server ran out of memory
     if device == "cuda":
         torch.cuda.empty_cache()
         if args.kernel:
@@ -341,6 +430,9 @@ def main() -> None:
     p.add_argument("--kernel", action=argparse.BooleanOptionalAction, default=True, help="Triton decode vs SDPA")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--tmp", default=None, help="where checkpoints are written (default: the system's temp)")
+    p.add_argument("--py-spy", default=None, metavar="PATH", help="profile the server with this py-spy binary")
+    p.add_argument("--device-options", type=json.loads, default=None, metavar="JSON",
+                   help='the device section\'s options, e.g. \'{"piecewise_graphs": false}\'')
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     bandwidth = copy_bandwidth(args.device)

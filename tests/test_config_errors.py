@@ -44,6 +44,7 @@ CONFIG_ERRORS = [
     ({"device": {"plugin": "cuda", "piecewise_graphs": 1}}, "device.piecewise_graphs: expected bool, got 1"),
     ({"device": {"plugin": "cuda", "piece_max_tokens": 8}}, "device.piece_max_tokens: expected int >= 16, got 8"),
     ({"device": {"plugin": "cuda", "piece_max_tokns": 512}}, "device.piece_max_tokns: unknown key"),
+    ({"attention": {"plugin": "triton", "decode_fill_programs": 0}}, "attention.decode_fill_programs: expected int >= 1, got 0"),
     ({"device": {"plugin": "cpu", "decode_graphs": "on"}}, "device.decode_graphs: expected bool, got 'on'"),
     ({"device": {"plugin": "cpu", "graph_max_batch": 0}}, "device.graph_max_batch: expected int >= 1, got 0"),
     ({"device": {"plugin": "cpu", "graph_max_batch": 512}}, "device.graph_max_batch: expected int <= 256, got 512"),

@@ -23,7 +23,8 @@ def test_smoke_mode_measures_every_figure(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     (res,) = json.loads((tmp_path / "gpu_throughput.json").read_text())["results"]
     assert "error" not in res, res
-    for key in ("hf_offline_tok_s", "offline_tok_s", "eager_offline_tok_s", "step_ms_b1", "step_ms_b64"):
+    for key in ("hf_offline_tok_s", "offline_tok_s", "decode_graphs_offline_tok_s", "eager_offline_tok_s", "step_ms_b1",
+                "step_ms_b64", "step_ms_b256", "eager_step_ms_b256"):
         assert res[key] > 0, key
     assert res["graph_replays"] == {}  # the cpu platform captures no graphs
     online = res["online"]
@@ -31,6 +32,7 @@ def test_smoke_mode_measures_every_figure(tmp_path):
     for clients in ("64", "256"):
         assert online[clients]["failed"] == 0 and online[clients]["output_throughput"] > 0
         assert online[clients]["median_tpot_ms"] > 0  # tokens arrive one chunk at a time, not all at the end
+        assert online[clients]["server_cpu_per_s"] > 0 and online[clients]["client_cpu_per_s"] > 0
 
 
 def test_every_id_decodes_to_text(tmp_path):

@@ -247,6 +247,24 @@ def test_decode_split_k_matches_reference(dtype, int8):
     assert_close(out, case)
 
 
+def test_decode_splits_stop_once_the_requests_fill_the_device():
+    config = TritonAttention.Config(decode_split_tokens=256, decode_max_splits=16)
+    assert triton_backend.decode_splits(config, 8, 2048, None) == 8  # by length alone
+    assert triton_backend.decode_splits(config, 8, 8192, None) == 16  # at most decode_max_splits
+    assert triton_backend.decode_splits(config, 8, 2048, 132) == 8  # one request of 8 KV heads: far from full
+    assert triton_backend.decode_splits(config, 64, 2048, 132) == 2  # 8 requests: two partitions fit
+    assert triton_backend.decode_splits(config, 128, 2048, 132) == 1  # 16 requests fill it alone
+    assert triton_backend.decode_splits(config, 2048, 2048, 132) == 1
+
+
+def test_fill_limit_plans_fewer_partitions_and_stays_exact():
+    case = make_case([300, 7, 129], [1, 1, 1], seed=13)  # 3 requests x 2 KV heads: 6 programs a partition
+    out, _ = run_attention(case, TritonAttention.Config(block_n=16, decode_split_tokens=32, decode_fill_programs=12))
+    o_part, _ = case.meta.backend_state.partials
+    assert o_part.shape[2] == 2  # 10 by length; 6 programs fit twice in 12
+    assert_close(out, case)
+
+
 # ----------------------------------------------------------------------------- whole forward
 
 

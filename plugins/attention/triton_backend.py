@@ -50,6 +50,12 @@ class TritonAttention(AttentionBackend):
         decode_max_splits: Annotated[int, msgspec.Meta(ge=1, le=64)] = 16
         # Context tokens per decode partition: a step uses cdiv(longest decode context, this) splits.
         decode_split_tokens: Annotated[int, msgspec.Meta(ge=16)] = 256
+        # Decode programs (requests x KV heads x partitions) that fill the device: a step has at
+        # most this many over its requests' programs partitions, and none once those reach it
+        # (splitting then only adds partials to merge: on an H100, 8B heads, one partition beat
+        # two or more at 16, 64 and 256 requests of 450 and 2,048 positions). None: one program per
+        # streaming multiprocessor (FILL_PROGRAMS_PER_SM); no limit on the CPU.
+        decode_fill_programs: Annotated[int, msgspec.Meta(ge=1)] | None = None
 
     def __init__(self, config: Config, ctx: BuildContext) -> None:
         super().__init__(config, ctx)
@@ -57,6 +63,7 @@ class TritonAttention(AttentionBackend):
         self.kernels = _import_kernels(spec.device)
         _check_spec(spec, self.kernels)
         self.block_q = self.kernels.prefill_block_q(spec.num_heads, spec.num_kv_heads, config.prefill_block_m)
+        self.fill_programs = config.decode_fill_programs or fill_programs(spec.device)
 
     def for_layer(self, sliding_window: int | None = None, logit_softcap: float | None = None) -> TritonAttention:
         from modserve.plugins.attention.torch_backend import layer_view
@@ -109,16 +116,36 @@ class TritonAttention(AttentionBackend):
 
     def _split_scratch(self, num_decode: int, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """fp32 partial outputs for split-K, or None when one partition per request suffices."""
-        splits = min(self.config.decode_max_splits, -(-max_seq_len // self.config.decode_split_tokens))
+        spec = self.spec
+        splits = decode_splits(self.config, num_decode * spec.num_kv_heads, max_seq_len, self.fill_programs)
         if num_decode == 0 or splits <= 1:
             return None
-        spec = self.spec
         o = torch.empty(num_decode, spec.num_heads, splits, spec.head_dim, dtype=torch.float32, device=spec.device)
         lse = torch.empty(num_decode, spec.num_heads, splits, dtype=torch.float32, device=spec.device)
         return o, lse
 
     def _index(self, rows: list) -> torch.Tensor:
         return torch.tensor(rows, dtype=torch.int32, device=self.spec.device)
+
+
+FILL_PROGRAMS_PER_SM = 1
+
+
+def decode_splits(config: TritonAttention.Config, programs: int, max_seq_len: int, fill: int | None) -> int:
+    """Partitions per decode row: one per ``decode_split_tokens`` of the longest row, at most
+    ``decode_max_splits``, and at most as many times as ``programs`` (requests x KV heads) fit in ``fill``."""
+    splits = min(config.decode_max_splits, -(-max_seq_len // config.decode_split_tokens))
+    if fill is not None and programs:
+        splits = min(splits, fill // programs)
+    return max(splits, 1)
+
+
+def fill_programs(device: torch.device) -> int | None:
+    """Programs that fill a GPU (FILL_PROGRAMS_PER_SM per multiprocessor); None off a GPU."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return FILL_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _import_kernels(device: torch.device):
