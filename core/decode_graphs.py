@@ -13,7 +13,8 @@ runs eagerly, as before.
 
 The graphs share one set of input tensors, sized for the largest bucket (a bucket reads the
 first rows), which each step's batch is copied into. A graph is captured the first time its
-size is needed, with the attention backend prepared for ``max_model_len`` long rows, so the
+size is needed (a server captures every size at start-up: :meth:`DecodeGraphs.capture_all`),
+with the attention backend prepared for ``max_model_len`` long rows, so the
 plan it captured (e.g. the Triton decode's split-K partitions) serves any length. The KV
 backend's layer caches must stay the same tensors for the engine's life (every shipped
 backend allocates them once).
@@ -73,6 +74,16 @@ class DecodeGraphs:
         self.replays = dict.fromkeys(self.sizes, 0)  # per size, for tests and the GPU check
         self.unavailable: str | None = None  # set when the platform declined to capture
         self._loaded = 0  # rows the last step filled (past them the buffers hold padding)
+
+    def capture_all(self) -> int:
+        """Capture every size not captured yet, largest first (the smaller ones then reuse
+        its memory pool); returns how many. A server calls it before its first client, which
+        would otherwise wait for the captures its batches need."""
+        todo = [s for s in reversed(self.sizes) if s not in self.graphs]
+        for size in todo:
+            if self._capture(size) is None:
+                return 0
+        return len(todo)
 
     def size_for(self, rows: int) -> int | None:
         """The smallest captured size that holds ``rows`` requests, or None."""

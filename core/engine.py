@@ -169,6 +169,15 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def capture_graphs(self) -> None:
+        """Capture every graph size the runner replays, before the first request: a server's
+        first clients would otherwise wait for the captures (on one H100 a cold SmolLM2 server
+        gave 64 clients 2,224 out tok/s and a p99 TTFT of 1.4 s, a warm one 3,794 and 0.25 s)."""
+        t = time.perf_counter()
+        done = self.runner.capture_graphs()
+        if done:
+            log.info("graphs captured at start-up: %s in %.1f s", done, time.perf_counter() - t)
+
     @property
     def dead(self) -> str | None:
         """Why this engine can never step again (a tensor-parallel worker died: the message

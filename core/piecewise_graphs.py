@@ -157,6 +157,15 @@ class PiecewiseGraphs:
         self.unavailable: str | None = None  # set when the platform declined to capture
         self._loaded = 0
 
+    def capture_all(self) -> int:
+        """Capture every size not captured yet, largest first; returns how many (see
+        :meth:`DecodeGraphs.capture_all`)."""
+        todo = [s for s in reversed(self.sizes) if s not in self.captured]
+        for size in todo:
+            if self._capture(size) is None:
+                return 0
+        return len(todo)
+
     def run(self, batch: StepBatch) -> torch.Tensor | None:
         """Hidden states ``[t, hidden]`` of the step from its pieces (attention already
         prepared for it); None where no captured size holds it (the caller runs it eagerly)."""

@@ -86,6 +86,14 @@ class ModelRunner:
         )
         return StepBatch(torch.tensor(input_ids, dtype=torch.int64, device=dev), pos.to(dev), meta)
 
+    @torch.inference_mode()
+    def capture_graphs(self) -> str | None:
+        """Capture every graph size now (decode graphs, then graph pieces); what was captured, or
+        None where this runner replays none."""
+        done = [f"{n} {what}" for what, graphs in (("decode batch sizes", self.graphs), ("piece token sizes", self.pieces))
+                if graphs is not None and (n := graphs.capture_all())]
+        return ", ".join(done) or None
+
     def shutdown(self) -> None:
         """Stop what this runner started (nothing for a single process). Idempotent."""
 

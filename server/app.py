@@ -60,14 +60,18 @@ def build_app(engine: AsyncEngine | Sequence[AsyncEngine]) -> Starlette:
 
 
 def build_replicas(pipeline: Any) -> list[AsyncEngine]:
-    """``parallel.data_parallel_size`` engines built from ``pipeline``, each on its own loop thread."""
+    """``parallel.data_parallel_size`` engines built from ``pipeline``, each on its own loop
+    thread, with their graphs captured."""
     n = pipeline.parallel.data_parallel_size
     if n > 1 and pipeline.parallel.tensor_parallel_size > 1:
         raise ConfigError(
             "parallel.data_parallel_size: replicas of a tensor-parallel engine are not supported; "
             "use data_parallel_size > 1 with tensor_parallel_size 1"
         )
-    return [AsyncEngine(Engine.from_config(pipeline, replica=i if n > 1 else None)) for i in range(n)]
+    engines = [Engine.from_config(pipeline, replica=i if n > 1 else None) for i in range(n)]
+    for engine in engines:
+        engine.capture_graphs()
+    return [AsyncEngine(engine) for engine in engines]
 
 
 def serve(

@@ -120,6 +120,22 @@ def test_replayed_decode_steps_give_the_eager_tokens(model_dir, kv_dtype):
     assert (graphs.slots[1:] == -1).all() and (graphs.seq_lens[1:] == 1).all() and (graphs.block_tables[1:] == 0).all()
 
 
+def test_start_up_capture_takes_every_size_largest_first(model_dir, caplog):
+    eager = engine(model_dir, EAGER_CPU)
+    vocab = eager.engine.c.spec.vocab_size
+    want = run(eager, vocab)
+    ReplayingCPU.captured = []
+    llm = engine(model_dir, {"plugin": "replay_cpu"})
+    with caplog.at_level("INFO", logger="modserve.engine"):
+        llm.engine.capture_graphs()
+    assert ReplayingCPU.captured == [4, 2, 1]
+    assert "graphs captured at start-up: 3 decode batch sizes" in caplog.text
+    assert run(llm, vocab) == want
+    assert ReplayingCPU.captured == [4, 2, 1]  # serving captured nothing more
+    llm.engine.capture_graphs()  # nothing left to capture: no second round
+    assert ReplayingCPU.captured == [4, 2, 1]
+
+
 def test_a_platform_that_declines_to_capture_runs_eagerly(model_dir, caplog):
     plain = engine(model_dir, EAGER_CPU)
     vocab = plain.engine.c.spec.vocab_size

@@ -164,6 +164,21 @@ def test_steps_replayed_in_pieces_give_the_eager_tokens(llama):
     assert sum(pieces.replays.values()) > sum(before.values())
 
 
+def test_start_up_capture_takes_every_size(llama, caplog):
+    eager = engine(llama, "cpu")
+    vocab = eager.engine.c.spec.vocab_size
+    want = run(eager, vocab)
+    PiecesCPU.pieces = []
+    llm = engine(llama, "pieces_cpu")
+    with caplog.at_level("INFO", logger="modserve.engine"):
+        llm.engine.capture_graphs()
+    assert "graphs captured at start-up: 2 piece token sizes" in caplog.text
+    captured = len(PiecesCPU.pieces)
+    assert captured == 2 * (llm.engine.c.spec.num_layers + 1) and sorted(llm.engine.runner.pieces.captured) == [16, 64]
+    assert run(llm, vocab) == want
+    assert len(PiecesCPU.pieces) == captured  # serving captured nothing more
+
+
 def test_a_step_past_the_largest_size_runs_eagerly(llama):
     eager = engine(llama, "cpu", step_tokens=128)
     vocab = eager.engine.c.spec.vocab_size

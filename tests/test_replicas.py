@@ -85,6 +85,15 @@ class ReplicaServer(ThreadedServer):
         return r
 
 
+def test_a_served_engine_captures_its_graphs_before_its_first_client(monkeypatch):
+    from modserve.core.engine import Engine
+
+    captured = []
+    monkeypatch.setattr(Engine, "capture_graphs", lambda self: captured.append(self))
+    engines = build_replicas(load_pipeline(pipeline(parallel={"data_parallel_size": 2})))  # loops not started
+    assert captured == [e.engine for e in engines]
+
+
 @pytest.fixture(scope="module")
 def server():
     with ReplicaServer(2) as s:

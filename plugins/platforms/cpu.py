@@ -51,7 +51,7 @@ class CPUConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     int4_group_size: Literal[32, 64, 128, 256] | None = None  # quantization: int4 only (default 128): inputs per scale/zero group; a layer whose in_features it does not divide takes the largest smaller size that does
     quantize_lm_head: bool = False  # quantize the LM head too (a tied head gets its own quantized copy; the embedding stays as loaded)
     decode_graphs: bool = True  # replay decode steps of up to graph_max_batch requests as recorded kernel call lists (one C call a step; docs/cpu_decode_graphs.md); where the forward is not all recordable kernels, steps run eagerly and the log says why
-    graph_max_batch: Annotated[int, msgspec.Meta(ge=1, le=256)] = 16  # the largest decode batch replayed; each size from 1 is recorded the first time it runs
+    graph_max_batch: Annotated[int, msgspec.Meta(ge=1, le=256)] = 16  # the largest decode batch replayed; each size from 1 is recorded at a server's start-up (offline: the first time it runs)
 
 
 class CPUPlatform(Platform):
