@@ -200,9 +200,9 @@ def gpu_seconds(fn, repeats: int) -> float:
 def forward_gpu_seconds(llm, batch: int) -> float | None:
     """GPU time of the captured forward for ``batch`` rows (graph replays)."""
     graphs = llm.engine.runner.graphs
-    if graphs is None or batch not in graphs.graphs:
+    if graphs is None or batch not in graphs.captured:
         return None
-    return gpu_seconds(graphs.graphs[batch], 20)
+    return gpu_seconds(graphs.captured[batch], 20)
 
 
 def copy_bandwidth(device: str) -> float:

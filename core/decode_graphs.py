@@ -13,7 +13,7 @@ runs eagerly, as before.
 
 The graphs share one set of input tensors, sized for the largest bucket (a bucket reads the
 first rows), which each step's batch is copied into. A graph is captured the first time its
-size is needed (a server captures every size at start-up: :meth:`DecodeGraphs.capture_all`),
+size is needed (a server captures every size at start-up: :meth:`GraphBuckets.capture_all`),
 with the attention backend prepared for ``max_model_len`` long rows, so the
 plan it captured (e.g. the Triton decode's split-K partitions) serves any length. The KV
 backend's layer caches must stay the same tensors for the engine's life (every shipped
@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from modserve.core.contract import AttentionBackend, AttentionMetadata, CausalLM, KVBackend, Platform
+from modserve.core.graph_buckets import GraphBuckets
 
 if TYPE_CHECKING:
     from modserve.core.runner import StepBatch
@@ -50,15 +51,15 @@ def graph_refusal(platform: Platform, model: CausalLM, attention: AttentionBacke
     return None
 
 
-class DecodeGraphs:
+class DecodeGraphs(GraphBuckets):
     """Captures and replays decode-only steps; :meth:`run` returns None for any other step."""
 
     def __init__(
         self, platform: Platform, model: CausalLM, attention: AttentionBackend, kv: KVBackend,
         device: torch.device, max_model_len: int,
     ) -> None:  # fmt: skip
+        super().__init__(platform.graph_batch_sizes())
         self.platform, self.model, self.attention, self.kv = platform, model, attention, kv
-        self.sizes = tuple(sorted(platform.graph_batch_sizes()))
         self.max_model_len = max_model_len
         n, width = self.sizes[-1], -(-max_model_len // kv.block_size)
         on = dict(device=device)
@@ -70,38 +71,17 @@ class DecodeGraphs:
         self.request_lens = torch.ones(n, dtype=torch.int32, **on)
         self.block_tables = torch.zeros(n, width, dtype=torch.int32, **on)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, **on)
-        self.graphs: dict[int, Callable[[], torch.Tensor]] = {}
-        self.replays = dict.fromkeys(self.sizes, 0)  # per size, for tests and the GPU check
-        self.unavailable: str | None = None  # set when the platform declined to capture
-        self._loaded = 0  # rows the last step filled (past them the buffers hold padding)
-
-    def capture_all(self) -> int:
-        """Capture every size not captured yet, largest first (the smaller ones then reuse
-        its memory pool); returns how many. A server calls it before its first client, which
-        would otherwise wait for the captures its batches need."""
-        todo = [s for s in reversed(self.sizes) if s not in self.graphs]
-        for size in todo:
-            if self._capture(size) is None:
-                return 0
-        return len(todo)
-
-    def size_for(self, rows: int) -> int | None:
-        """The smallest captured size that holds ``rows`` requests, or None."""
-        return next((s for s in self.sizes if s >= rows), None)
 
     def run(self, batch: StepBatch) -> torch.Tensor | None:
         """Hidden states ``[b, hidden]`` of a decode-only step from its graph; None where the
         step is not one (the caller runs it eagerly)."""
         meta = batch.meta
         rows = meta.num_tokens
-        if self.unavailable is not None or meta.max_query_len != 1 or len(meta.query_lens_cpu) != rows:
+        if meta.max_query_len != 1 or len(meta.query_lens_cpu) != rows:
             return None
-        size = self.size_for(rows)
-        if size is None or meta.block_tables.shape[1] > self.block_tables.shape[1]:
+        if meta.block_tables.shape[1] > self.block_tables.shape[1] or (found := self._replay_for(rows)) is None:
             return None
-        replay = self.graphs.get(size) or self._capture(size)
-        if replay is None:
-            return None
+        size, replay = found
         self._load(batch, rows)
         self.replays[size] += 1
         return replay()[:rows]
@@ -117,9 +97,7 @@ class DecodeGraphs:
         self.context_lens[:rows].copy_(meta.context_lens)
         self.request_lens[:rows].copy_(meta.seq_lens if meta.request_lens is None else meta.request_lens)
         self.block_tables[:rows, : meta.block_tables.shape[1]].copy_(meta.block_tables)
-        if self._loaded > rows:
-            self._pad(rows, self._loaded)
-        self._loaded = rows
+        self._loaded_rows(rows)
 
     def _pad(self, start: int, end: int) -> None:
         """Rows ``start:end`` as padding: token 0 at position 0, no K/V written, one key of block 0."""
@@ -152,5 +130,5 @@ class DecodeGraphs:
             log.warning("decode graphs: %s; decode steps run eagerly", self.unavailable)
             return None
         log.info("decode graphs: captured batch size %d in %.2f s", size, time.perf_counter() - t0)
-        self.graphs[size] = replay
+        self.captured[size] = replay
         return replay

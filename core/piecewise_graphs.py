@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from modserve.core.contract import AttentionBackend, AttentionMetadata, CausalLM, KVBackend, LayerKVCache, PieceRecorder, Platform
+from modserve.core.graph_buckets import GraphBuckets
 
 if TYPE_CHECKING:
     from modserve.core.runner import StepBatch
@@ -133,14 +134,14 @@ def piece_refusal(
     return None
 
 
-class PiecewiseGraphs:
+class PiecewiseGraphs(GraphBuckets):
     """Captures and replays forwards as pieces; :meth:`run` returns None for a step it does not take."""
 
     def __init__(
         self, platform: Platform, model: CausalLM, boundary: AttentionBoundary, kv: KVBackend, device: torch.device
     ) -> None:  # fmt: skip
+        super().__init__(platform.piece_token_sizes())
         self.platform, self.model, self.boundary, self.kv = platform, model, boundary, kv
-        self.sizes = tuple(sorted(platform.piece_token_sizes()))
         n = self.sizes[-1]
         on = dict(device=device)
         self.input_ids = torch.zeros(n, dtype=torch.int64, **on)
@@ -152,30 +153,14 @@ class PiecewiseGraphs:
         self.ones = torch.ones(n, dtype=torch.int32, **on)
         self.zeros = torch.zeros(n, dtype=torch.int32, **on)
         self.block_zero = torch.zeros(n, 1, dtype=torch.int32, **on)
-        self.captured: dict[int, _Pieces] = {}
-        self.replays = dict.fromkeys(self.sizes, 0)  # per size, for tests and the GPU check
-        self.unavailable: str | None = None  # set when the platform declined to capture
-        self._loaded = 0
-
-    def capture_all(self) -> int:
-        """Capture every size not captured yet, largest first; returns how many (see
-        :meth:`DecodeGraphs.capture_all`)."""
-        todo = [s for s in reversed(self.sizes) if s not in self.captured]
-        for size in todo:
-            if self._capture(size) is None:
-                return 0
-        return len(todo)
 
     def run(self, batch: StepBatch) -> torch.Tensor | None:
         """Hidden states ``[t, hidden]`` of the step from its pieces (attention already
         prepared for it); None where no captured size holds it (the caller runs it eagerly)."""
         rows = batch.meta.num_tokens
-        size = next((s for s in self.sizes if s >= rows), None)
-        if self.unavailable is not None or size is None:
+        if (found := self._replay_for(rows)) is None:
             return None
-        pieces = self.captured.get(size) or self._capture(size)
-        if pieces is None:
-            return None
+        size, pieces = found
         self._load(batch, rows)
         self.replays[size] += 1
         return pieces.replay(rows, batch.meta)
@@ -189,9 +174,7 @@ class PiecewiseGraphs:
         else:
             self.token_lens[:rows].copy_(torch.repeat_interleave(meta.request_lens, meta.query_start_loc.diff(),
                                                                 output_size=rows))  # fmt: skip
-        if self._loaded > rows:
-            self._pad(rows, self._loaded)
-        self._loaded = rows
+        self._loaded_rows(rows)
 
     def _pad(self, start: int, end: int) -> None:
         self.input_ids[start:end] = 0

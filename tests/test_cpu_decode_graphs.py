@@ -167,12 +167,12 @@ def test_call_lists_give_the_eager_tokens_and_kv(model_dir):
     assert graphs is not None and graphs.sizes == (1, 2, 3, 4)
     assert run(llm) == want
     assert graphs.unavailable is None and all(graphs.replays[s] > 0 for s in graphs.sizes), graphs.replays
-    captured = dict(graphs.graphs)
+    captured = dict(graphs.captured)
     # the same kernels on the same rows: the caches hold what the eager engine wrote, bit for bit
     for mine, theirs in zip(llm.engine.kv.layer_caches(), eager.engine.kv.layer_caches()):
         assert torch.equal(mine.k, theirs.k) and torch.equal(mine.v, theirs.v)
     assert run(llm) == want  # a second round replays the lists it has (prefix hits this time)
-    assert graphs.graphs == captured
+    assert graphs.captured == captured
 
 
 REPLAYED = ("mistral", "qwen3", "olmo2", "granite", "phi3", "gemma2", "gemma3_text")  # each one's torch ops as kernels (docs)
