@@ -3,8 +3,8 @@
 For SmolLM2-, Llama-3.2-1B- and Llama-3.1-8B-shaped checkpoints with random bfloat16 weights
 (built here, no download) it measures, all in one run on one GPU:
 
-- offline output tok/s: modserve with CUDA graphs (decode graphs and graph pieces), with decode
-  graphs alone, the same engine with graphs off, and HF
+- offline output tok/s: modserve with CUDA graphs (and graph pieces where ``--device-options``
+  turns them on), with decode graphs alone, the same engine with graphs off, and HF
   ``generate`` in static batches of 64 on the same requests (prompts 256 +- 50%, outputs
   128 +- 50%, ``ignore_eos``);
 - online output tok/s, median TPOT and p99 TTFT at 64 and 256 clients (``modserve serve`` and

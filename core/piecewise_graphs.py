@@ -66,7 +66,7 @@ class AttentionBoundary(AttentionBackend):
             return self.inner.forward(q, k, v, cache, meta)
         return capture.cut(self.inner, q, k, v, cache, meta)
 
-    def __getattr__(self, name: str) -> Any:  # the backend's own attributes (e.g. a draft model's runner reads them)
+    def __getattr__(self, name: str) -> Any:  # anything else is the backend's own (its kernels, its window)
         if name == "inner":
             raise AttributeError(name)
         return getattr(self.inner, name)
