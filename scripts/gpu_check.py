@@ -107,7 +107,8 @@ class Checks:
 
     def cuda_graphs(self) -> tuple[bool, str]:
         """Five requests of different lengths, so decode batches shrink to 1 (graphs of sizes 4,
-        2 and 1 at least, some padded), against the same engine with ``cuda_graphs: false``."""
+        2 and 1 at least, some padded), against the same engine with ``cuda_graphs: false``;
+        every size captured before the first request, as ``modserve serve`` does."""
         from modserve import SamplingParams
 
         params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (4, 8, 12, 16, 20)]
@@ -117,12 +118,15 @@ class Checks:
             return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
         graphed = self.llm(attention={"plugin": "triton"})
+        graphed.engine.capture_graphs()  # every size up front, largest first, as a server does at start-up
+        graphs = graphed.engine.runner.graphs
+        captured = len(graphs.captured) if graphs is not None else 0
         got = tokens(graphed)
         eager = tokens(self.llm(attention={"plugin": "triton"}, device={"plugin": "cuda", "cuda_graphs": False}))
-        graphs = graphed.engine.runner.graphs
         replays = {size: n for size, n in graphs.replays.items() if n} if graphs is not None else {}
         ok, detail = self.same(got, eager, "eager steps (cuda_graphs: false)")
-        return ok and len(replays) >= 3, f"{detail}; steps replayed per graph size: {replays}"
+        ok = ok and len(replays) >= 3 and captured == len(graphs.sizes) == len(graphs.captured)
+        return ok, f"{detail}; {captured} sizes captured up front; steps replayed per graph size: {replays}"
 
     def graph_pieces(self) -> tuple[bool, str]:
         """Every step that is not a single decode (prompt chunks beside decodes, up to 64 tokens;
