@@ -6,7 +6,6 @@ and other steps from CUDA graph pieces between eager attention calls
 from __future__ import annotations
 
 import contextlib
-
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -40,7 +39,7 @@ def piece_sizes(top: int) -> tuple[int, ...]:
 
 
 class CUDAConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    cuda_graphs: bool = True  # replay decode steps from CUDA graphs, other steps from graph pieces (false: every step eagerly, like vLLM's enforce_eager)
+    cuda_graphs: bool = True  # replay decode steps from CUDA graphs, and with piecewise_graphs the other steps from graph pieces (false: every step eagerly, like vLLM's enforce_eager)
     graph_max_batch: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 256  # the largest decode batch captured; larger ones run eagerly
     piecewise_graphs: bool = False  # steps that are not decode-only (prompt chunks beside decodes) as graph pieces between eager attention calls; off by default: no online gain measured yet (docs/triton_attention.md)
     piece_max_tokens: Annotated[int, msgspec.Meta(ge=16, le=8192)] = 1024  # the most tokens a step replayed in pieces holds; larger ones run eagerly
