@@ -36,7 +36,9 @@ class EngineReplica:
 
         def load_then_run() -> None:
             try:
-                engine = AsyncEngine(Engine.from_config(cfg))
+                built = Engine.from_config(cfg)
+                built.capture_graphs()  # before Ray sends the first request, as modserve serve does
+                engine = AsyncEngine(built)
                 engine.claim_loop()
             except BaseException as e:  # noqa: BLE001 - handed to __init__, which raises it
                 loop.call_soon_threadsafe(ready.set_exception, e)
