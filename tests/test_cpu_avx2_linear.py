@@ -119,7 +119,7 @@ def bf16_checkpoint(tmp_path_factory):
 def engine(path: str, kernel: str = "avx2", graphs: bool = True, dtype: str = "float32") -> LLM:
     return LLM(
         model={"path": path, "dtype": dtype, "max_model_len": 256},
-        device={"plugin": "cpu", "linear_kernel": kernel, "decode_graphs": graphs, "graph_max_batch": 4},
+        device={"plugin": "cpu", "linear_kernel": kernel, "decode_graphs": graphs, **({"graph_max_batch": 4} if graphs else {})},
         kv_cache={"plugin": "paged", "block_size": 16, "num_blocks": 64}, scheduler={"plugin": "fcfs", "max_num_seqs": 5},
     )  # fmt: skip
 

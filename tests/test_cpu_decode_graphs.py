@@ -144,7 +144,7 @@ def model_dir(tmp_path_factory):
 def engine(path: str, dtype: str, graphs: bool, kv_dtype: str = "auto") -> LLM:
     return LLM(
         model={"path": path, "dtype": dtype, "max_model_len": 256},
-        device={"plugin": "cpu", "decode_graphs": graphs, "graph_max_batch": 4},
+        device={"plugin": "cpu", "decode_graphs": graphs, **({"graph_max_batch": 4} if graphs else {})},
         kv_cache={"plugin": "paged", "block_size": 16, "num_blocks": 64, "kv_dtype": kv_dtype},
         scheduler={"plugin": "fcfs", "max_num_seqs": 5},
     )

@@ -38,11 +38,22 @@ def piece_sizes(top: int) -> tuple[int, ...]:
     return tuple(sorted({*sizes, top}))
 
 
+GRAPH_MAX_BATCH, PIECE_MAX_TOKENS = 256, 1024  # the defaults of graph_max_batch and piece_max_tokens
+
+
 class CUDAConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     cuda_graphs: bool = True  # replay decode steps from CUDA graphs, and with piecewise_graphs the other steps from graph pieces (false: every step eagerly, like vLLM's enforce_eager)
-    graph_max_batch: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 256  # the largest decode batch captured; larger ones run eagerly
+    graph_max_batch: Annotated[int, msgspec.Meta(ge=1, le=1024)] | None = None  # cuda_graphs only (default 256): the largest decode batch captured; larger ones run eagerly
     piecewise_graphs: bool = False  # steps that are not decode-only (prompt chunks beside decodes) as graph pieces between eager attention calls; off by default: no online gain measured yet (docs/triton_attention.md)
-    piece_max_tokens: Annotated[int, msgspec.Meta(ge=16, le=8192)] = 1024  # the most tokens a step replayed in pieces holds; larger ones run eagerly
+    piece_max_tokens: Annotated[int, msgspec.Meta(ge=16, le=8192)] | None = None  # piecewise_graphs only (default 1024): the most tokens a step replayed in pieces holds; larger ones run eagerly
+
+    def __post_init__(self) -> None:
+        if self.graph_max_batch is not None and not self.cuda_graphs:
+            raise ValueError(f"graph_max_batch: applies to CUDA graphs, which cuda_graphs: false turns off, got {self.graph_max_batch}")
+        if self.piecewise_graphs and not self.cuda_graphs:
+            raise ValueError("piecewise_graphs: graph pieces are CUDA graphs, which cuda_graphs: false turns off")
+        if self.piece_max_tokens is not None and not self.piecewise_graphs:
+            raise ValueError(f"piece_max_tokens: applies to graph pieces; set piecewise_graphs: true, got {self.piece_max_tokens}")
 
 
 class CUDAPlatform(Platform):
@@ -78,7 +89,7 @@ class CUDAPlatform(Platform):
         return "nccl"
 
     def graph_batch_sizes(self) -> tuple[int, ...]:
-        return graph_sizes(self.config.graph_max_batch) if self.config.cuda_graphs else ()
+        return graph_sizes(self.config.graph_max_batch or GRAPH_MAX_BATCH) if self.config.cuda_graphs else ()
 
     def capture_graph(self, fn: Callable[..., Any], example_args: tuple) -> Callable[[], Any]:
         """Two warm-up calls on a side stream (Triton compiles, cuBLAS picks its kernels), then
@@ -101,8 +112,7 @@ class CUDAPlatform(Platform):
         return replay
 
     def piece_token_sizes(self) -> tuple[int, ...]:
-        on = self.config.cuda_graphs and self.config.piecewise_graphs
-        return piece_sizes(self.config.piece_max_tokens) if on else ()
+        return piece_sizes(self.config.piece_max_tokens or PIECE_MAX_TOKENS) if self.config.piecewise_graphs else ()
 
     def piece_recorder(self) -> PieceRecorder:
         return CUDAPieceRecorder(self)
