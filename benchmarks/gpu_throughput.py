@@ -37,7 +37,9 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -275,76 +277,90 @@ def online(path: str, device: str, smoke: bool, out_dir: Path, name: str, py_spy
     return results
 
 
-def decode_kernel_vs_sdpa(shape: dict, device: str) -> dict:
-    """Microseconds of the Triton paged decode (split-K as the backend plans it) and of SDPA
-    on contiguous K/V, 64 requests, bfloat16."""
-    import torch.nn.functional as F
+@dataclass
+class DecodeCase:
+    """``b`` decode rows of ``ctx`` positions over a paged bfloat16 cache (blocks of 16, shuffled)."""
 
-    from modserve.core.contract import AttentionMetadata, LayerKVCache
-    from modserve.plugins.attention import triton_kernels as tk
-    from modserve.plugins.attention.triton_backend import TritonAttention, fill_programs, decode_splits
-
-    plan = TritonAttention.Config()
-
-    heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
-    d = shape["hidden_size"] // heads
-    out = {}
-    for ctx in (1024, 4096):
-        b, bs = 64, 16
-        blocks = b * ctx // bs
-        k = torch.randn(blocks, bs, kv_heads, d, dtype=torch.bfloat16, device=device)
-        v = torch.randn_like(k)
-        table = torch.randperm(blocks, device=device, dtype=torch.int32).view(b, ctx // bs)
-        q = torch.randn(b, heads, d, dtype=torch.bfloat16, device=device)
-        seq = torch.full((b,), ctx, dtype=torch.int32, device=device)
-        meta = AttentionMetadata(b, torch.arange(b + 1, dtype=torch.int32, device=device), seq, seq - 1,
-                                 torch.zeros(b, dtype=torch.int64, device=device), table, [1] * b, [ctx] * b, 1, ctx)
-        reqs = torch.arange(b, dtype=torch.int32, device=device)
-        splits = decode_splits(plan, b * kv_heads, ctx, fill_programs(device))  # the backend's default plan
-        partials = (torch.empty(b, heads, splits, d, dtype=torch.float32, device=device),
-                    torch.empty(b, heads, splits, dtype=torch.float32, device=device)) if splits > 1 else None
-        o = torch.empty_like(q)
-        cache = LayerKVCache(k=k, v=v)
-        kc = k[table.long()].reshape(b, ctx, kv_heads, d).transpose(1, 2).contiguous()
-        vc = v[table.long()].reshape(b, ctx, kv_heads, d).transpose(1, 2).contiguous()
-        runs = {
-            "triton_us": lambda: tk.decode_attention(q, cache, meta, reqs, plan.block_n, d**-0.5, o, partials),
-            "sdpa_us": lambda: F.scaled_dot_product_attention(q[:, :, None], kc, vc, enable_gqa=True),
-        }
-        for name, fn in runs.items():
-            out.setdefault(ctx, {})[name] = gpu_seconds(fn, 50) * 1e6
-        kv_bytes = 2 * b * ctx * kv_heads * d * 2
-        out[ctx]["kv_bytes"] = kv_bytes
-    for b in (16, 64, 256):
-        for ctx in (450, 2048):
-            out[f"splits_b{b}_ctx{ctx}"] = split_sweep(shape, device, plan, b, ctx, decode_splits(
-                plan, b * kv_heads, ctx, fill_programs(device)))
-    return out
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    table: torch.Tensor
+    meta: Any
+    reqs: torch.Tensor
+    out: torch.Tensor
+    kv_heads: int
 
 
-def split_sweep(shape: dict, device: str, plan, b: int, ctx: int, planned: int) -> dict:
-    """Microseconds of the decode kernel over ``b`` rows of ``ctx`` positions split into 1, 2,
-    4, 8 and 16 partitions, beside the partitions the backend plans there."""
-    from modserve.core.contract import AttentionMetadata, LayerKVCache
-    from modserve.plugins.attention import triton_kernels as tk
+def decode_case(shape: dict, device: str, b: int, ctx: int) -> DecodeCase:
+    from modserve.core.contract import AttentionMetadata
 
     heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
     d, bs = shape["hidden_size"] // heads, 16
     width = -(-ctx // bs)
     k = torch.randn(b * width, bs, kv_heads, d, dtype=torch.bfloat16, device=device)
-    v = torch.randn_like(k)
     table = torch.randperm(b * width, device=device, dtype=torch.int32).view(b, width)
     q = torch.randn(b, heads, d, dtype=torch.bfloat16, device=device)
     seq = torch.full((b,), ctx, dtype=torch.int32, device=device)
     meta = AttentionMetadata(b, torch.arange(b + 1, dtype=torch.int32, device=device), seq, seq - 1,
                              torch.zeros(b, dtype=torch.int64, device=device), table, [1] * b, [ctx] * b, 1, ctx)
-    reqs, o, cache = torch.arange(b, dtype=torch.int32, device=device), torch.empty_like(q), LayerKVCache(k=k, v=v)
-    out: dict = {"planned": planned}
+    return DecodeCase(q, k, torch.randn_like(k), table, meta, torch.arange(b, dtype=torch.int32, device=device),
+                      torch.empty_like(q), kv_heads)
+
+
+def decode_call(case: DecodeCase, plan, splits: int):
+    """The Triton decode over ``case`` split ``splits`` ways, as a callable to time."""
+    from modserve.core.contract import LayerKVCache
+    from modserve.plugins.attention import triton_kernels as tk
+
+    b, heads, d = case.q.shape
+    partials = (torch.empty(b, heads, splits, d, dtype=torch.float32, device=case.q.device),
+                torch.empty(b, heads, splits, dtype=torch.float32, device=case.q.device)) if splits > 1 else None
+    cache = LayerKVCache(k=case.k, v=case.v)
+    return lambda: tk.decode_attention(case.q, cache, case.meta, case.reqs, plan.block_n, d**-0.5, case.out, partials)
+
+
+def planned_splits(plan, case: DecodeCase) -> int:
+    """The partitions the backend plans for ``case`` on its device (the default plan)."""
+    from modserve.plugins.attention.triton_backend import decode_splits, fill_programs
+
+    b, ctx = case.q.shape[0], case.meta.max_seq_len
+    return decode_splits(plan, b * case.kv_heads, ctx, fill_programs(case.q.device))
+
+
+def decode_kernel_vs_sdpa(shape: dict, device: str) -> dict:
+    """Microseconds of the Triton paged decode (split-K as the backend plans it) and of SDPA
+    on contiguous K/V, 64 requests, bfloat16; then the split sweep."""
+    import torch.nn.functional as F
+
+    from modserve.plugins.attention.triton_backend import TritonAttention
+
+    plan = TritonAttention.Config()
+    out = {}
+    for ctx in (1024, 4096):
+        b, case = 64, decode_case(shape, device, 64, ctx)
+        kv_heads, d = case.kv_heads, case.q.shape[2]
+        kc = case.k[case.table.long()].reshape(b, ctx, kv_heads, d).transpose(1, 2).contiguous()
+        vc = case.v[case.table.long()].reshape(b, ctx, kv_heads, d).transpose(1, 2).contiguous()
+        runs = {
+            "triton_us": decode_call(case, plan, planned_splits(plan, case)),
+            "sdpa_us": lambda: F.scaled_dot_product_attention(case.q[:, :, None], kc, vc, enable_gqa=True),
+        }
+        for name, fn in runs.items():
+            out.setdefault(ctx, {})[name] = gpu_seconds(fn, 50) * 1e6
+        out[ctx]["kv_bytes"] = 2 * b * ctx * kv_heads * d * 2
+    for b in (16, 64, 256):
+        for ctx in (450, 2048):
+            out[f"splits_b{b}_ctx{ctx}"] = split_sweep(shape, device, plan, b, ctx)
+    return out
+
+
+def split_sweep(shape: dict, device: str, plan, b: int, ctx: int) -> dict:
+    """Microseconds of the decode kernel over ``b`` rows of ``ctx`` positions split into 1, 2,
+    4, 8 and 16 partitions, beside the partitions the backend plans there."""
+    case = decode_case(shape, device, b, ctx)
+    out: dict = {"planned": planned_splits(plan, case)}
     for splits in (1, 2, 4, 8, 16):
-        partials = (torch.empty(b, heads, splits, d, dtype=torch.float32, device=device),
-                    torch.empty(b, heads, splits, dtype=torch.float32, device=device)) if splits > 1 else None
-        fn = lambda: tk.decode_attention(q, cache, meta, reqs, plan.block_n, d**-0.5, o, partials)  # noqa: E731
-        out[str(splits)] = gpu_seconds(fn, 30) * 1e6
+        out[str(splits)] = gpu_seconds(decode_call(case, plan, splits), 30) * 1e6
     return out
 
 
