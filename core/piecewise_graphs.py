@@ -47,8 +47,8 @@ class AttentionBoundary(AttentionBackend):
 
     def __init__(self, inner: AttentionBackend, root: AttentionBoundary | None = None) -> None:
         # a wrapper the core builds, not a plugin: no Plugin.__init__(config, ctx)
-        self.inner = inner
-        self.config, self.spec, self.capturable = inner.config, inner.spec, inner.capturable
+        self.inner = inner  # its config, spec and the rest come through __getattr__
+        self.capturable = inner.capturable  # a class attribute of the base, which __getattr__ never sees
         self.root = root or self  # per-layer views share the root's capture
         self.capture: _Capture | None = None
 
