@@ -36,7 +36,8 @@ def decode(args, dtype: torch.dtype) -> None:
         tuple(torch.empty(args.batch * blocks_per_seq + 64, BLOCK, KV_HEADS, HEAD_DIM).uniform_(-2, 2).to(dtype) for _ in "kv")
         for _ in range(args.layers)
     ]
-    tables = torch.arange(args.batch * blocks_per_seq, dtype=torch.int32).view(args.batch, -1).contiguous()
+    order = torch.randperm(args.batch * blocks_per_seq) if args.scattered else torch.arange(args.batch * blocks_per_seq)
+    tables = order.to(torch.int32).view(args.batch, -1).contiguous()
     q = torch.randn(args.batch, HEADS, HEAD_DIM).to(dtype).float()  # the values a model of this dtype gives
     rows = torch.arange(args.batch)
     seq = torch.arange(args.batch, dtype=torch.int32)
@@ -108,6 +109,8 @@ def main() -> None:
     p.add_argument("--context", type=int, default=300)
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--scattered", action="store_true", help="decode: each sequence's blocks in random cache order, as a "
+                   "long-running engine leaves them (default: consecutive)")
     args = p.parse_args()
     dtype = getattr(torch, args.dtype)
     print(f"torch threads: {torch.get_num_threads()}")

@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "prefetch.h"
+
 namespace modserve {
 
 // 16 elements as float32: float32 as is, bfloat16 (the high half of a float32) widened,
@@ -44,11 +46,6 @@ inline void store16(uint16_t* p, __m512 v) {
 inline __mmask16 cols_mask(int64_t left) {
     return left >= 16 ? static_cast<__mmask16>(0xFFFF) : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
 }
-
-// Asks for the cache line at p ahead of its use. Inline asm, not _mm_prefetch: GCC 12
-// dropped every _mm_prefetch from the attention kernel's loops without a word (so an
-// earlier trial of software prefetch there measured nothing).
-inline void prefetch_line(const void* p) { asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p))); }
 
 // exp(x) for x <= 0, lane-wise: the same reduction and polynomial as exp_nonpositive in
 // fast_exp.h (relative error ~2e-7), with 2^n applied by scalef.

@@ -27,6 +27,7 @@
 
 #include "packed_call.h"
 #include "panel_threads.h"
+#include "prefetch.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -38,8 +39,6 @@ namespace {
 constexpr int kRows = 5;         // rows per register block: 10 sums of the 16 ymm registers
 constexpr int kPanels = 4;       // 16-output panels per group (their weights stay in L2 for every block of rows)
 constexpr int64_t kChunk = 96;   // rows per sweep over a thread's panels (with K 1,536, 576 KB of x)
-
-inline void prefetch_line(const char* p) { _mm_prefetch(p, _MM_HINT_T0); }
 
 // Input pair k (inputs 2k, 2k + 1; Odd false: 2k only) of one panel times rows [0, R) of x,
 // added to `even` (input 2k) and `odd_sums` (input 2k + 1; the same array or one of its own).
@@ -87,7 +86,7 @@ void block(const float* x, int64_t x_stride, const uint16_t* w, int K, const flo
     const int pairs = K / 2;
     const int64_t per_pair = pairs ? (ahead_lines + pairs - 1) / pairs : 0;  // lines to ask for per step
     for (int k = 0; k < pairs; ++k) {
-        for (int64_t i = k * per_pair; i < (k + 1) * per_pair && i < ahead_lines; ++i) prefetch_line(ahead + 64 * i);
+        for (int64_t i = k * per_pair; i < (k + 1) * per_pair && i < ahead_lines; ++i) modserve::prefetch_line(ahead + 64 * i);
         if constexpr (Split)
             pair_step<R, true>(x, x_stride, w, k, acc, acc_odd);
         else
