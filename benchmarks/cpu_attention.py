@@ -82,8 +82,8 @@ def prefill(args, dtype: torch.dtype, length: int, chunks: int) -> None:
     pos = torch.arange(length, dtype=torch.int32).repeat(chunks)
     scale = HEAD_DIM**-0.5
 
-    def ours():  # q and out in the model's dtype, as the backend passes them
-        kernel.paged_attention(q, torch.empty_like(q), k_cache, v_cache, None, None, tables, rows, seq, pos, scale)
+    def ours(lib=None):  # q and out in the model's dtype, as the backend passes them
+        kernel.paged_attention(q, torch.empty_like(q), k_cache, v_cache, None, None, tables, rows, seq, pos, scale, lib)
 
     def sdpa():  # what the torch backend does for a chunk: gather its blocks, one causal call
         for i in range(chunks):
@@ -100,6 +100,10 @@ def prefill(args, dtype: torch.dtype, length: int, chunks: int) -> None:
     print(f"prefill, {chunks} chunks x {length} tokens, one layer, {dtype}: kernel {t_ours * 1e3:.2f} ms "
           f"({flops / t_ours / 1e9:.0f} GFLOP/s), SDPA {t_sdpa * 1e3:.2f} ms ({flops / t_sdpa / 1e9:.0f} GFLOP/s): "
           f"kernel {t_sdpa / t_ours:.2f}x faster")
+    avx2 = kernel.load(("-mno-avx512f",))
+    if avx2.modserve_tiled(HEAD_DIM) and kernel.tiled(HEAD_DIM) and args.avx2_prefill:
+        t_avx2 = timed(lambda: ours(avx2), args.repeats)
+        print(f"  AVX2 build's tiles {t_avx2 * 1e3:.2f} ms ({flops / t_avx2 / 1e9:.0f} GFLOP/s), {t_sdpa / t_avx2:.2f}x SDPA")
 
 
 def main() -> None:
@@ -111,6 +115,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--scattered", action="store_true", help="decode: each sequence's blocks in random cache order, as a "
                    "long-running engine leaves them (default: consecutive)")
+    p.add_argument("--avx2-prefill", action="store_true", help="prefill: also the AVX2 build's tiles (an AVX-512 CPU "
+                   "can run them; with SDPA capped to AVX2 too, ATEN_CPU_CAPABILITY=avx2, as on an AVX2-only CPU)")
     args = p.parse_args()
     dtype = getattr(torch, args.dtype)
     print(f"torch threads: {torch.get_num_threads()}")

@@ -1038,6 +1038,140 @@ void attend_avx2(const QIO& io, int64_t token, const T* kc, const T* vc, const f
     }
     if (!keep_part(part, nh, D, acc, m, l)) finish_heads(io, token, h0 * G, nh, D, acc, l);
 }
+
+// attend_tile_avx512 with 8 lanes, for CPUs with AVX2 and FMA but no AVX-512: up to
+// kTileRows consecutive query rows of one sequence against KV head h, 8 keys (a chunk) at a
+// time. The chunk's K is widened and transposed once to [D][8], so each row-head gets its 8
+// scores from D FMAs, kRowGroup row-heads sharing each K load; the online softmax runs on 8
+// row-heads a vector (their scores transposed so that each vector is one key across the 8:
+// the causal mask is one compare of the row positions, maxima, exps and sums lane-wise);
+// P.V keeps 8 accumulator vectors in registers at a time. Before it, chunks over 16 tokens
+// went to SDPA's flash kernel on such CPUs.
+template <typename T, int D>
+void attend_tile_avx2(const QIO& io, const int64_t* rows, int n_rows, int32_t first_pos, const T* kc, const T* vc,
+                      const float* ks, const float* vs, const int32_t* table, int KVH, int G, int bs, float scale, int h,
+                      int window, float softcap) {
+    using modserve::load8;
+    constexpr int NV = D / 8;           // vectors per row
+    constexpr int W = NV < 8 ? NV : 8;  // accumulator vectors in registers at a time
+    const int R = n_rows * G;  // row-heads, row-major: rh = i * G + g
+    const int R_pad = (R + 7) / 8 * 8;  // whole groups of 8 (and of kRowGroup)
+    const int64_t row_stride = static_cast<int64_t>(KVH) * D;
+    static thread_local std::vector<float> work;
+    work.resize(static_cast<size_t>(R_pad) * (2 * D + 8 + 8 + 4) + 2 * 8 * D + 16);
+    float* qs = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(work.data()) + 31) & ~uintptr_t{31});
+    float* acc = qs + R_pad * D;  // [R_pad][D]
+    float* sbuf = acc + R_pad * D;  // [R_pad][8] this chunk's scores
+    float* ptile = sbuf + R_pad * 8;  // [R_pad / 8][8 keys][8 row-heads] this chunk's weights
+    float* m = ptile + R_pad * 8;  // [R_pad] running max
+    float* l = m + R_pad;  // [R_pad] running sum of weights
+    float* corrs = l + R_pad;  // [R_pad] this chunk's rescale of each row-head's accumulator
+    int32_t* rpos = reinterpret_cast<int32_t*>(corrs + R_pad);  // [R_pad] each row-head's position
+    float* kt = corrs + 2 * R_pad;  // [D][8]: the chunk's K, transposed
+    float* vbuf = kt + 8 * D;  // [8][D]
+    for (int rh = 0; rh < R_pad; ++rh) {
+        const int64_t qi = static_cast<int64_t>(h * G + rh % G) * D;
+        for (int d = 0; d < D; ++d) qs[rh * D + d] = rh < R ? io.q_at(rows[rh / G], qi + d) * scale : 0.f;
+        for (int d = 0; d < D; ++d) acc[rh * D + d] = 0.f;
+        m[rh] = -INFINITY;
+        l[rh] = 0.f;
+        rpos[rh] = rh < R ? first_pos + rh / G : -1;  // padding rows see nothing
+    }
+    const int n_keys = first_pos + n_rows;  // the last row sees keys 0 .. first_pos + n_rows - 1
+    const int chunk = bs < 8 ? bs : 8;
+    const __m256 neg_inf = _mm256_set1_ps(-INFINITY);
+    for (int start = window_start(first_pos, window) / chunk * chunk; start < n_keys; start += chunk) {
+        const int n = n_keys - start < chunk ? n_keys - start : chunk;
+        const int64_t srow = slot_of(table, start, bs);  // the chunk's first cache row
+        const int64_t offset = srow * row_stride + h * D;
+        const T* kb = kc + offset;
+        const T* vb = vc + offset;
+        alignas(32) float vs8[8] = {1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f};
+        __m256 kscale = _mm256_set1_ps(1.f);
+        if (ks) {
+            alignas(32) float k8[8] = {};
+            for (int t = 0; t < n; ++t) k8[t] = ks[(srow + t) * KVH + h], vs8[t] = vs[(srow + t) * KVH + h];
+            kscale = _mm256_load_ps(k8);
+        }
+        for (int j = 0; j < NV; ++j) {  // K: 8 keys x 8 dims per block, transposed into kt
+            __m256 blk[8];
+            for (int t = 0; t < 8; ++t) blk[t] = t < n ? load8(kb + t * row_stride + 8 * j) : _mm256_setzero_ps();
+            modserve::transpose8x8(blk);
+            for (int d = 0; d < 8; ++d) _mm256_store_ps(kt + (8 * j + d) * 8, blk[d]);
+        }
+        for (int t = 0; t < n; ++t) {
+            for (int j = 0; j < NV; ++j) _mm256_store_ps(vbuf + t * D + 8 * j, load8(vb + t * row_stride + 8 * j));
+        }
+        for (int g0 = 0; g0 < R_pad; g0 += kRowGroup) {  // scores: kRowGroup row-heads share each K load
+            __m256 sc[kRowGroup];
+            for (int r = 0; r < kRowGroup; ++r) sc[r] = _mm256_setzero_ps();
+            for (int d = 0; d < D; ++d) {
+                const __m256 kd = _mm256_load_ps(kt + d * 8);
+                for (int r = 0; r < kRowGroup; ++r) sc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(qs + (g0 + r) * D + d), kd, sc[r]);
+            }
+            for (int r = 0; r < kRowGroup; ++r) {
+                __m256 sr = _mm256_mul_ps(sc[r], kscale);
+                if (softcap > 0.f) {
+                    alignas(32) float x[8];
+                    _mm256_store_ps(x, sr);
+                    for (float& v : x) v = cap_score(v, softcap);
+                    sr = _mm256_load_ps(x);
+                }
+                _mm256_store_ps(sbuf + (g0 + r) * 8, sr);
+            }
+        }
+        for (int g0 = 0; g0 < R_pad; g0 += 8) {  // online softmax, 8 row-heads a vector
+            __m256 st[8], valid[8];
+            for (int r = 0; r < 8; ++r) st[r] = _mm256_load_ps(sbuf + (g0 + r) * 8);
+            modserve::transpose8x8(st);  // st[t]: key t's scores across the 8 row-heads
+            const __m256i pos = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rpos + g0));
+            __m256 rowmax = neg_inf;
+            for (int t = 0; t < 8; ++t) {
+                // the row sees key start + t: pos >= start + t, and pos < start + t + window
+                __m256i ok = _mm256_cmpgt_epi32(pos, _mm256_set1_epi32(start + t - 1));
+                if (window > 0) ok = _mm256_and_si256(ok, _mm256_cmpgt_epi32(_mm256_set1_epi32(start + t + window), pos));
+                valid[t] = t < n ? _mm256_castsi256_ps(ok) : _mm256_setzero_ps();
+                st[t] = _mm256_blendv_ps(neg_inf, st[t], valid[t]);
+                rowmax = _mm256_max_ps(rowmax, st[t]);
+            }
+            const __m256 m_old = _mm256_load_ps(m + g0);
+            const __m256 m_new = _mm256_max_ps(m_old, rowmax);
+            // a row that has seen no key yet keeps m = -inf: its rescale is 1, not exp(NaN)
+            const __m256 unseen = _mm256_cmp_ps(m_new, neg_inf, _CMP_EQ_OQ);
+            const __m256 corr = _mm256_blendv_ps(modserve::exp256_nonpositive(_mm256_sub_ps(m_old, m_new)),
+                                                 _mm256_set1_ps(1.f), unseen);
+            __m256 sum = _mm256_setzero_ps();
+            float* pt = ptile + g0 * 8;
+            for (int t = 0; t < 8; ++t) {
+                const __m256 p = _mm256_and_ps(valid[t], modserve::exp256_nonpositive(_mm256_sub_ps(st[t], m_new)));
+                sum = _mm256_add_ps(sum, p);
+                _mm256_store_ps(pt + t * 8, _mm256_mul_ps(p, _mm256_set1_ps(vs8[t])));  // int8: V's scales folded in
+            }
+            _mm256_store_ps(m + g0, m_new);
+            _mm256_store_ps(l + g0, _mm256_fmadd_ps(_mm256_load_ps(l + g0), corr, sum));
+            _mm256_store_ps(corrs + g0, corr);
+        }
+        for (int rh = 0; rh < R; ++rh) {  // P.V: each row-head's weights broadcast from ptile
+            const int visible = first_pos + rh / G - start + 1;  // keys of this chunk the row may see
+            const int count = visible < n ? visible : n;
+            if (count <= 0) continue;
+            const float* pw = ptile + (rh / 8) * 64 + rh % 8;  // key t's weight: pw[8 * t]
+            const __m256 corr = _mm256_set1_ps(corrs[rh]);
+            for (int j0 = 0; j0 < NV; j0 += W) {
+                __m256 a[W];
+                for (int j = 0; j < W; ++j) a[j] = _mm256_mul_ps(_mm256_load_ps(acc + rh * D + 8 * (j0 + j)), corr);
+                for (int t = 0; t < count; ++t) {
+                    const __m256 pt = _mm256_broadcast_ss(pw + 8 * t);
+                    for (int j = 0; j < W; ++j) a[j] = _mm256_fmadd_ps(pt, _mm256_load_ps(vbuf + t * D + 8 * (j0 + j)), a[j]);
+                }
+                for (int j = 0; j < W; ++j) _mm256_store_ps(acc + rh * D + 8 * (j0 + j), a[j]);
+            }
+        }
+    }
+    for (int rh = 0; rh < R; ++rh) {
+        put_head(io, rows[rh / G], static_cast<int64_t>(h * G + rh % G) * D, acc + rh * D, D, l[rh]);
+    }
+}
 #endif  // AVX2 without AVX-512
 
 // Where a row split into `parts` parts cuts its n positions: multiples of `align` (16 and
@@ -1054,7 +1188,7 @@ void run(const QIO& io, const void* k_cache, const void* v_cache, const float* k
     const bool plain = window <= 0 && softcap <= 0.f;  // the bfloat16-dot variants serve plain layers only
     const T* vc = static_cast<const T*>(v_cache);
     bool tiled = false;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
     tiled = FixedD > 0;
 #endif
     std::vector<Item> tiles, singles;
@@ -1140,8 +1274,13 @@ void run(const QIO& io, const void* k_cache, const void* v_cache, const float* k
 #endif
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
         if constexpr (FixedD > 0) {
-            attend_avx2<T, FixedD>(io, rows[i], kc, vc, k_scale, v_scale, table, row_pos[i], KVH, H / KVH, bs, scale,
-                                   it.h0, it.h1, window, softcap, it.from, it.to, part);
+            if (it.count > 1) {
+                attend_tile_avx2<T, FixedD>(io, rows + i, it.count, row_pos[i], kc, vc, k_scale, v_scale, table, KVH,
+                                            H / KVH, bs, scale, it.h0, window, softcap);
+            } else {
+                attend_avx2<T, FixedD>(io, rows[i], kc, vc, k_scale, v_scale, table, row_pos[i], KVH, H / KVH, bs, scale,
+                                       it.h0, it.h1, window, softcap, it.from, it.to, part);
+            }
             continue;
         }
 #endif
@@ -1227,7 +1366,7 @@ int modserve_limits(int* max_group, int* max_head_dim, int* max_block) {
 // 1 where runs of query rows of head_dim D take the tiled AVX-512 path: then prefill chunks
 // are faster here than in SDPA (the backend's max_query_len default follows this).
 int modserve_tiled(int D) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
     return D == 64 || D == 128;
 #else
     (void)D;

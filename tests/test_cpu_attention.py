@@ -261,19 +261,22 @@ def llama_head_dim_64(tmp_path_factory):
     return path, build_model(path, "llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
 
 
-def cpu_has_avx512f() -> bool:
+def cpu_has_vector_tiles() -> bool:
+    """AVX-512F, or AVX2 with FMA: the builds with tiles for head sizes 64 and 128."""
     with open("/proc/cpuinfo") as f:
-        return " avx512f " in next(line for line in f if line.startswith("flags")) + " "
+        flags = set(next(line for line in f if line.startswith("flags")).split())
+    return "avx512f" in flags or {"avx2", "fma"} <= flags
 
 
 def test_default_sends_prefill_to_the_kernel_where_it_has_tiles(llama_head_dim_64, tiny_models):
-    """head_dim 64 with AVX-512: every request in the kernel (tiles); otherwise chunks over 16
-    tokens go to SDPA. The portable build never reports tiles."""
-    assert cpu_kernel_build.tiled(64) == cpu_has_avx512f()
+    """head_dim 64 with AVX-512 or AVX2: every request in the kernel (tiles); otherwise chunks
+    over 16 tokens go to SDPA. The AVX2 build has tiles too; the portable one never."""
+    assert cpu_kernel_build.tiled(64) == cpu_has_vector_tiles()
     assert not cpu_kernel_build.tiled(32)
+    assert cpu_kernel_build.load(BUILDS["avx2"]).modserve_tiled(64) == cpu_has_vector_tiles()
     assert not cpu_kernel_build.load(BUILDS["portable"]).modserve_tiled(64)
     kv = {"plugin": "paged", "num_blocks": 64}
-    for path, want in ((llama_head_dim_64[0], 4096 if cpu_has_avx512f() else 16), (tiny_models["mistral"][0], 16)):
+    for path, want in ((llama_head_dim_64[0], 4096 if cpu_has_vector_tiles() else 16), (tiny_models["mistral"][0], 16)):
         llm = LLM(model={"path": path, "max_model_len": 512}, attention={"plugin": "cpu"}, kv_cache=kv)
         assert llm.engine.c.attention.max_query_len == want
 

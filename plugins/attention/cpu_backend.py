@@ -50,10 +50,10 @@ class CpuAttention(AttentionBackend):
         # prefill chunks use SDPA (or the AMX prefill kernel). Default: 32 where the AMX
         # prefill kernel runs; 160 for bfloat16 on a CPU with AMX-BF16 otherwise (SDPA's
         # flash kernel runs its products on AMX tiles and wins above ~160 tokens: 1.36x the
-        # kernel at 256, 2.8x at 1024); else every request where the kernel has its tiled
-        # AVX-512 path for the model's head_dim (3.4x SDPA on 256-token chunks in float32,
-        # 5.3x in bfloat16 without AMX), else 16 (the portable loops lose to SDPA's flash
-        # kernel on long causal blocks).
+        # kernel at 256, 2.8x at 1024); else every request where the kernel has tiles for
+        # the model's head_dim (AVX-512: 3.4x SDPA on 256-token chunks in float32, 5.3x in
+        # bfloat16 without AMX; AVX2: 1.3-1.5x SDPA in float32), else 16 (the portable loops
+        # lose to SDPA's flash kernel on long causal blocks).
         max_query_len: Annotated[int, msgspec.Meta(ge=1, le=4096)] | None = None
         # Longer chunks: causal attention on AMX tiles (bfloat16 model and KV cache, head_dim
         # 64/128, CPUs with AMX-BF16, no sliding window or soft-cap), SDPA's flash kernel, or

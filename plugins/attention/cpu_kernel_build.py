@@ -50,8 +50,9 @@ def limits() -> tuple[int, int, int]:
 
 
 def tiled(head_dim: int) -> bool:
-    """Whether runs of query rows (prefill chunks) take the kernel's tiled AVX-512 path for
-    ``head_dim`` on this machine; where they do, the kernel beats SDPA at prefill too."""
+    """Whether runs of query rows (prefill chunks) take the kernel's tiles (AVX-512, or AVX2
+    with FMA) for ``head_dim`` on this machine; where they do, the kernel beats SDPA at
+    prefill too."""
     return bool(load().modserve_tiled(head_dim))
 
 
