@@ -12,7 +12,7 @@
 // rows, speculative verify rows and chunks with cached context all use the same loop.
 // Those are the portable loops; with AVX-512 (head_dim 64 or 128) decode rows and tiles of
 // consecutive rows take the paths further down (docs/cpu_attention.md), and with AVX2 and FMA
-// but no AVX-512, every row takes attend_avx2.
+// but no AVX-512, decode rows take attend_avx2 and tiles attend_tile_avx2.
 //
 // Per layer (Gemma, Mistral): a sliding window `window` > 0 limits the token at position p to
 // positions > p - window (the loops start at the window's first chunk and mask the rest), and
@@ -277,10 +277,11 @@ inline int64_t head_rows(const ChunkRows<T>& c, const float* kbuf, const float* 
 }
 
 // The next chunk's K and V rows (the item's heads) asked for while this chunk computes, in
-// `parts` shares, one per query head: the hardware prefetchers stop at each block, and a
-// burst of a whole chunk's lines at once measured nothing. One chunk ahead, 64 rows x 450
-// positions of a float32 cache (30 layers, Zen 5): the AVX2 path 1.6x faster (41.7 against
-// 66.6 ms a step; 48.1 against 79.7 with scattered blocks), two or three ahead less.
+// `parts` shares of whole rows, one per query head: without it the compute and the memory
+// stalls added up, and a burst of a whole chunk's lines at once measured nothing. One chunk
+// ahead, 64 rows x 450 positions of a float32 cache (30 layers, Zen 5): the AVX2 path
+// 1.7-1.8x faster (36-37 against 64-66 ms a step; 41-43 against 72-73 with scattered
+// blocks), the AVX-512 one 1.15-1.35x; two or three chunks ahead gained less.
 struct ChunkAhead {
     const char* k = nullptr;
     const char* v = nullptr;
