@@ -307,6 +307,48 @@ struct ChunkAhead {
     }
 };
 
+// A tile's working memory for L lanes (16: AVX-512, 8: AVX2), aligned to 64 bytes, with q
+// scaled, accumulators zeroed, running maxima -inf and sums 0, and each row-head's position
+// (-1 for the padding up to a whole number of L row-heads, which sees nothing).
+template <int L>
+struct TileWork {
+    int R, R_pad;  // row-heads (row-major: rh = i * G + g), padded to a multiple of L (and of kRowGroup)
+    float* qs;     // [R_pad][D], pre-scaled
+    float* acc;    // [R_pad][D]
+    float* sbuf;   // [R_pad][L] a chunk's scores
+    float* ptile;  // [R_pad / L][L keys][L row-heads] a chunk's weights
+    float* m;      // [R_pad] running max
+    float* l;      // [R_pad] running sum of weights
+    float* corrs;  // [R_pad] a chunk's rescale of each row-head's accumulator
+    int32_t* rpos; // [R_pad] each row-head's position
+    float* kt;     // [D][L] a chunk's K, transposed
+    float* vbuf;   // [L][D] a chunk's V, widened
+    TileWork(const QIO& io, const int64_t* rows, int n_rows, int32_t first_pos, int G, int h, int D, float scale) {
+        static thread_local std::vector<float> work;
+        R = n_rows * G;
+        R_pad = (R + L - 1) / L * L;
+        work.resize(static_cast<size_t>(R_pad) * (2 * D + 2 * L + 4) + 2 * L * D + 16);
+        qs = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(work.data()) + 63) & ~uintptr_t{63});
+        acc = qs + R_pad * D;
+        sbuf = acc + R_pad * D;
+        ptile = sbuf + R_pad * L;
+        m = ptile + R_pad * L;
+        l = m + R_pad;
+        corrs = l + R_pad;
+        rpos = reinterpret_cast<int32_t*>(corrs + R_pad);
+        kt = corrs + 2 * R_pad;
+        vbuf = kt + L * D;
+        for (int rh = 0; rh < R_pad; ++rh) {
+            const int64_t qi = static_cast<int64_t>(h * G + rh % G) * D;
+            for (int d = 0; d < D; ++d) qs[rh * D + d] = rh < R ? io.q_at(rows[rh / G], qi + d) * scale : 0.f;
+            for (int d = 0; d < D; ++d) acc[rh * D + d] = 0.f;
+            m[rh] = -INFINITY;
+            l[rh] = 0.f;
+            rpos[rh] = rh < R ? first_pos + rh / G : -1;
+        }
+    }
+};
+
 #if defined(__AVX512F__)
 // The 16 scores of a chunk, one a lane, from dot(t): key t's products as a vector of partial
 // sums (lanes n.. are 0). A full chunk's keys come in pairs, each pair folded at once
@@ -657,29 +699,11 @@ void attend_tile_avx512(const QIO& io, const int64_t* rows, int n_rows, int32_t 
     using modserve::exp512_nonpositive;
     using modserve::load16;
     constexpr int NV = D / 16;
-    const int R = n_rows * G;  // row-heads, row-major: rh = i * G + g
-    const int R_pad = (R + 15) / 16 * 16;  // whole groups of 16 (and of kRowGroup)
+    const TileWork<16> w(io, rows, n_rows, first_pos, G, h, D, scale);
+    const int R = w.R, R_pad = w.R_pad;
     const int64_t row_stride = static_cast<int64_t>(KVH) * D;
-    static thread_local std::vector<float> work;
-    work.resize(static_cast<size_t>(R_pad) * (2 * D + 16 + 16 + 4) + 2 * 16 * D + 64);
-    float* qs = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(work.data()) + 63) & ~uintptr_t{63});
-    float* acc = qs + R_pad * D;  // [R_pad][D]
-    float* sbuf = acc + R_pad * D;  // [R_pad][16] this chunk's scores
-    float* ptile = sbuf + R_pad * 16;  // [R_pad / 16][16 keys][16 row-heads] this chunk's weights
-    float* m = ptile + R_pad * 16;  // [R_pad] running max
-    float* l = m + R_pad;  // [R_pad] running sum of weights
-    float* corrs = l + R_pad;  // [R_pad] this chunk's rescale of each row-head's accumulator
-    int32_t* rpos = reinterpret_cast<int32_t*>(corrs + R_pad);  // [R_pad] each row-head's position
-    float* kt = corrs + 2 * R_pad;  // [D][16]: the chunk's K, transposed
-    float* vbuf = kt + 16 * D;  // [16][D]
-    for (int rh = 0; rh < R_pad; ++rh) {
-        const int64_t qi = static_cast<int64_t>(h * G + rh % G) * D;
-        for (int d = 0; d < D; ++d) qs[rh * D + d] = rh < R ? io.q_at(rows[rh / G], qi + d) * scale : 0.f;
-        for (int d = 0; d < D; ++d) acc[rh * D + d] = 0.f;
-        m[rh] = -INFINITY;
-        l[rh] = 0.f;
-        rpos[rh] = rh < R ? first_pos + rh / G : -1;  // padding rows see nothing
-    }
+    float *qs = w.qs, *acc = w.acc, *sbuf = w.sbuf, *ptile = w.ptile, *m = w.m, *l = w.l, *corrs = w.corrs, *kt = w.kt, *vbuf = w.vbuf;
+    const int32_t* rpos = w.rpos;
     const int n_keys = first_pos + n_rows;  // the last row sees keys 0 .. first_pos + n_rows - 1
     const int chunk = bs < 16 ? bs : 16;
     for (int start = window_start(first_pos, window) / chunk * chunk; start < n_keys; start += chunk) {
@@ -1055,29 +1079,11 @@ void attend_tile_avx2(const QIO& io, const int64_t* rows, int n_rows, int32_t fi
     using modserve::load8;
     constexpr int NV = D / 8;           // vectors per row
     constexpr int W = NV < 8 ? NV : 8;  // accumulator vectors in registers at a time
-    const int R = n_rows * G;  // row-heads, row-major: rh = i * G + g
-    const int R_pad = (R + 7) / 8 * 8;  // whole groups of 8 (and of kRowGroup)
+    const TileWork<8> w(io, rows, n_rows, first_pos, G, h, D, scale);
+    const int R = w.R, R_pad = w.R_pad;
     const int64_t row_stride = static_cast<int64_t>(KVH) * D;
-    static thread_local std::vector<float> work;
-    work.resize(static_cast<size_t>(R_pad) * (2 * D + 8 + 8 + 4) + 2 * 8 * D + 16);
-    float* qs = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(work.data()) + 31) & ~uintptr_t{31});
-    float* acc = qs + R_pad * D;  // [R_pad][D]
-    float* sbuf = acc + R_pad * D;  // [R_pad][8] this chunk's scores
-    float* ptile = sbuf + R_pad * 8;  // [R_pad / 8][8 keys][8 row-heads] this chunk's weights
-    float* m = ptile + R_pad * 8;  // [R_pad] running max
-    float* l = m + R_pad;  // [R_pad] running sum of weights
-    float* corrs = l + R_pad;  // [R_pad] this chunk's rescale of each row-head's accumulator
-    int32_t* rpos = reinterpret_cast<int32_t*>(corrs + R_pad);  // [R_pad] each row-head's position
-    float* kt = corrs + 2 * R_pad;  // [D][8]: the chunk's K, transposed
-    float* vbuf = kt + 8 * D;  // [8][D]
-    for (int rh = 0; rh < R_pad; ++rh) {
-        const int64_t qi = static_cast<int64_t>(h * G + rh % G) * D;
-        for (int d = 0; d < D; ++d) qs[rh * D + d] = rh < R ? io.q_at(rows[rh / G], qi + d) * scale : 0.f;
-        for (int d = 0; d < D; ++d) acc[rh * D + d] = 0.f;
-        m[rh] = -INFINITY;
-        l[rh] = 0.f;
-        rpos[rh] = rh < R ? first_pos + rh / G : -1;  // padding rows see nothing
-    }
+    float *qs = w.qs, *acc = w.acc, *sbuf = w.sbuf, *ptile = w.ptile, *m = w.m, *l = w.l, *corrs = w.corrs, *kt = w.kt, *vbuf = w.vbuf;
+    const int32_t* rpos = w.rpos;
     const int n_keys = first_pos + n_rows;  // the last row sees keys 0 .. first_pos + n_rows - 1
     const int chunk = bs < 8 ? bs : 8;
     const __m256 neg_inf = _mm256_set1_ps(-INFINITY);
