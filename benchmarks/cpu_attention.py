@@ -100,8 +100,8 @@ def prefill(args, dtype: torch.dtype, length: int, chunks: int) -> None:
     print(f"prefill, {chunks} chunks x {length} tokens, one layer, {dtype}: kernel {t_ours * 1e3:.2f} ms "
           f"({flops / t_ours / 1e9:.0f} GFLOP/s), SDPA {t_sdpa * 1e3:.2f} ms ({flops / t_sdpa / 1e9:.0f} GFLOP/s): "
           f"kernel {t_sdpa / t_ours:.2f}x faster")
-    avx2 = kernel.load(("-mno-avx512f",))
-    if avx2.modserve_tiled(HEAD_DIM) and kernel.tiled(HEAD_DIM) and args.avx2_prefill:
+    avx2 = kernel.load(("-mno-avx512f",)) if args.avx2_prefill else None
+    if avx2 is not None and avx2.modserve_tiled(HEAD_DIM):
         t_avx2 = timed(lambda: ours(avx2), args.repeats)
         print(f"  AVX2 build's tiles {t_avx2 * 1e3:.2f} ms ({flops / t_avx2 / 1e9:.0f} GFLOP/s), {t_sdpa / t_avx2:.2f}x SDPA")
 
