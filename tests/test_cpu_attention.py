@@ -63,6 +63,7 @@ THREADS = {"decode_two": 4}  # the kernel's OpenMP threads where not torch's def
         (8, 1, 128, 32, torch.float32, False),  # MQA; blocks of 32 are two 16-token chunks
         (9, 3, 64, 16, torch.bfloat16, False),
         (8, 2, 128, 8, torch.bfloat16, False),  # blocks smaller than a 16-token chunk
+        (6, 2, 64, 4, torch.float32, False),  # ... and than the AVX2 path's 8-token chunk
         (9, 3, 64, 16, torch.bfloat16, True),  # a bf16 model (bf16 q, out): decode rows may use bf16 dots
         (8, 2, 128, 8, torch.bfloat16, True),
         (4, 4, 32, 16, torch.bfloat16, True),  # ... only where the head size has the AVX-512 paths
