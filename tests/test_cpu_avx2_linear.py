@@ -4,8 +4,9 @@ bfloat16 checkpoint served in float32 reads half the weight bytes, for the same 
 The kernel's products equal ``F.linear``'s on the same float32 values up to summation order,
 for any row count and shape, gated or not; a served bfloat16 checkpoint gives HF float32's
 greedy tokens, and its decode steps replay as call lists (oneDNN's float32 product cannot);
-``auto`` takes the kernel only on CPUs without AVX-512, only for layers bfloat16 holds exactly;
-every misuse is refused by name. Kernel tests run where the CPU has AVX2 and FMA."""
+``auto`` takes the kernel wherever it runs, only for layers bfloat16 holds exactly; every misuse
+is refused by name. Kernel tests run where the CPU has AVX2 and FMA, in the native build (AVX-512
+wide where the CPU has it) and the AVX2-wide one."""
 
 from __future__ import annotations
 
@@ -27,6 +28,21 @@ from tiny_models import build_model, hf_greedy, prompts
 HAS_AVX2 = cpu.avx2_unavailable() is None
 needs_avx2 = pytest.mark.skipif(not HAS_AVX2, reason="this CPU has no AVX2 and FMA (or no compiler targets them)")
 AVX2_ONLY = ("an AVX2 EPYC", frozenset({"avx2", "fma"}))
+
+
+# Builds of the kernel: "native" (-march=native: AVX-512 wide on an AVX-512 CPU) and "avx2"
+# (-mno-avx512f: the 256-bit loops, which an AVX-512 CPU would not run otherwise).
+BUILDS = {"native": (), "avx2": ("-mno-avx512f",)}
+
+
+@pytest.fixture(params=list(BUILDS))
+def build(request, monkeypatch):
+    """Layers built in the test use the kernel of this build."""
+    flags = BUILDS[request.param]
+    if flags:
+        load = cpu_avx2_linear.load
+        monkeypatch.setattr(cpu_avx2_linear, "load", lambda: load(flags))
+    return request.param
 
 
 def bf16_weights(n: int, k: int, bias: bool, seed: int) -> nn.Linear:
@@ -55,11 +71,12 @@ def test_exact_in_bfloat16():
 
 
 @needs_avx2
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13, 16, 97, 200])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 12, 13, 16, 97, 200])
 @pytest.mark.parametrize("n,k", [(960, 576), (40, 1536), (100, 50), (16, 32), (33, 96), (70, 33)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_products_equal_float32_products_of_the_same_weights(rows, n, k, bias):
-    """Row counts off and on the blocks (6 rows; a 96-row sweep), outputs off the 16-wide
+def test_products_equal_float32_products_of_the_same_weights(rows, n, k, bias, build):
+    """Row counts off and on the blocks (5 rows AVX2-wide, 12 AVX-512-wide, two panels a block
+    from 4 rows there; a 96-row sweep), outputs off the 16-wide panels and an odd count of
     panels, inputs off the 32-wide tiles (an odd count too): float32 sums in another order."""
     lin = bf16_weights(n, k, bias, rows * 1000 + n + k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
@@ -69,9 +86,9 @@ def test_products_equal_float32_products_of_the_same_weights(rows, n, k, bias):
 
 
 @needs_avx2
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 100])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 12, 100])
 @pytest.mark.parametrize("inter", [48, 64])
-def test_gated_product_equals_the_fused_silu_mul_of_the_plain_product(rows, inter):
+def test_gated_product_equals_the_fused_silu_mul_of_the_plain_product(rows, inter, build):
     """enable_silu_mul: ``silu(gate) * up`` in the kernel's epilogue, as the fused op computes
     it from the plain product; an odd and an even count of (gate, up) panel pairs."""
     from modserve.core.models import cpu_fused
@@ -148,10 +165,10 @@ def test_a_bfloat16_checkpoint_in_float32_gives_hf_tokens_with_call_lists(bf16_c
 
 
 @needs_avx2
-def test_auto_takes_the_kernel_on_avx2_cpus_for_weights_bfloat16_holds(monkeypatch, bf16_checkpoint, tiny_llama, caplog):
-    """Without AVX-512 (oneDNN's float32 product is AVX2 there too) ``auto`` holds a bfloat16
-    checkpoint's float32 layers in bfloat16; a float32 checkpoint's layers keep oneDNN (and
-    its decode steps run eagerly, saying why); with AVX-512, oneDNN everywhere."""
+def test_auto_takes_the_kernel_for_weights_bfloat16_holds(monkeypatch, bf16_checkpoint, tiny_llama, caplog):
+    """``auto`` holds a bfloat16 checkpoint's float32 layers in bfloat16, with AVX-512 or
+    without; a float32 checkpoint's layers keep oneDNN (and its decode steps run eagerly,
+    saying why)."""
     monkeypatch.setattr(cpu, "cpu_model_and_flags", lambda: AVX2_ONLY)
     assert Avx2Linear in linear_types(engine(bf16_checkpoint[0], "auto"))
     with caplog.at_level(logging.INFO, logger="modserve"):
@@ -159,10 +176,12 @@ def test_auto_takes_the_kernel_on_avx2_cpus_for_weights_bfloat16_holds(monkeypat
     assert PackedLinear in types and Avx2Linear not in types
     assert re.search(r"device\.decode_graphs: off, linear layers\.0\.self_attn\.qkv_proj multiplies through torch", caplog.text)
     info = cpu.CPUPlatform(cpu.CPUConfig(), None).info()
-    assert info.kernels[0] == "linears: oneDNN packed in bfloat16, AVX2 over bfloat16-held weights where exact, else oneDNN packed in float32"
+    assert info.kernels[0] == ("linears: oneDNN packed in bfloat16, float32 FMAs over bfloat16-held weights where exact, "
+                               "else oneDNN packed in float32")
     monkeypatch.setattr(cpu, "cpu_model_and_flags", lambda: ("an AVX-512 Xeon", frozenset({"avx2", "fma", "avx512f"})))
-    assert Avx2Linear not in linear_types(engine(bf16_checkpoint[0], "auto"))
-    assert cpu.CPUPlatform(cpu.CPUConfig(), None).float32_kernel == "onednn"
+    assert Avx2Linear in linear_types(engine(bf16_checkpoint[0], "auto"))
+    assert cpu.CPUPlatform(cpu.CPUConfig(), None).float32_kernel == "avx2"
+    assert cpu.CPUPlatform(cpu.CPUConfig(pack_weights=False), None).float32_kernel == "onednn"
 
 
 @needs_avx2

@@ -45,7 +45,7 @@ GRAPH_MAX_BATCH = 16  # graph_max_batch's default: lists of 17-64 requests ran 0
 
 class CPUConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pack_weights: bool = True  # hold linear weights packed for the product kernel (faster matmuls); false: plain nn.Linear
-    linear_kernel: Literal["auto", "amx", "avx512bf16", "avx2", "onednn"] = "auto"  # float weights' products: own AMX tiles (bfloat16, AMX-BF16 CPUs), own VDPBF16PS kernel (bfloat16, AVX512_BF16 CPUs), own AVX2/FMA kernel (float32 layers whose weights bfloat16 holds exactly, e.g. a bfloat16 checkpoint: held in bfloat16, half the bytes), oneDNN, or auto (bfloat16: amx, else avx512bf16; float32: avx2 on CPUs without AVX-512; where each runs); where amx runs, bfloat16 int8, w8a8 and int4 layers use tiles too
+    linear_kernel: Literal["auto", "amx", "avx512bf16", "avx2", "onednn"] = "auto"  # float weights' products: own AMX tiles (bfloat16, AMX-BF16 CPUs), own VDPBF16PS kernel (bfloat16, AVX512_BF16 CPUs), own AVX2/FMA kernel, AVX-512 wide where the CPU has it (float32 layers whose weights bfloat16 holds exactly, e.g. a bfloat16 checkpoint: held in bfloat16, half the bytes), oneDNN, or auto (bfloat16: amx, else avx512bf16; float32: avx2; where each runs); where amx runs, bfloat16 int8, w8a8 and int4 layers use tiles too
     fuse_ops: bool = True  # in float32 or bfloat16, run norms, SiLU·mul and RoPE as fused C++ kernels
     reuse_freed_memory: bool = True  # glibc: keep freed step memory in the process instead of faulting it in again every step
     quantization: Literal["none", "int8", "w8a8", "int4", "gguf", "gptq", "awq", "compressed-tensors"] = "none"  # linear weights: int8 weight-only, int8 weights and activations (per token), int4 weight-only groups, a GGUF file's Q8_0/Q4_0/Q4_1 blocks kept as they are, or a pre-quantized HF checkpoint's weights kept (docs/quantization.md)
@@ -99,7 +99,7 @@ class CPUPlatform(Platform):
         bf16 = {"amx": "AMX tiles", "avx512bf16": "AVX512_BF16 panels", "onednn": "oneDNN packed"}[self.float_kernel]
         fp32 = "oneDNN packed"
         if self.float32_kernel == "avx2":
-            fp32 = "AVX2 over bfloat16-held weights where exact, else oneDNN packed"
+            fp32 = "float32 FMAs over bfloat16-held weights where exact, else oneDNN packed"
         linears = f"{bf16} in bfloat16, {fp32} in float32" if bf16 != fp32 else fp32
         kernels = [f"linears: {linears if self.config.pack_weights else 'plain nn.Linear'}"]
         if self.config.quantization != "none":
@@ -248,12 +248,12 @@ def _float_kernel(config: CPUConfig) -> str:
 
 def _float32_kernel(config: CPUConfig) -> str:
     """What multiplies float32 layers whose weights bfloat16 holds exactly: ``avx2``
-    (:mod:`cpu_avx2_linear`, half the weight bytes) where asked for, or under ``auto`` where the
-    CPU has AVX2 and FMA but no AVX-512 (there oneDNN's float32 product is AVX2 too, and the
-    kernel ran 1.1-2.9x faster at 1-64 rows and within 4% at prefill sizes; with AVX-512,
-    oneDNN's wider product wins from about 16 rows), else ``onednn``."""
+    (:mod:`cpu_avx2_linear`, half the weight bytes, AVX-512 wide where the CPU has it) where
+    asked for or, under ``auto``, wherever it runs (against oneDNN's float32 product on the
+    same CPU: AVX2, 1.1-2.9x at 1-64 rows and within 4% at prefill sizes; AVX-512, 1.3-2.1x at
+    1-64 rows, 0.99-1.05x at 256-1,024), else ``onednn``."""
     asked = config.linear_kernel
-    if not config.pack_weights or (asked == "auto" and "avx512f" in cpu_model_and_flags()[1]):
+    if not config.pack_weights:
         return "onednn"
     return _first_that_runs(asked, (("avx2", {"avx2", "fma"}, avx2_unavailable),), "float32 layers use oneDNN")
 

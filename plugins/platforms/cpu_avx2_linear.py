@@ -1,5 +1,6 @@
 """float32 linear layers whose weights are exact in bfloat16, held as bfloat16 panels and
-multiplied in float32 with AVX2 and FMA: a bfloat16 checkpoint served in float32.
+multiplied in float32 with AVX2 and FMA (AVX-512 wide where the CPU has it): a bfloat16
+checkpoint served in float32.
 
 Why: float32 is the default dtype on CPUs without native bfloat16 arithmetic (AVX2-only ones,
 AVX-512 ones without AVX512_BF16), and there a decode step's time is its weight bytes over the
@@ -28,10 +29,12 @@ SOURCE = SOURCES / "cpu_avx2_linear.cpp"
 
 
 @functools.cache
-def load() -> NativeFunction:
-    """The compiled kernel; raises ``KernelUnavailable`` where it cannot be built, or where the
-    compiler does not target AVX2 and FMA on this CPU (``-march=native``)."""
-    return load_kernel(SOURCE, "the AVX2 linear kernel", "modserve_avx2_linear", "AVX2 and FMA")
+def load(extra_flags: tuple[str, ...] = ()) -> NativeFunction:
+    """The compiled kernel (AVX-512 wide where the compiler targets AVX-512F; ``extra_flags``
+    ``("-mno-avx512f",)`` builds the AVX2 width there, as the tests do); raises
+    ``KernelUnavailable`` where it cannot be built, or where the compiler does not target AVX2
+    and FMA on this CPU (``-march=native``)."""
+    return load_kernel(SOURCE, "the AVX2 linear kernel", "modserve_avx2_linear", "AVX2 and FMA", extra_flags)
 
 
 def exact_in_bfloat16(weight: torch.Tensor) -> bool:

@@ -23,11 +23,12 @@ from modserve.native.build import KernelUnavailable, compile_and_load
 TILE_N, TILE_K = 16, 32  # outputs and inputs per packed weight tile
 
 
-def load_kernel(source, what: str, symbol: str, instructions: str) -> NativeFunction:
+def load_kernel(source, what: str, symbol: str, instructions: str, extra_flags: tuple[str, ...] = ()) -> NativeFunction:
     """A panel kernel built from ``source``: ``symbol(x, x_stride, M, packed, N, K, bias_f32, y,
     y_stride, threads, gated)``, with ``<symbol>_available()`` 0 where the compiler does not
-    target ``instructions`` on this CPU (then ``KernelUnavailable``, naming them)."""
-    lib = compile_and_load(source, what)
+    target ``instructions`` on this CPU (then ``KernelUnavailable``, naming them).
+    ``extra_flags``: a variant build, e.g. ``("-mno-avx512f",)`` for a kernel's AVX2 width."""
+    lib = compile_and_load(source, what, extra_flags)
     available = getattr(lib, f"{symbol}_available")
     available.restype = ctypes.c_int
     if not available():
