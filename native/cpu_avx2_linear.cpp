@@ -1,7 +1,7 @@
-// y = x @ W.T (+ b) in float32 with AVX2 and FMA (or AVX-512), W held as bfloat16 panels: a float32 model whose
-// weights are exact in bfloat16 (a bfloat16 checkpoint served in float32, the default on CPUs
-// without native bfloat16 arithmetic) reads half the weight bytes of oneDNN's float32 product,
-// for the same sums: widening bfloat16 to float32 is exact.
+// y = x @ W.T (+ b) in float32 with AVX2 and FMA (or AVX-512), W held as bfloat16 panels: a
+// float32 model whose weights are exact in bfloat16 (a bfloat16 checkpoint served in float32,
+// the default on CPUs without native bfloat16 arithmetic) reads half the weight bytes of
+// oneDNN's float32 product, for the same sums: widening bfloat16 to float32 is exact.
 //
 // Why: a decode step reads every weight once, so on such a CPU (an AVX2-only EPYC, or an AVX-512
 // one without AVX512_BF16) its time is the weight bytes over the memory bandwidth; float32
