@@ -24,7 +24,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from reliability_helpers import registry  # noqa: E402
-from tiny_models import build_model, prompts  # noqa: E402
+from tiny_models import interpreted_triton_llama, prompts  # noqa: E402
 
 from modserve import LLM, SamplingParams  # noqa: E402
 from modserve.core.engine import Engine  # noqa: E402
@@ -60,11 +60,7 @@ class DecliningCPU(ReplayingCPU):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    if _TRITON_IMPORTED_COMPILED:
-        pytest.fail("triton was imported before TRITON_INTERPRET=1 was set; run this module in its own process")
-    path = str(tmp_path_factory.mktemp("llama_hd64"))
-    build_model(path, "llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
-    return path
+    return interpreted_triton_llama(tmp_path_factory, _TRITON_IMPORTED_COMPILED)
 
 
 def engine(path: str, device, kv_dtype: str = "auto") -> RegistryLLM:

@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_leaves  # noqa: E402
 pytest.importorskip("triton")
 
 from reliability_helpers import registry  # noqa: E402
-from tiny_models import build_model  # noqa: E402
+from tiny_models import build_model, interpreted_triton_llama  # noqa: E402
 
 from modserve import LLM, SamplingParams  # noqa: E402
 from modserve.core.contract import PieceRecorder  # noqa: E402
@@ -133,11 +133,7 @@ def run(llm: LLM, vocab: int, lengths=(5, 23, 40, 61, 9), outputs=(12, 7, 20, 9,
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    if _TRITON_IMPORTED_COMPILED:
-        pytest.fail("triton was imported before TRITON_INTERPRET=1 was set; run this module in its own process")
-    path = str(tmp_path_factory.mktemp("llama_hd64"))
-    build_model(path, "llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
-    return path
+    return interpreted_triton_llama(tmp_path_factory, _TRITON_IMPORTED_COMPILED)
 
 
 def test_steps_replayed_in_pieces_give_the_eager_tokens(llama):

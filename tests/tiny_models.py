@@ -128,6 +128,20 @@ def build_model(path: str, arch: str = "llama", seed: int = 0, **overrides):
     return model.eval()
 
 
+def interpreted_triton_llama(tmp_path_factory, triton_imported_compiled: bool) -> str:
+    """A tiny Llama with head size 64 (a size the Triton kernels take), for a module that runs
+    Triton interpreted; ``triton_imported_compiled``: the module found triton imported before it
+    set ``TRITON_INTERPRET=1``, which the interpreter cannot undo (so the test fails, not runs
+    compiled kernels on a CPU)."""
+    import pytest
+
+    if triton_imported_compiled:
+        pytest.fail("triton was imported before TRITON_INTERPRET=1 was set; run this module in its own process")
+    path = str(tmp_path_factory.mktemp("llama_hd64"))
+    build_model(path, "llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+    return path
+
+
 def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
     """The oracle: HF ``generate``'s greedy tokens, exactly ``n`` of them (EOS does not stop it)."""
     with torch.no_grad():
