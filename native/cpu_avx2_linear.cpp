@@ -211,7 +211,7 @@ void thread_part(const float* x, int64_t x_stride, int64_t M, const uint16_t* w,
             for (int64_t b = 0; b < blocks; ++b) {
                 const int64_t m = c0 + b * kRows;
                 const int rows = c1 - m < kRows ? static_cast<int>(c1 - m) : kRows;
-                const Block run = rows_block<1>(rows);
+                const Block run = rows_block<1>(rows), run_two = rows_block<2>(rows);
                 const int64_t l0 = next_lines * b / blocks, l1 = next_lines * (b + 1) / blocks;
                 const float* xm = x + m * x_stride;
                 for (int64_t p = g; p < g1;) {  // each call asks for its panels' part of the block's lines
@@ -219,8 +219,8 @@ void thread_part(const float* x, int64_t x_stride, int64_t M, const uint16_t* w,
                     const int64_t a0 = l0 + (l1 - l0) * (p - g) / (g1 - g), a1 = l0 + (l1 - l0) * (p + take - g) / (g1 - g);
                     const char* ahead = next_w + 64 * a0;
                     if (take == 2)  // gated: a (gate, up) pair, p even
-                        rows_block<2>(rows)(xm, x_stride, w + p * panel, panel, K, bias, p * 16, N, y + m * y_stride,
-                                            y_stride, nullptr, gated, ahead, a1 - a0);
+                        run_two(xm, x_stride, w + p * panel, panel, K, bias, p * 16, N, y + m * y_stride, y_stride,
+                                nullptr, gated, ahead, a1 - a0);
                     else if (gated && (p & 1) == 0)
                         run(xm, x_stride, w + p * panel, panel, K, nullptr, 0, 16, gate, 16, nullptr, false, ahead, a1 - a0);
                     else
