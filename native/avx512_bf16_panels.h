@@ -1,0 +1,123 @@
+// The AVX512_BF16 panel product (VDPBF16PS over packed bfloat16 panels) that the linear kernel
+// (cpu_avx512_linear.cpp, where its layout and loop are explained) and the mixture-of-experts
+// kernel (cpu_experts.cpp, one such product per expert) both run: a thread's share of panels for
+// every row, in register blocks of up to six rows by four panels.
+#pragma once
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "avx512.h"
+
+namespace modserve::bf16_panels {
+
+constexpr int kRows = 6;          // rows per register block
+constexpr int kPanels = 4;        // 16-output panels per register block (two gated pairs)
+constexpr int64_t kChunk = 240;   // rows per sweep over a thread's panels (40 blocks; with K 1,536, 720 KB of x in L2)
+
+// Rows [0, R) of x times panels [0, P) of w (each panel `panel` elements after the last), all of
+// K, into R x P float32 sums; then each sum gets the bias and goes to y as bfloat16, or, gated,
+// each (gate, up) pair of panels goes to y as bf16(bf16(silu(gate)) * up).
+template <int R, int P, bool Gated>
+void block(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t panel, int K, const float* bias, int64_t n0,
+           int64_t N, uint16_t* y, int64_t y_stride, const char* ahead, int64_t ahead_lines) {
+    __m512 acc[R][P];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+        for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
+    const int pairs = K / 2;
+    const int64_t per_pair = pairs ? (ahead_lines + pairs - 1) / pairs : 0;  // lines to ask for per step
+    for (int k = 0; k < pairs; ++k) {
+        for (int64_t i = k * per_pair; i < (k + 1) * per_pair && i < ahead_lines; ++i) modserve::prefetch_line(ahead + 64 * i);
+        __m512bh wv[P];
+#pragma GCC unroll 8
+        for (int p = 0; p < P; ++p) wv[p] = modserve::load_bh(w + p * panel + k * 32);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+            int32_t pair;
+            std::memcpy(&pair, x + r * x_stride + 2 * k, sizeof pair);
+            const __m512bh xb = modserve::as_bh(_mm512_set1_epi32(pair));
+#pragma GCC unroll 8
+            for (int p = 0; p < P; ++p) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], xb, wv[p]);
+        }
+    }
+    if (K & 1) {  // the last input, paired with a zero (the packed weights are zero there too)
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+            const __m512bh xb = modserve::as_bh(_mm512_set1_epi32(x[r * x_stride + K - 1]));
+#pragma GCC unroll 8
+            for (int p = 0; p < P; ++p) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], xb, modserve::load_bh(w + p * panel + pairs * 32));
+        }
+    }
+    if constexpr (Gated) {
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+            for (int p = 0; p + 1 < P; p += 2)
+                modserve::store16(y + r * y_stride + n0 / 2 + p * 8, modserve::silu_mul_bf16(acc[r][p], acc[r][p + 1]));
+    } else {
+#pragma GCC unroll 8
+        for (int p = 0; p < P; ++p) {
+            const __mmask16 mask = modserve::cols_mask(N - n0 - 16 * p);
+            const __m512 b = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + n0 + 16 * p) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+            for (int r = 0; r < R; ++r) {
+                const __m256i v = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][p], b)));
+                _mm256_mask_storeu_epi16(y + r * y_stride + n0 + 16 * p, mask, v);
+            }
+        }
+    }
+}
+
+using Block = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int, const float*, int64_t, int64_t, uint16_t*,
+                       int64_t, const char*, int64_t);
+
+template <int R, bool Gated>
+constexpr Block by_panels(int p) {
+    return p == 1 ? block<R, 1, Gated> : p == 2 ? block<R, 2, Gated> : p == 3 ? block<R, 3, Gated> : block<R, 4, Gated>;
+}
+
+// The instantiation for R rows (1..kRows) and P panels (1..kPanels).
+template <bool Gated>
+Block pick(int r, int p) {
+    switch (r) {
+        case 1: return by_panels<1, Gated>(p);
+        case 2: return by_panels<2, Gated>(p);
+        case 3: return by_panels<3, Gated>(p);
+        case 4: return by_panels<4, Gated>(p);
+        case 5: return by_panels<5, Gated>(p);
+        default: return by_panels<6, Gated>(p);
+    }
+}
+
+// One thread's share: panels [p0, p1) (whole gated pairs) for every row, kChunk rows at a time.
+inline void thread_part(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_t* w, int64_t panel, int64_t N, int K,
+                        const float* bias, uint16_t* y, int64_t y_stride, bool gated, int64_t p0, int64_t p1) {
+    for (int64_t c0 = 0; c0 < M; c0 += kChunk) {
+        const int64_t c1 = c0 + kChunk < M ? c0 + kChunk : M;
+        const int64_t blocks = (c1 - c0 + kRows - 1) / kRows;
+        const bool ahead = c1 - c0 > 1;
+        for (int64_t p = p0; p < p1; p += kPanels) {
+            const int np = p1 - p < kPanels ? static_cast<int>(p1 - p) : kPanels;
+            const int64_t after = p1 - p - np < kPanels ? p1 - p - np : kPanels;  // panels in the next group
+            const int64_t next_lines = after * panel * 2 / 64;
+            const char* next_w = reinterpret_cast<const char*>(w + (p + np) * panel);
+            for (int64_t b = 0; b < blocks; ++b) {
+                const int64_t m = c0 + b * kRows;
+                const int nr = c1 - m < kRows ? static_cast<int>(c1 - m) : kRows;
+                const int64_t l0 = ahead ? next_lines * b / blocks : 0, l1 = ahead ? next_lines * (b + 1) / blocks : 0;
+                const Block run = gated ? pick<true>(nr, np) : pick<false>(nr, np);
+                run(x + m * x_stride, x_stride, w + p * panel, panel, K, bias, p * 16, N, y + m * y_stride, y_stride,
+                    next_w + 64 * l0, l1 - l0);
+            }
+        }
+    }
+}
+
+}  // namespace modserve::bf16_panels
+
+#endif
