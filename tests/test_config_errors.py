@@ -172,7 +172,7 @@ def test_cli_validate_and_plugins(tmp_path):
     import json
 
     data = json.loads(_cli("plugins", "--json").stdout)
-    assert data["contract"] == "2.7"
+    assert data["contract"] == "2.8"
     assert {"fcfs", "priority", "static"} <= {p["name"] for p in data["plugins"]["schedulers"]}
 
 

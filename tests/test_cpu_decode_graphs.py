@@ -175,11 +175,13 @@ def test_call_lists_give_the_eager_tokens_and_kv(model_dir):
     assert graphs.captured == captured
 
 
-REPLAYED = ("mistral", "qwen3", "olmo2", "granite", "phi3", "gemma2", "gemma3_text")  # each one's torch ops as kernels (docs)
+# each one's torch ops as kernels (docs); experts as one kernel where the linears are AVX512_BF16 panels
+NATIVE_EXPERTS = cpu.avx512_bf16_unavailable() is None and cpu.amx_unavailable(cpu.amx_linear.load) is not None
+REPLAYED = ("mistral", "qwen3", "olmo2", "granite", "phi3", "gemma2", "gemma3_text") + (("mixtral", "qwen3_moe") if NATIVE_EXPERTS else ())
 
 
 @pytest.mark.skipif(not NATIVE_LINEARS, reason="bfloat16 linears are oneDNN's here: no call lists at all")
-@pytest.mark.parametrize("arch", ["qwen3", "olmo2", "phi3", "gemma2", "gemma3_text", "granite", "mistral"])
+@pytest.mark.parametrize("arch", ["qwen3", "olmo2", "phi3", "gemma2", "gemma3_text", "granite", "mistral", "mixtral", "qwen3_moe"])
 def test_every_architecture_keeps_its_tokens(tmp_path, arch):
     """Replayed where the forward is all recorded kernels, eager where the capture refused:
     the tokens are the eager engine's either way."""

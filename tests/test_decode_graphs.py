@@ -30,7 +30,6 @@ from modserve import LLM, SamplingParams  # noqa: E402
 from modserve.core.engine import Engine  # noqa: E402
 from modserve.core.engine_factory import build_components  # noqa: E402
 from modserve.core.decode_graphs import graph_refusal  # noqa: E402
-from modserve.plugins.models.mixtral import MixtralForCausalLM  # noqa: E402
 from modserve.plugins.platforms.cpu import CPUPlatform  # noqa: E402
 from modserve.plugins.platforms.cuda import graph_sizes  # noqa: E402
 
@@ -152,7 +151,6 @@ def test_graphs_need_a_capturable_backend_and_model(model_dir):
     )
     cpu_attention = type("CpuLike", (), {"capturable": False})()
     assert graph_refusal(platform, model, cpu_attention, False) == "attention backend CpuLike is not capturable"
-    assert not MixtralForCausalLM.capturable
     moe = type("MoE", (), {"capturable": False})()
     assert graph_refusal(platform, moe, attention, False) == "model MoE is not capturable"
     plain = engine(model_dir, EAGER_CPU)  # a platform that names no sizes: no graphs object at all

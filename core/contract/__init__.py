@@ -59,7 +59,7 @@ KINDS: dict[str, type] = {  # kind -> interface
 __all__ = [
     "CONTRACT_VERSION", "ENTRY_POINT_GROUP", "KINDS", "MIGRATION_NOTES",
     "AttentionBackend", "AttentionMetadata", "AttentionSpec", "BlockCopy", "BuildContext", "CausalLM",
-    "DeviceInfo", "EvictionPolicy", "GatedLinear", "KVBackend", "KVSpec", "KVStats", "LayerKVCache", "LogitsProcessor",
+    "DeviceInfo", "EvictionPolicy", "ExpertMLP", "GatedLinear", "KVBackend", "KVSpec", "KVStats", "LayerKVCache", "LogitsProcessor",
     "LogitsRow", "ModelArchitecture", "ModelSpec", "NativeFunction", "NoOptions", "Observer", "PieceRecorder", "Platform", "Plugin",
     "PrefixHit", "Proposer", "ReasoningParser", "Sampler", "SamplerOutput", "ScheduledRequest", "Scheduler", "SchedulerOutput",
     "SchedulerStats", "SpeculativeConfig", "StepStats", "TargetModel", "ToolCall", "ToolParse", "ToolParser", "copy_layer_blocks", "hookimpl", "hookspec",
@@ -71,6 +71,10 @@ def __getattr__(name: str):
         from modserve.core.contract.causal_lm import CausalLM
 
         return CausalLM
+    if name == "ExpertMLP":  # imports torch (contract 2.8)
+        from modserve.core.contract.experts import ExpertMLP
+
+        return ExpertMLP
     if name == "NativeFunction":  # a kernel a CPU decode graph can record (contract 2.6)
         from modserve.core.native_calls import NativeFunction
 

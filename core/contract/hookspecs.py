@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 PROJECT = "modserve"
 ENTRY_POINT_GROUP = "modserve"
-CONTRACT_VERSION = "2.7"  # 2.1: tool parsers and reasoning parsers; 2.2: AttentionBackend.for_layer; 2.3: GatedLinear, DeviceInfo.kernels; 2.4: AttentionMetadata.request_lens; 2.5: decode graphs (Platform.graph_batch_sizes, capture_graph; capturable attention and models); 2.6: CPU decode graphs as call lists of NativeFunction kernels; 2.7: graph pieces between attention calls (Platform.piece_token_sizes, piece_recorder)
+CONTRACT_VERSION = "2.8"  # 2.1: tool parsers and reasoning parsers; 2.2: AttentionBackend.for_layer; 2.3: GatedLinear, DeviceInfo.kernels; 2.4: AttentionMetadata.request_lens; 2.5: decode graphs (Platform.graph_batch_sizes, capture_graph; capturable attention and models); 2.6: CPU decode graphs as call lists of NativeFunction kernels; 2.7: graph pieces between attention calls (Platform.piece_token_sizes, piece_recorder); 2.8: Platform.experts, ExpertMLP (a platform computes mixtures of experts its own way)
 MIGRATION_NOTES = "docs/plugins-tutorial.md#migrating-from-contract-1x"
 
 hookspec = pluggy.HookspecMarker(PROJECT)

@@ -20,6 +20,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from modserve.core.contract.experts import ExpertMLP
+
 
 @dataclass(frozen=True)
 class DeviceInfo:
@@ -104,6 +106,13 @@ class Platform(Plugin):
         ``layers.3.mlp.down_proj``) after its weights are loaded: ``y = x @ W.T + b``, same
         shapes. The default keeps ``nn.Linear``; a platform may repack or quantize."""
         return layer
+
+    def experts(self, name: str, moe: ExpertMLP) -> ExpertMLP:
+        """The module that computes the mixture-of-experts MLP ``moe`` (its qualified name, e.g.
+        ``layers.3.mlp``) after its weights are loaded and before :meth:`linear` is asked for the
+        linear layers, the returned module's included (contract 2.8): the same map, see
+        :class:`~modserve.core.contract.experts.ExpertMLP`. The default keeps ``moe``."""
+        return moe
 
     def prepare_model(self, model: nn.Module) -> None:
         """Adapt a loaded model for this device once, after :meth:`linear` (e.g. switch on fused

@@ -14,6 +14,7 @@ from safetensors import safe_open
 from torch import nn
 
 from modserve.core.contract import AttentionBackend, BuildContext, CausalLM, ModelArchitecture, ModelSpec
+from modserve.core.contract.experts import ExpertMLP
 from modserve.core.models.kept_weights import FloatWeight, KeptLinear, load_keeping_weights
 from modserve.core.models.prequantized import QuantFormat, quantized_tensors, read_format
 from modserve.core.models.gguf_reader import find_smollm2_gguf, read_gguf
@@ -145,7 +146,7 @@ def build_model(
     ckpt: Checkpoint, attention: AttentionBackend, ctx: BuildContext, max_positions: int, num_layers: int | None = None, tp=None
 ) -> CausalLM:
     """Build the architecture's module on the meta device, load the tensors, move it to the
-    platform's device and dtype, and let the platform adapt it (its linear layers, fused ops).
+    platform's device and dtype, and let the platform adapt it (its mixtures of experts, linear layers, fused ops).
 
     From a GGUF file or a pre-quantized HF checkpoint (``ckpt.kept_weights``) the quantized
     linear weights are not loaded: each layer goes to the platform as a :class:`KeptLinear`
@@ -165,13 +166,10 @@ def build_model(
         model.load_weights(ckpt.tensors)
     model.to_device(ctx.device, ctx.dtype)
     model.eval().requires_grad_(False)
-    swaps = [
-        (parent, f"{prefix}.{name}".lstrip("."), name, child)
-        for prefix, parent in model.named_modules() for name, child in parent.named_children()
-        if type(child) in (nn.Linear, KeptLinear)
-    ]
+    for parent, qualified, name, child in _children(model, lambda m: isinstance(m, ExpertMLP)):
+        setattr(parent, name, ctx.platform.experts(qualified, child))  # before the linears: its router is one
     dequantized = 0
-    for parent, qualified, name, child in swaps:
+    for parent, qualified, name, child in _children(model, lambda m: type(m) in (nn.Linear, KeptLinear)):
         module = ctx.platform.linear(qualified, child)
         if isinstance(child, KeptLinear):
             if module is child:
@@ -186,6 +184,15 @@ def build_model(
         )
     ctx.platform.prepare_model(model)
     return model
+
+
+def _children(model: nn.Module, which: Callable[[nn.Module], bool]) -> list[tuple[nn.Module, str, str, nn.Module]]:
+    """(parent, qualified name, attribute, module) of every module ``which`` takes, listed before
+    any is replaced."""
+    return [
+        (parent, f"{prefix}.{name}".lstrip("."), name, child)
+        for prefix, parent in model.named_modules() for name, child in parent.named_children() if which(child)
+    ]
 
 
 def load_model(

@@ -9,19 +9,21 @@ from modserve.core.contract import AttentionBackend, CausalLM, ModelArchitecture
 from modserve.core.contract.model_spec import MoESpec
 from modserve.plugins.models.decoder import DecoderLM, PreNormLayer
 from modserve.plugins.models.layers import Attention
-from modserve.plugins.models.moe import SparseMoE, expert_route
+from modserve.plugins.models.moe import SparseMoE, expert_route, experts_capturable
 
-MODSERVE_CONTRACT = "2.1"
+MODSERVE_CONTRACT = "2.8"  # its experts are ExpertMLP modules
 
 _PROJ = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}  # HF, GGUF
 
 
 class MixtralForCausalLM(DecoderLM):
-    capturable = False  # SparseMoE sizes its expert batches on the host (counts.tolist())
-
     def __init__(self, spec: ModelSpec, backend: AttentionBackend, max_positions: int, num_layers: int | None = None, tp=None):
         layers = [PreNormLayer(spec, Attention(spec, backend, tp), SparseMoE(spec)) for _ in range(num_layers or spec.num_layers)]
         super().__init__(spec, layers, max_positions, tp)
+
+    @property
+    def capturable(self) -> bool:  # where the platform's experts are (SparseMoE sizes its batches on the host)
+        return experts_capturable(self)
 
     def route(self, name: str):
         name = name.replace(".block_sparse_moe.", ".mlp.")

@@ -9,6 +9,11 @@ or tokens. ``grouped = False`` switches to the loop over experts (the baseline t
 
 Expert weights are stacked: ``w13 [E, 2I, H]`` (gate rows, then up rows) and ``w2 [E, H, I]``,
 filled from the checkpoint's per-expert tensors. The router computes in float32, as HF's.
+
+This is the reference computation of :class:`~modserve.core.contract.experts.ExpertMLP`; the
+platform may replace it (``Platform.experts``, e.g. the ``cpu`` platform's one-call kernel,
+:mod:`~modserve.plugins.platforms.cpu_experts`). It is not capturable: it sizes its expert
+batches on the host (``counts.tolist()``, ``grouped_mm``'s offsets).
 """
 
 from __future__ import annotations
@@ -18,9 +23,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from modserve.core.contract import ModelSpec
+from modserve.core.contract.experts import ExpertMLP
 
 
-class SparseMoE(nn.Module):
+class SparseMoE(ExpertMLP):
     grouped = True
 
     def __init__(self, spec: ModelSpec) -> None:
@@ -61,6 +67,12 @@ class SparseMoE(nn.Module):
                 out[start : start + n] = F.linear(F.silu(gate) * up, self.w2[e])
                 start += n
         return out
+
+
+def experts_capturable(model: nn.Module) -> bool:
+    """Whether every mixture of experts in ``model`` (as the platform left it) is capturable:
+    a model with experts declares itself capturable only then (a dense model: always)."""
+    return all(m.capturable for m in model.modules() if isinstance(m, ExpertMLP))
 
 
 def expert_route(prefix: str, expert: str, proj: str, intermediate: int) -> tuple[str, tuple]:

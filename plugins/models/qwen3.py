@@ -13,9 +13,9 @@ from modserve.core.contract import AttentionBackend, CausalLM, ModelArchitecture
 from modserve.core.contract.model_spec import MoESpec
 from modserve.plugins.models.decoder import DecoderLM, PreNormLayer
 from modserve.plugins.models.layers import MLP, Attention
-from modserve.plugins.models.moe import SparseMoE, expert_route
+from modserve.plugins.models.moe import SparseMoE, expert_route, experts_capturable
 
-MODSERVE_CONTRACT = "2.1"
+MODSERVE_CONTRACT = "2.8"  # its experts are ExpertMLP modules
 
 
 class Qwen3ForCausalLM(DecoderLM):
@@ -27,7 +27,10 @@ class Qwen3ForCausalLM(DecoderLM):
             for i in range(num_layers or spec.num_layers)
         ]
         super().__init__(spec, layers, max_positions, tp)
-        self.capturable = dense  # SparseMoE sizes its expert batches on the host
+
+    @property
+    def capturable(self) -> bool:  # dense, or where the platform's experts are (SparseMoE sizes its batches on the host)
+        return experts_capturable(self)
 
     def route(self, name: str):
         parts = name.split(".")  # layers.3.mlp.experts.7.gate_proj.weight

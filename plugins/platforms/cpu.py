@@ -26,17 +26,19 @@ from torch import nn
 from modserve.core import native_calls
 from modserve.core.config import ConfigError
 from modserve.core.contract import DeviceInfo, Platform, hookimpl
+from modserve.core.contract.experts import ExpertMLP
 from modserve.native.build import KernelUnavailable
 from modserve.plugins.platforms import cpu_amx_linear as amx_linear
 from modserve.plugins.platforms import cpu_avx2_linear as avx2_linear
 from modserve.plugins.platforms import cpu_avx512_linear as avx512_linear
+from modserve.plugins.platforms import cpu_experts
 from modserve.plugins.platforms.cpu_linear import PackedLinear, can_pack
 from modserve.plugins.platforms.cpu_memory import keep_freed_memory
 from modserve.plugins.platforms.cpu_panel_linear import PanelLinear
 from modserve.plugins.platforms.cpu_prequantized import CHECKPOINT_SCHEMES, checkpoint_linear
 from modserve.plugins.platforms.cpu_quant import Int4WeightOnlyLinear, gguf_linear, quantize_linear
 
-MODSERVE_CONTRACT = "2.6"  # DeviceInfo.kernels; its AMX linears are GatedLinear; decode graphs as native call lists
+MODSERVE_CONTRACT = "2.8"  # DeviceInfo.kernels; its AMX linears are GatedLinear; decode graphs as native call lists; experts
 log = logging.getLogger("modserve.platform")
 
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8", "avx_ne_convert")
@@ -81,6 +83,7 @@ class CPUPlatform(Platform):
         self.amx_linears = self.float_kernel == "amx"
         self.amx_int8 = self.amx_linears and _int8_tiles_build(config)  # W8A8 on AMX-INT8 tiles
         self.kept_layers = 0  # layers built from a pre-quantized checkpoint's codes
+        self.kept_experts_note = False  # the log said once why experts keep torch's products
         self.unrecorded_linear: str | None = None  # a layer that multiplies through torch (no decode call lists)
         if config.reuse_freed_memory:  # before anything is loaded: the weights too come from the kept heap
             keep_freed_memory()
@@ -104,6 +107,9 @@ class CPUPlatform(Platform):
         kernels = [f"linears: {linears if self.config.pack_weights else 'plain nn.Linear'}"]
         if self.config.quantization != "none":
             kernels.append(f"quantized linears ({self.config.quantization}): {_quantized_kernels(self.config.quantization, self.amx_linears, self.amx_int8)}")
+        native_experts = self.config.pack_weights and self.float_kernel == "avx512bf16"
+        experts = "one AVX512_BF16 call a layer in bfloat16, torch's grouped products in float32" if native_experts else "torch's grouped products"
+        kernels.append(f"mixtures of experts: {experts}")
         return DeviceInfo(f"{name} ({', '.join(isa) or 'no AVX2'})", _total_memory(), dtypes, tuple(kernels))
 
     def default_dtype(self) -> str:
@@ -191,6 +197,20 @@ class CPUPlatform(Platform):
             amx = self.amx_int8 if self.config.quantization == "w8a8" else self.amx_linears
             return quantize_linear(self.config.quantization, name, layer, self.config.int4_group_size or 128, amx)
         return gguf_linear(name, layer)  # the layer itself where the file stores it as floats
+
+    def experts(self, name: str, moe: ExpertMLP) -> ExpertMLP:
+        """One native call per mixture of experts (:mod:`cpu_experts`) where the bfloat16 linears
+        are AVX512_BF16 panels; elsewhere the model's grouped products (on AMX CPUs oneDNN's tiles
+        multiply them faster at prefill than these panels would), and the log says why."""
+        why = None if self.config.pack_weights else "pack_weights is false"
+        why = why or (None if self.float_kernel == "avx512bf16" else f"the bfloat16 linears are {self.float_kernel}'s, not AVX512_BF16 panels")
+        why = why or cpu_experts.unsupported(moe)
+        if why is not None:
+            if not self.kept_experts_note:
+                log.info("device: mixtures of experts run torch's grouped products (%s)", why)
+                self.kept_experts_note = True
+            return moe
+        return cpu_experts.PanelExperts(moe)
 
     def prepare_model(self, model: nn.Module) -> None:
         if self.config.quantization in CHECKPOINT_SCHEMES and not self.kept_layers:

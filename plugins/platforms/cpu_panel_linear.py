@@ -56,6 +56,14 @@ def pack_tiles(weight: torch.Tensor, per: int = 2) -> torch.Tensor:
     return w.view(n_pad // TILE_N, TILE_N, k_pad // k_tile, TILE_N, per).permute(0, 2, 3, 1, 4).contiguous()
 
 
+def gated_pairs(packed: torch.Tensor) -> torch.Tensor:
+    """A packed ``[gate; up]`` layer's panels reordered as (gate, up) pairs of the same 16
+    intermediate columns: the order in which the kernels' gated epilogue reads them."""
+    panels = packed.shape[0] // 2
+    order = torch.stack([torch.arange(panels), torch.arange(panels) + panels], dim=1).reshape(-1)
+    return packed.index_select(0, order).contiguous()
+
+
 def tile_rows(rows: torch.Tensor) -> torch.Tensor:
     """``rows [M, K]`` as the kernels read them: unit stride along K and rows that do not
     overlap (any stride between rows); a copy only where the view is not."""
@@ -120,9 +128,7 @@ class PanelLinear(nn.Module, GatedLinear):
         inter = self.out_features // 2
         if self.gated or self.bias is not None or self.out_features % 2 or inter % TILE_N:
             return self.gated
-        panels = inter // TILE_N
-        order = torch.stack([torch.arange(panels), torch.arange(panels) + panels], dim=1).reshape(-1)
-        self.packed = self.packed.index_select(0, order).contiguous()
+        self.packed = gated_pairs(self.packed)
         self.gated = True
         self._width = inter
         return True

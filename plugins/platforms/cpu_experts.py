@@ -1,0 +1,93 @@
+"""Mixtures of experts in one native call on AVX512_BF16 CPUs (the ``cpu`` platform's
+:meth:`~modserve.core.contract.platform.Platform.experts`).
+
+Why: the model's :class:`~modserve.plugins.models.moe.SparseMoE` runs torch's grouped products,
+which on a Zen 5 read one token's picked experts (Qwen3-30B-A3B's shapes) at a quarter of the
+machine's read bandwidth (this kernel: 75%; docs/cpu_experts.md), and sizes its expert batches on the host, so a decode step with experts
+could not replay as a call list. :class:`PanelExperts` holds every expert as packed bfloat16
+panels (:mod:`cpu_panel_linear`'s layout, the gate and up panels paired) and
+``native/cpu_experts.cpp`` routes, multiplies and sums in one call; the router stays a linear
+layer of the platform's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from modserve.core.contract import NativeFunction
+from modserve.core.contract.experts import ExpertMLP
+from modserve.native.build import SOURCES, KernelUnavailable, compile_and_load
+from modserve.plugins.platforms.cpu_panel_linear import TILE_N, gated_pairs, pack, tile_rows
+
+SOURCE = SOURCES / "cpu_experts.cpp"
+
+
+@functools.cache
+def load() -> NativeFunction:
+    """The compiled kernel; raises ``KernelUnavailable`` where it cannot be built, or where the
+    compiler does not target AVX512_BF16 on this CPU (``-march=native``)."""
+    lib = compile_and_load(SOURCE, "the mixture-of-experts kernel")
+    lib.modserve_experts_available.restype = ctypes.c_int
+    if not lib.modserve_experts_available():
+        raise KernelUnavailable("the mixture-of-experts kernel: the compiler does not target AVX512_BF16 on this CPU (-march=native)")
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    args = [ptr, i64, i64, ptr, i64, i32, i32, i32, ptr, ptr, i32, i32, ptr, i64, i32]
+    return NativeFunction(lib, "modserve_experts", args, ctypes.c_int)
+
+
+def unsupported(moe: ExpertMLP) -> str | None:
+    """Why :class:`PanelExperts` cannot compute ``moe`` (None where it can)."""
+    if moe.w13.dtype != torch.bfloat16:
+        return f"experts in {str(moe.w13.dtype).removeprefix('torch.')} (the kernel multiplies bfloat16)"
+    if moe.intermediate % TILE_N:
+        return f"expert width {moe.intermediate} is not a multiple of {TILE_N} (the gated panels pair 16 columns)"
+    return None
+
+
+class PanelExperts(ExpertMLP):
+    """``moe``'s map (:class:`ExpertMLP`) with its experts packed as bfloat16 panels and computed by
+    one kernel call after the router's product; capturable (no host waits)."""
+
+    capturable = True
+
+    def __init__(self, moe: ExpertMLP) -> None:
+        super().__init__()
+        self._kernel = load()
+        self.gate = moe.gate
+        self.num_experts, self.top_k, self.intermediate = moe.num_experts, moe.top_k, moe.intermediate
+        self.norm_topk_prob = moe.norm_topk_prob
+        self.hidden = moe.w13.shape[2]
+        self.register_buffer("w13", _pack_each(moe.w13, gated=True), False)  # [E, 2I/16 panels (gate, up pairs), ...]
+        self.register_buffer("w2", _pack_each(moe.w2, gated=False), False)  # [E, H/16 panels, ...]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.hidden:
+            raise ValueError(f"{type(self).__name__}: bfloat16 rows of {self.hidden} features, got {x.dtype} {tuple(x.shape)}")
+        rows = tile_rows(x)
+        logits = self.gate(rows)
+        out = torch.empty(rows.shape[0], self.hidden, dtype=torch.bfloat16)
+        failed = self._kernel(
+            rows.data_ptr(), rows.stride(0), rows.shape[0], logits.data_ptr(), logits.stride(0), self.num_experts,
+            self.top_k, self.norm_topk_prob, self.w13.data_ptr(), self.w2.data_ptr(), self.hidden, self.intermediate,
+            out.data_ptr(), self.hidden, torch.get_num_threads(),
+        )  # fmt: skip
+        if failed:
+            raise RuntimeError(f"the mixture-of-experts kernel failed ({failed})")
+        return out
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden}, intermediate={self.intermediate}"
+
+
+def _pack_each(weights: torch.Tensor, gated: bool) -> torch.Tensor:
+    """Each expert's ``[N, K]`` weights packed as panels (gated: as (gate, up) pairs), stacked;
+    one expert at a time, so packing holds one expert's copy beside the stacked weights."""
+    first = pack(weights[0])
+    out = torch.empty((weights.shape[0], *first.shape), dtype=torch.bfloat16)
+    for e in range(weights.shape[0]):
+        packed = first if e == 0 else pack(weights[e])
+        out[e] = gated_pairs(packed) if gated else packed
+    return out
