@@ -1,13 +1,18 @@
-"""Grouped experts vs a loop over experts: output tokens/s of a Mixtral-shaped tiny model.
+"""Mixture-of-experts models end to end: output tokens/s offline with the cpu platform's experts
+kernel against the model's own torch products (grouped, or a loop over the experts).
 
-    .venv/bin/python benchmarks/moe.py [--dtype bfloat16] [--rounds 3]
+    .venv/bin/python benchmarks/moe.py [--arch qwen3_moe | mixtral] [--impls kernel,kernel-eager,grouped,looped] [--rounds 3]
 
-Builds a random Mixtral checkpoint (8 experts, top 2; hidden 512, expert width 1024, 4
-layers; tests/tiny_models.py's tokenizer) in a temporary directory, then generates offline
-(greedy, ``ignore_eos``) at 1 and 32 requests with ``SparseMoE.grouped`` on (one
-``grouped_mm`` per projection for all experts) and off (a Python loop over the experts
-with tokens), alternated in rounds; prints each round's ratio and the median. Print the
-CPU model and flags beside the figures (``lscpu``); keep the machine otherwise idle.
+Builds a random checkpoint in a temporary directory (tests/tiny_models.py's tokenizer):
+``qwen3_moe``, 64 experts of width 512, top 8, hidden 1,024, 4 layers (each token reads 25 MB
+of experts a layer, 100 MB a step: from memory, not L3); or ``mixtral``, 8 experts of width 1,024,
+top 2, hidden 512, 4 layers. Generates offline (greedy, ``ignore_eos``) at 1 and 32 requests:
+``kernel`` is the platform's default where it has the kernel (AVX512_BF16, bfloat16: one native
+call per layer, decode steps as call lists; ``kernel-eager``: without the call lists);
+``grouped`` and ``looped`` are the model's ``SparseMoE`` kept by the platform (one
+``grouped_mm`` per projection, or a Python loop over the experts), eager. Alternated in
+rounds; prints each round's output tok/s, then the medians of the ratios to the first.
+Print the CPU model and flags beside the figures; keep the machine otherwise idle.
 """
 
 from __future__ import annotations
@@ -25,7 +30,16 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 from tiny_models import build_model  # noqa: E402
 
 from modserve import LLM, SamplingParams  # noqa: E402
+from modserve.core.contract.experts import ExpertMLP  # noqa: E402
 from modserve.plugins.models.moe import SparseMoE  # noqa: E402
+from modserve.plugins.platforms import cpu  # noqa: E402
+
+SHAPES = {
+    "qwen3_moe": dict(hidden_size=1024, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+                      num_experts=64, num_experts_per_tok=8, moe_intermediate_size=512, mlp_only_layers=[]),
+    "mixtral": dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                    num_local_experts=8, num_experts_per_tok=2),
+}
 
 
 def tokens_per_s(llm: LLM, batch: int, max_tokens: int) -> float:
@@ -37,30 +51,49 @@ def tokens_per_s(llm: LLM, batch: int, max_tokens: int) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", default="qwen3_moe", choices=sorted(SHAPES))
+    p.add_argument("--impls", default="kernel,grouped", help="kernel, kernel-eager, grouped, looped; ratios are against the first")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=64)
     args = p.parse_args()
-    path = os.path.join(tempfile.mkdtemp(prefix="modserve-moe-"), "mixtral")
-    build_model(path, "mixtral", hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
-                num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2)
-    llm = LLM(model={"path": path, "dtype": args.dtype}, kv_cache={"plugin": "paged", "num_blocks": 512})
-    blocks = [m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoE)]
+    name, flags = cpu.cpu_model_and_flags()
+    print(f"CPU: {name} ({', '.join(f for f in cpu.ISA_FLAGS if f in flags)})")
+    path = os.path.join(tempfile.mkdtemp(prefix="modserve-moe-"), args.arch)
+    build_model(path, args.arch, **SHAPES[args.arch])
+    config = dict(model={"path": path, "dtype": args.dtype}, kv_cache={"plugin": "paged", "num_blocks": 512})
+    impls = args.impls.split(",")
+    engines = {}
+    for impl in {"kernel", "kernel-eager"} & set(impls):
+        engines[impl] = LLM(**config, device={"plugin": "cpu", "decode_graphs": impl == "kernel"})
+        kinds = {type(m).__name__ for m in engines[impl].engine.runner.model.modules() if isinstance(m, ExpertMLP)}
+        print(f"{impl}: the platform's experts are {', '.join(sorted(kinds))}")
+    if {"grouped", "looped"} & set(impls):
+        keep = cpu.CPUPlatform.experts
+        cpu.CPUPlatform.experts = lambda self, name, moe: moe  # the model's own SparseMoE
+        try:
+            engines["torch"] = LLM(**config)
+        finally:
+            cpu.CPUPlatform.experts = keep
+    blocks = [m for m in engines["torch"].engine.runner.model.modules() if isinstance(m, SparseMoE)] if "torch" in engines else []
 
-    def run(grouped: bool, batch: int) -> float:
+    def run(impl: str, batch: int) -> float:
         for m in blocks:
-            m.grouped = grouped
-        return tokens_per_s(llm, batch, args.max_tokens)
+            m.grouped = impl == "grouped"
+        return tokens_per_s(engines.get(impl, engines.get("torch")), batch, args.max_tokens)
 
-    run(True, 4), run(False, 4)  # warm up both paths
+    for impl in impls:
+        run(impl, 4)  # warm up (and record the kernel engine's call lists)
     for batch in (1, 32):
-        ratios = []
+        ratios = {impl: [] for impl in impls}
         for r in range(args.rounds):
-            order = (True, False) if r % 2 == 0 else (False, True)
-            got = {g: run(g, batch) for g in order}
-            ratios.append(got[True] / got[False])
-            print(f"batch {batch:2d} round {r + 1}: loop {got[False]:7.1f} out tok/s, grouped {got[True]:7.1f}, ratio {ratios[-1]:.3f}")
-        print(f"batch {batch:2d}: median ratio {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f})")
+            got = {impl: run(impl, batch) for impl in (impls if r % 2 == 0 else impls[::-1])}
+            for impl in impls:
+                ratios[impl].append(got[impl] / got[impls[0]])
+            print(f"batch {batch:2d} round {r + 1}: " + ", ".join(f"{impl} {got[impl]:7.1f} out tok/s" for impl in impls))
+        print(f"batch {batch:2d}: " + ", ".join(
+            f"{impl} x{statistics.median(ratios[impl]):.3f} ({min(ratios[impl]):.3f}-{max(ratios[impl]):.3f})" for impl in impls[1:]
+        ) + f" of {impls[0]}'s output tok/s")
 
 
 if __name__ == "__main__":
