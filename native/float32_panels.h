@@ -1,0 +1,211 @@
+// The float32 panel product over bfloat16-held weights (FMAs on weights widened by a shift or a
+// mask) that the float32 linear kernel (cpu_avx2_linear.cpp, where its layout, loop and widths
+// are explained) and the mixture-of-experts kernel (cpu_experts.cpp, one such product per
+// expert) both run: a thread's share of panels for every row, in register blocks of rows.
+#pragma once
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+#include <utility>
+
+#include "fast_exp.h"
+#include "prefetch.h"
+
+namespace modserve::float32_panels {
+
+// One panel's 16 sums for one row, and the pair step's arithmetic on them: two ymm vectors
+// with AVX2, one zmm where the compiler targets AVX-512F (twice the products per FMA, and 32
+// registers: more rows per block).
+#if defined(__AVX512F__)
+struct Sums {
+    __m512 v;
+};
+struct Weights {  // one input of a panel's input pair, as float32
+    __m512 v;
+};
+inline Sums zero_sums() { return {_mm512_setzero_ps()}; }
+inline Weights even_weights(const uint16_t* w, int k) {  // input 2k's: the low halves shifted up
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(w + k * 32), 16))};
+}
+inline Weights odd_weights(const uint16_t* w, int k) {  // input 2k + 1's: the low halves masked off
+    const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+    return {_mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(w + k * 32), high))};
+}
+inline void fma(Sums& s, const float* x, const Weights& w) { s.v = _mm512_fmadd_ps(_mm512_set1_ps(*x), w.v, s.v); }
+inline void add_sums(Sums& s, const Sums& t) { s.v = _mm512_add_ps(s.v, t.v); }
+inline void store_sums(float* out, const Sums& s) { _mm512_store_ps(out, s.v); }
+constexpr int kRows = 12;  // rows per register block: 24 sums (two panels) of the 32 zmm registers
+constexpr int kTwoPanelsFrom = 4;  // blocks of this many rows and more take two panels at once (each x broadcast feeds both)
+#else
+struct Sums {
+    __m256 lo, hi;  // outputs 0-7, 8-15
+};
+struct Weights {
+    __m256 lo, hi;  // outputs 0-7, 8-15
+};
+inline Sums zero_sums() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline Weights even_weights(const uint16_t* w, int k) {  // input 2k's: the low halves shifted up
+    const __m256i* src = reinterpret_cast<const __m256i*>(w + k * 32);
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(src), 16)),
+            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(src + 1), 16))};
+}
+inline Weights odd_weights(const uint16_t* w, int k) {  // input 2k + 1's: the low halves masked off
+    const __m256i* src = reinterpret_cast<const __m256i*>(w + k * 32);
+    const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+    return {_mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(src), high)),
+            _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(src + 1), high))};
+}
+inline void fma(Sums& s, const float* x, const Weights& w) {
+    const __m256 xb = _mm256_broadcast_ss(x);
+    s.lo = _mm256_fmadd_ps(xb, w.lo, s.lo);
+    s.hi = _mm256_fmadd_ps(xb, w.hi, s.hi);
+}
+inline void add_sums(Sums& s, const Sums& t) {
+    s.lo = _mm256_add_ps(s.lo, t.lo);
+    s.hi = _mm256_add_ps(s.hi, t.hi);
+}
+inline void store_sums(float* out, const Sums& s) {
+    _mm256_store_ps(out, s.lo);
+    _mm256_store_ps(out + 8, s.hi);
+}
+constexpr int kRows = 5;   // rows per register block: 10 sums of the 16 ymm registers
+constexpr int kTwoPanelsFrom = 0;  // never: 16 registers hold no second panel's sums
+#endif
+constexpr int kPanels = 4;       // 16-output panels per group (their weights stay in L2 for every block of rows)
+constexpr int64_t kChunk = 96;   // rows per sweep over a thread's panels (with K 1,536, 576 KB of x)
+
+// Input pair k (inputs 2k, 2k + 1; Odd false: 2k only) of P adjacent panels (`panel` elements
+// apart) times rows [0, R) of x, added to `even` (input 2k) and `odd_sums` (input 2k + 1; the
+// same array or one of its own). Each broadcast of x feeds the P panels.
+template <int R, int P, bool Odd, int RO>
+__attribute__((always_inline)) inline void pair_step(const float* x, int64_t x_stride, const uint16_t* w, int64_t panel,
+                                                     int k, Sums (&even)[R][P], Sums (&odd_sums)[RO][P]) {
+    Weights we[P];
+#pragma GCC unroll 2
+    for (int q = 0; q < P; ++q) we[q] = even_weights(w + q * panel, k);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 2
+        for (int q = 0; q < P; ++q) fma(even[r][q], x + r * x_stride + 2 * k, we[q]);
+    }
+    if constexpr (Odd) {  // after the even sums, so that only one input's weights take registers at a time
+        Weights wo[P];
+#pragma GCC unroll 2
+        for (int q = 0; q < P; ++q) wo[q] = odd_weights(w + q * panel, k);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 2
+            for (int q = 0; q < P; ++q) fma(odd_sums[r][q], x + r * x_stride + 2 * k + 1, wo[q]);
+        }
+    }
+}
+
+// Rows [0, R) of x times P adjacent panels w (16 outputs each, from column n0), all of K, into
+// float32 sums; then, plain (gate null), y[r][n0 + j] = sum + bias for the columns below N; or,
+// the up half of a gated pair (P 1), y[r][n0 / 2 + j] = silu(gate[r][j]) * sum, gate holding the
+// gate panel's sums (16 a row, from a plain call with y = gate, n0 = 0, N = 16); or a whole
+// gated pair at once (P 2, gated_pair): y[r][n0 / 2 + j] = silu(first panel's) * second's.
+template <int R, int P>
+void block(const float* x, int64_t x_stride, const uint16_t* w, int64_t panel, int K, const float* bias, int64_t n0,
+           int64_t N, float* y, int64_t y_stride, const float* gate, bool gated_pair, const char* ahead,
+           int64_t ahead_lines) {
+    constexpr bool Split = R <= 2 && P == 1;  // even and odd inputs in sums of their own when few sums are live
+    Sums acc[R][P], acc_odd[Split ? R : 1][P];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 2
+        for (int q = 0; q < P; ++q) acc[r][q] = zero_sums();
+    }
+    if constexpr (Split) {
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) acc_odd[r][0] = zero_sums();
+    }
+    const int pairs = K / 2;
+    const int64_t per_pair = pairs ? (ahead_lines + pairs - 1) / pairs : 0;  // lines to ask for per step
+    for (int k = 0; k < pairs; ++k) {
+        for (int64_t i = k * per_pair; i < (k + 1) * per_pair && i < ahead_lines; ++i) modserve::prefetch_line(ahead + 64 * i);
+        if constexpr (Split)
+            pair_step<R, P, true>(x, x_stride, w, panel, k, acc, acc_odd);
+        else
+            pair_step<R, P, true>(x, x_stride, w, panel, k, acc, acc);
+    }
+    if (K & 1) pair_step<R, P, false>(x, x_stride, w, panel, pairs, acc, acc);  // the last input alone
+    alignas(64) float sums[P][16];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {  // unrolled, as every loop over acc: an indexed array would live in memory
+        if constexpr (Split) add_sums(acc[r][0], acc_odd[r][0]);
+#pragma GCC unroll 2
+        for (int q = 0; q < P; ++q) store_sums(sums[q], acc[r][q]);
+        float* out = y + r * y_stride;
+        if (P == 2 && gated_pair) {
+#pragma omp simd
+            for (int j = 0; j < 16; ++j) out[n0 / 2 + j] = modserve::silu(sums[0][j]) * sums[P - 1][j];
+        } else if (gate != nullptr) {
+            const float* g = gate + 16 * r;
+#pragma omp simd
+            for (int j = 0; j < 16; ++j) out[n0 / 2 + j] = modserve::silu(g[j]) * sums[0][j];
+        } else {
+            for (int q = 0; q < P; ++q) {
+                const int64_t c0 = n0 + 16 * q, cols = N - c0 < 16 ? N - c0 : 16;
+                for (int j = 0; j < cols; ++j) out[c0 + j] = sums[q][j] + (bias != nullptr ? bias[c0 + j] : 0.f);
+            }
+        }
+    }
+}
+
+using Block = void (*)(const float*, int64_t, const uint16_t*, int64_t, int, const float*, int64_t, int64_t, float*,
+                       int64_t, const float*, bool, const char*, int64_t);
+
+// The instantiation for r rows (1..kRows) and P panels.
+template <int P, int... Rs>
+Block rows_block_of(int r, std::integer_sequence<int, Rs...>) {
+    Block run = block<kRows, P>;
+    ((r == Rs + 1 ? (run = block<Rs + 1, P>, 0) : 0), ...);
+    return run;
+}
+template <int P>
+Block rows_block(int r) { return rows_block_of<P>(r, std::make_integer_sequence<int, kRows>{}); }
+
+// One thread's share: panels [p0, p1) (whole gated pairs) for every row, kChunk rows at a time.
+inline void thread_part(const float* x, int64_t x_stride, int64_t M, const uint16_t* w, int64_t panel, int64_t N, int K,
+                        const float* bias, float* y, int64_t y_stride, bool gated, int64_t p0, int64_t p1) {
+    alignas(64) float gate[kRows * 16];  // a gated pair's gate sums, until its up panel's block
+    for (int64_t c0 = 0; c0 < M; c0 += kChunk) {
+        const int64_t c1 = c0 + kChunk < M ? c0 + kChunk : M;
+        const int64_t blocks = (c1 - c0 + kRows - 1) / kRows;
+        for (int64_t g = p0; g < p1; g += kPanels) {
+            const int64_t g1 = g + kPanels < p1 ? g + kPanels : p1;
+            const int64_t after = p1 - g1 < kPanels ? p1 - g1 : kPanels;  // panels in the next group
+            const int64_t next_lines = c1 - c0 > 1 ? after * panel * 2 / 64 : 0;  // one row streams as fast without
+            const char* next_w = reinterpret_cast<const char*>(w + g1 * panel);
+            for (int64_t b = 0; b < blocks; ++b) {
+                const int64_t m = c0 + b * kRows;
+                const int rows = c1 - m < kRows ? static_cast<int>(c1 - m) : kRows;
+                const Block run = rows_block<1>(rows), run_two = rows_block<2>(rows);
+                const int64_t l0 = next_lines * b / blocks, l1 = next_lines * (b + 1) / blocks;
+                const float* xm = x + m * x_stride;
+                for (int64_t p = g; p < g1;) {  // each call asks for its panels' part of the block's lines
+                    const int64_t take = kTwoPanelsFrom > 0 && rows >= kTwoPanelsFrom && p + 1 < g1 ? 2 : 1;
+                    const int64_t a0 = l0 + (l1 - l0) * (p - g) / (g1 - g), a1 = l0 + (l1 - l0) * (p + take - g) / (g1 - g);
+                    const char* ahead = next_w + 64 * a0;
+                    if (take == 2)  // gated: a (gate, up) pair, p even
+                        run_two(xm, x_stride, w + p * panel, panel, K, bias, p * 16, N, y + m * y_stride, y_stride,
+                                nullptr, gated, ahead, a1 - a0);
+                    else if (gated && (p & 1) == 0)
+                        run(xm, x_stride, w + p * panel, panel, K, nullptr, 0, 16, gate, 16, nullptr, false, ahead, a1 - a0);
+                    else
+                        run(xm, x_stride, w + p * panel, panel, K, bias, (gated ? p - 1 : p) * 16, N, y + m * y_stride,
+                            y_stride, gated ? gate : nullptr, false, ahead, a1 - a0);  // gated: the pair's columns, from its gate panel's
+                    p += take;
+                }
+            }
+        }
+    }
+}
+
+}  // namespace modserve::float32_panels
+
+#endif
