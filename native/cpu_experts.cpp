@@ -1,50 +1,66 @@
-// A mixture-of-experts MLP (Mixtral, Qwen3-MoE) in one call, on AVX512_BF16: routing, every
-// picked expert's SiLU-gated MLP, and the weighted sum, from the router's bfloat16 logits.
+// A mixture-of-experts MLP (Mixtral, Qwen3-MoE) in one call: routing, every picked expert's
+// SiLU-gated MLP, and the weighted sum, from the router's logits. Two builds of one loop: a
+// bfloat16 model's on AVX512_BF16 (modserve_experts, the products of avx512_bf16_panels.h),
+// and a float32 model's whose experts bfloat16 holds exactly, on AVX2 and FMA (or AVX-512
+// wide; modserve_experts_f32, the products of float32_panels.h). The experts are packed per
+// expert as cpu_panel_linear packs a layer.
 //
 // Why: torch's grouped product (or a loop over experts) ran Qwen3-30B-A3B's expert shapes
 // (hidden 2,048, 128 experts of width 768, top 8) at one token in 3.2-4.2 ms a layer on a Zen
 // 5, reading the 75 MB of picked weights at a quarter of the machine's read bandwidth (this
 // kernel: 1.25 ms, 75%; docs/cpu_experts.md); it sizes its expert batches on the host
-// (counts.tolist()), so a decode step with experts could not replay as a call list. Here the experts' products are the AVX512_BF16 panel kernel's
-// (avx512_bf16_panels.h), the weights packed per expert as cpu_avx512_linear packs a layer's.
+// (counts.tolist()), so a decode step with experts could not replay as a call list.
 //
 // The steps, in one OpenMP region:
 //   1. route: each token's softmax over the experts in float32, its top k (ties to the lower
-//      expert), renormalized over those k if asked, the weights rounded to bfloat16: the
-//      model's own routing (HF's Mixtral and Qwen3-MoE);
+//      expert), renormalized over those k if asked, the weights rounded to the model's dtype:
+//      the model's own routing (HF's Mixtral and Qwen3-MoE);
 //   2. each token's row copied once per picked expert into the expert's rows (experts in
 //      order, tokens in order within one);
 //   3. every picked expert's (gate, up) panel pairs, then its down panels, as one list of units
 //      split over the threads by weight (an expert's rows plus the cost of streaming its panel);
-//   4. each token's output: its experts' outputs in expert order, each times its bfloat16
-//      weight, added to a bfloat16 sum: the rounding of the reference (out *= weight, then
-//      index_add_ into bfloat16 zeros), so results equal it up to the products' float32
-//      summation order.
+//   4. each token's output: its experts' outputs in expert order, each times its weight, added
+//      to a sum in the model's dtype: the rounding of the reference (out *= weight, then
+//      index_add_ into zeros), so results equal it up to the products' float32 summation order.
 #include <cstdint>
 #include <cstring>
 
 #include "packed_call.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if (defined(__AVX512F__) && defined(__AVX512BF16__)) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
 #include <omp.h>
 
 #include <cmath>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
-#include "avx512_bf16_panels.h"
+#include "avx512_bf16_panels.h"  // each empty where the compiler does not target its instructions
 #include "bf16.h"
+#include "float32_panels.h"
 
 namespace {
 
 constexpr int64_t kStreamRows = 4;  // a panel's weight stream, in rows of products (the split's unit cost)
 
-// Token t's route: its top-k experts in ascending order and their bfloat16 weights (as float32).
-// `probs` and `taken` are E floats and flags of scratch.
-void route(const uint16_t* logits, int E, int k, bool renormalize, float* probs, uint8_t* taken, int32_t* ids, float* weights) {
+// The model's dtype: bfloat16 (held as uint16_t) or float32, and a float32 rounded to it.
+inline float as_float(uint16_t v) { return modserve::bf16_to_float(v); }
+inline float as_float(float v) { return v; }
+template <typename T>
+inline float rounded(float v) {
+    if constexpr (std::is_same_v<T, uint16_t>) return modserve::bf16_to_float(modserve::float_to_bf16(v));
+    return v;
+}
+
+// Token t's route: its top-k experts in ascending order and their weights, rounded to the
+// model's dtype T (held as float32). `probs` and `taken` are E floats and flags of scratch.
+template <typename T>
+void route(const T* logits, int E, int k, bool renormalize, float* probs, uint8_t* taken, int32_t* ids, float* weights) {
     float top = -INFINITY;
-    for (int e = 0; e < E; ++e) top = std::fmax(top, modserve::bf16_to_float(logits[e]));
+    for (int e = 0; e < E; ++e) top = std::fmax(top, as_float(logits[e]));
     float sum = 0.f;
-    for (int e = 0; e < E; ++e) sum += probs[e] = std::exp(modserve::bf16_to_float(logits[e]) - top);
+    for (int e = 0; e < E; ++e) sum += probs[e] = std::exp(as_float(logits[e]) - top);
     for (int e = 0; e < E; ++e) {
         probs[e] /= sum;
         taken[e] = 0;
@@ -59,10 +75,7 @@ void route(const uint16_t* logits, int E, int k, bool renormalize, float* probs,
         picked += probs[best];
         taken[best] = 1;
     }
-    for (int j = 0; j < k; ++j) {
-        const float w = renormalize ? weights[j] / picked : weights[j];
-        weights[j] = modserve::bf16_to_float(modserve::float_to_bf16(w));
-    }
+    for (int j = 0; j < k; ++j) weights[j] = rounded<T>(renormalize ? weights[j] / picked : weights[j]);
     for (int j = 1; j < k; ++j)  // ascending experts: the order the outputs are summed in
         for (int i = j; i > 0 && ids[i] < ids[i - 1]; --i) {
             std::swap(ids[i], ids[i - 1]);
@@ -123,6 +136,61 @@ void share(int t, int nt, const Plan& p, int64_t units, const Run& run) {
     }
 }
 
+// A thread's share of one expert's products (avx512_bf16_panels.h's or float32_panels.h's
+// thread_part): rows [0, M) of x times panels [p0, p1) of w, into y.
+template <typename T>
+using Part = void (*)(const T*, int64_t, int64_t, const uint16_t*, int64_t, int64_t, int, const float*, T*, int64_t, bool,
+                      int64_t, int64_t);
+
+// Token tok's output: its experts' rows of ys (in `copy`, ascending experts) times their
+// weights, summed in the model's dtype.
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+void combine(const uint16_t* ys, const int64_t* copy, const float* weights, int k, int H, uint16_t* out);
+#endif
+void combine(const float* ys, const int64_t* copy, const float* weights, int k, int H, float* out);
+
+// The whole call (see the top of the file) for the model's dtype T and its products.
+template <typename T, Part<T> part>
+int experts(const T* x, int64_t x_stride, int64_t T_, const T* logits, int64_t logits_stride, int E, int k, int renormalize,
+            const uint16_t* w13, const uint16_t* w2, int H, int I, T* out, int64_t out_stride, int threads) {
+    if (T_ <= 0) return 0;
+    const int64_t panel13 = static_cast<int64_t>((H + 31) / 32) * 512, panel2 = static_cast<int64_t>((I + 31) / 32) * 512;
+    const int64_t pairs = I / 16, down_panels = (H + 15) / 16;
+    const int64_t expert13 = 2 * pairs * panel13, expert2 = down_panels * panel2;  // elements of one expert's panels
+    std::vector<int32_t> ids(T_ * k);
+    std::vector<float> weights(T_ * k);
+    std::vector<T> rows(T_ * k * H), act(T_ * k * I), ys(T_ * k * H);
+    Plan p;
+#pragma omp parallel num_threads(threads)
+    {
+        std::vector<float> probs(E);
+        std::vector<uint8_t> taken(E);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T_; ++t)
+            route(logits + t * logits_stride, E, k, renormalize != 0, probs.data(), taken.data(), &ids[t * k], &weights[t * k]);
+#pragma omp single
+        p = plan(ids.data(), T_, E, k);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < T_ * k; ++r) std::memcpy(&rows[r * H], x + p.token[r] * x_stride, sizeof(T) * H);
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        share(t, nt, p, pairs, [&](int e, int64_t u0, int64_t u1) {
+            const int64_t r0 = p.start[e];
+            part(&rows[r0 * H], H, p.start[e + 1] - r0, w13 + e * expert13, panel13, 2 * I, H, nullptr, &act[r0 * I], I, true,
+                 2 * u0, 2 * u1);
+        });
+#pragma omp barrier
+        share(t, nt, p, down_panels, [&](int e, int64_t u0, int64_t u1) {
+            const int64_t r0 = p.start[e];
+            part(&act[r0 * I], I, p.start[e + 1] - r0, w2 + e * expert2, panel2, H, I, nullptr, &ys[r0 * H], H, false, u0, u1);
+        });
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (int64_t tok = 0; tok < T_; ++tok) combine(ys.data(), &p.copy[tok * k], &weights[tok * k], k, H, out + tok * out_stride);
+    }
+    return 0;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
 // 16 columns (the first `left` of them) of a bfloat16 row as float32, and back.
 inline __m512 load_cols(const uint16_t* p, __mmask16 m) {
     const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
@@ -132,77 +200,86 @@ inline void store_cols(uint16_t* p, __mmask16 m, __m512 v) {
     _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(modserve::bf16_rounded_bits(v), 16)));
 }
 
-}  // namespace
-
-extern "C" {
-
-// x [T, H] bfloat16 (rows x_stride apart); logits [T, E] bfloat16 (the router's, rows
-// logits_stride apart); w13 [E] experts of packed (gate, up) panel pairs (N 2I, K H: the gated
-// layout of cpu_panel_linear.enable_silu_mul), w2 [E] experts of packed panels (N H, K I); out
-// [T, H] bfloat16 (rows out_stride apart). I a multiple of 16, 1 <= k <= E. Returns 0.
-int modserve_experts(const uint16_t* x, int64_t x_stride, int64_t T, const uint16_t* logits, int64_t logits_stride,
-                         int E, int k, int renormalize, const uint16_t* w13, const uint16_t* w2, int H, int I,
-                         uint16_t* out, int64_t out_stride, int threads) {
-    if (T <= 0) return 0;
-    const int64_t panel13 = static_cast<int64_t>((H + 31) / 32) * 512, panel2 = static_cast<int64_t>((I + 31) / 32) * 512;
-    const int64_t pairs = I / 16, down_panels = (H + 15) / 16;
-    const int64_t expert13 = 2 * pairs * panel13, expert2 = down_panels * panel2;  // elements of one expert's panels
-    std::vector<int32_t> ids(T * k);
-    std::vector<float> weights(T * k);
-    std::vector<uint16_t> rows(T * k * H), act(T * k * I), ys(T * k * H);
-    Plan p;
-#pragma omp parallel num_threads(threads)
-    {
-        std::vector<float> probs(E);
-        std::vector<uint8_t> taken(E);
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; ++t)
-            route(logits + t * logits_stride, E, k, renormalize != 0, probs.data(), taken.data(), &ids[t * k], &weights[t * k]);
-#pragma omp single
-        p = plan(ids.data(), T, E, k);
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < T * k; ++r) std::memcpy(&rows[r * H], x + p.token[r] * x_stride, sizeof(uint16_t) * H);
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        share(t, nt, p, pairs, [&](int e, int64_t u0, int64_t u1) {
-            const int64_t r0 = p.start[e];
-            modserve::bf16_panels::thread_part(&rows[r0 * H], H, p.start[e + 1] - r0, w13 + e * expert13, panel13, 2 * I, H,
-                                               nullptr, &act[r0 * I], I, true, 2 * u0, 2 * u1);
-        });
-#pragma omp barrier
-        share(t, nt, p, down_panels, [&](int e, int64_t u0, int64_t u1) {
-            const int64_t r0 = p.start[e];
-            modserve::bf16_panels::thread_part(&act[r0 * I], I, p.start[e + 1] - r0, w2 + e * expert2, panel2, H, I, nullptr,
-                                               &ys[r0 * H], H, false, u0, u1);
-        });
-#pragma omp barrier
-#pragma omp for schedule(static)
-        for (int64_t tok = 0; tok < T; ++tok)
-            for (int c = 0; c < H; c += 16) {
-                const __mmask16 m = modserve::cols_mask(H - c);
-                __m512 sum = _mm512_setzero_ps();
-                for (int j = 0; j < k; ++j) {
-                    const __m512 y = load_cols(&ys[p.copy[tok * k + j] * H + c], m);
-                    sum = modserve::round_bf16(_mm512_add_ps(sum, modserve::round_bf16(_mm512_mul_ps(y, _mm512_set1_ps(weights[tok * k + j])))));
-                }
-                store_cols(out + tok * out_stride + c, m, sum);
-            }
+// bfloat16: each product and each sum rounded to bfloat16, 16 columns at a time.
+void combine(const uint16_t* ys, const int64_t* copy, const float* weights, int k, int H, uint16_t* out) {
+    for (int c = 0; c < H; c += 16) {
+        const __mmask16 m = modserve::cols_mask(H - c);
+        __m512 sum = _mm512_setzero_ps();
+        for (int j = 0; j < k; ++j) {
+            const __m512 y = load_cols(ys + copy[j] * H + c, m);
+            sum = modserve::round_bf16(_mm512_add_ps(sum, modserve::round_bf16(_mm512_mul_ps(y, _mm512_set1_ps(weights[j])))));
+        }
+        store_cols(out + c, m, sum);
     }
-    return 0;
+}
+#endif
+
+// float32: each product rounded before its add (the reference's two operations; the empty asm
+// keeps the compiler from fusing them into one FMA), 8 columns at a time.
+void combine(const float* ys, const int64_t* copy, const float* weights, int k, int H, float* out) {
+    int c = 0;
+    for (; c + 8 <= H; c += 8) {
+        __m256 sum = _mm256_setzero_ps();
+        for (int j = 0; j < k; ++j) {
+            __m256 z = _mm256_mul_ps(_mm256_loadu_ps(ys + copy[j] * H + c), _mm256_set1_ps(weights[j]));
+            __asm__("" : "+x"(z));
+            sum = _mm256_add_ps(sum, z);
+        }
+        _mm256_storeu_ps(out + c, sum);
+    }
+    for (; c < H; ++c) {
+        float sum = 0.f;
+        for (int j = 0; j < k; ++j) {
+            float z = ys[copy[j] * H + c] * weights[j];
+            __asm__("" : "+x"(z));
+            sum += z;
+        }
+        out[c] = sum;
+    }
 }
 
-int modserve_experts_available() { return 1; }
+}  // namespace
+#endif
 
-}  // extern "C"
+// x [T, H] (rows x_stride apart) in the model's dtype; logits [T, E] (the router's, rows
+// logits_stride apart) in the model's dtype; w13 [E] experts of packed bfloat16 (gate, up) panel
+// pairs (N 2I, K H: the gated layout of cpu_panel_linear.gated_pairs), w2 [E] experts of packed
+// bfloat16 panels (N H, K I); out [T, H] (rows out_stride apart). I a multiple of 16,
+// 1 <= k <= E. Returns 0. modserve_experts: a bfloat16 model; modserve_experts_f32: float32.
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+extern "C" int modserve_experts(const uint16_t* x, int64_t x_stride, int64_t T, const uint16_t* logits, int64_t logits_stride,
+                                int E, int k, int renormalize, const uint16_t* w13, const uint16_t* w2, int H, int I,
+                                uint16_t* out, int64_t out_stride, int threads) {
+    return experts<uint16_t, modserve::bf16_panels::thread_part>(x, x_stride, T, logits, logits_stride, E, k, renormalize, w13,
+                                                                  w2, H, I, out, out_stride, threads);
+}
+extern "C" int modserve_experts_available() { return 1; }
 
 MODSERVE_PACKED(modserve_experts) {
     using modserve::packed::ptr;
     return modserve_experts(ptr<const uint16_t*>(a[0]), a[1], a[2], ptr<const uint16_t*>(a[3]), a[4], a[5], a[6], a[7],
-                                ptr<const uint16_t*>(a[8]), ptr<const uint16_t*>(a[9]), a[10], a[11], ptr<uint16_t*>(a[12]),
-                                a[13], a[14]);
+                            ptr<const uint16_t*>(a[8]), ptr<const uint16_t*>(a[9]), a[10], a[11], ptr<uint16_t*>(a[12]), a[13],
+                            a[14]);
 }
-
-#else  // no AVX512_BF16: the loader refuses the kernel
-
+#else  // no AVX512_BF16: the loader refuses the bfloat16 build
 extern "C" int modserve_experts_available() { return 0; }
+#endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+extern "C" int modserve_experts_f32(const float* x, int64_t x_stride, int64_t T, const float* logits, int64_t logits_stride,
+                                    int E, int k, int renormalize, const uint16_t* w13, const uint16_t* w2, int H, int I,
+                                    float* out, int64_t out_stride, int threads) {
+    return experts<float, modserve::float32_panels::thread_part>(x, x_stride, T, logits, logits_stride, E, k, renormalize, w13,
+                                                                  w2, H, I, out, out_stride, threads);
+}
+extern "C" int modserve_experts_f32_available() { return 1; }
+
+MODSERVE_PACKED(modserve_experts_f32) {
+    using modserve::packed::ptr;
+    return modserve_experts_f32(ptr<const float*>(a[0]), a[1], a[2], ptr<const float*>(a[3]), a[4], a[5], a[6], a[7],
+                                ptr<const uint16_t*>(a[8]), ptr<const uint16_t*>(a[9]), a[10], a[11], ptr<float*>(a[12]), a[13],
+                                a[14]);
+}
+#else  // no AVX2 and FMA: the loader refuses the float32 build
+extern "C" int modserve_experts_f32_available() { return 0; }
 #endif

@@ -169,7 +169,9 @@ def test_the_platform_names_the_quantized_kernels_it_chose():
     def kernels(**options):
         return cpu.CPUPlatform(cpu.CPUConfig(**options), None).info().kernels
 
-    assert kernels()[1:] == ("mixtures of experts: torch's grouped products",)  # oneDNN's tiles at prefill
+    assert kernels()[1:] == (  # bfloat16 experts: oneDNN's tiles (faster at prefill)
+        "mixtures of experts: one call a layer (float32 FMAs over bfloat16-held experts where exact), else torch's grouped products",
+    )
     assert kernels(quantization="w8a8")[1] == "quantized linears (w8a8): AMX-INT8 tiles in bfloat16, oneDNN int8 in float32"
     assert kernels(quantization="w8a8", linear_kernel="onednn")[1] == "quantized linears (w8a8): oneDNN int8"
     assert kernels(quantization="int4")[1] == "quantized linears (int4): torch's int4 kernel, AMX tiles from 8 bfloat16 rows"

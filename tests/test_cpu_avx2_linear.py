@@ -178,6 +178,8 @@ def test_auto_takes_the_kernel_for_weights_bfloat16_holds(monkeypatch, bf16_chec
     info = cpu.CPUPlatform(cpu.CPUConfig(), None).info()
     assert info.kernels[0] == ("linears: oneDNN packed in bfloat16, float32 FMAs over bfloat16-held weights where exact, "
                                "else oneDNN packed in float32")
+    assert info.kernels[1] == ("mixtures of experts: one call a layer (float32 FMAs over bfloat16-held experts where exact), "
+                               "else torch's grouped products")
     monkeypatch.setattr(cpu, "cpu_model_and_flags", lambda: ("an AVX-512 Xeon", frozenset({"avx2", "fma", "avx512f"})))
     assert Avx2Linear in linear_types(engine(bf16_checkpoint[0], "auto"))
     assert cpu.CPUPlatform(cpu.CPUConfig(), None).float32_kernel == "avx2"

@@ -107,8 +107,9 @@ class CPUPlatform(Platform):
         kernels = [f"linears: {linears if self.config.pack_weights else 'plain nn.Linear'}"]
         if self.config.quantization != "none":
             kernels.append(f"quantized linears ({self.config.quantization}): {_quantized_kernels(self.config.quantization, self.amx_linears, self.amx_int8)}")
-        native_experts = self.config.pack_weights and self.float_kernel == "avx512bf16"
-        experts = "one AVX512_BF16 call a layer in bfloat16, torch's grouped products in float32" if native_experts else "torch's grouped products"
+        calls = [kind for kind, runs in (("AVX512_BF16 in bfloat16", self.float_kernel == "avx512bf16"),
+                                         ("float32 FMAs over bfloat16-held experts where exact", self.float32_kernel == "avx2")) if runs]  # fmt: skip
+        experts = f"one call a layer ({', '.join(calls)}), else torch's grouped products" if calls else "torch's grouped products"
         kernels.append(f"mixtures of experts: {experts}")
         return DeviceInfo(f"{name} ({', '.join(isa) or 'no AVX2'})", _total_memory(), dtypes, tuple(kernels))
 
@@ -199,18 +200,26 @@ class CPUPlatform(Platform):
         return gguf_linear(name, layer)  # the layer itself where the file stores it as floats
 
     def experts(self, name: str, moe: ExpertMLP) -> ExpertMLP:
-        """One native call per mixture of experts (:mod:`cpu_experts`) where the bfloat16 linears
-        are AVX512_BF16 panels; elsewhere the model's grouped products (on AMX CPUs oneDNN's tiles
-        multiply them faster at prefill than these panels would), and the log says why."""
-        why = None if self.config.pack_weights else "pack_weights is false"
-        why = why or (None if self.float_kernel == "avx512bf16" else f"the bfloat16 linears are {self.float_kernel}'s, not AVX512_BF16 panels")
-        why = why or cpu_experts.unsupported(moe)
-        if why is not None:
-            if not self.kept_experts_note:
-                log.info("device: mixtures of experts run torch's grouped products (%s)", why)
-                self.kept_experts_note = True
-            return moe
-        return cpu_experts.PanelExperts(moe)
+        """One native call per mixture of experts (:mod:`cpu_experts`) where the model's linears
+        are our own panel kernels: bfloat16 on AVX512_BF16 panels, float32 over bfloat16-held
+        experts on AVX2. Elsewhere the model's grouped products, and the log says why once (on
+        AMX CPUs oneDNN's tiles multiply them faster at prefill than these panels would)."""
+        why = self._experts_unavailable(moe)
+        if why is None:
+            return cpu_experts.PanelExperts(moe)
+        if not self.kept_experts_note:
+            log.info("device: mixtures of experts run torch's grouped products (%s)", why)
+            self.kept_experts_note = True
+        return moe
+
+    def _experts_unavailable(self, moe: ExpertMLP) -> str | None:
+        if not self.config.pack_weights:
+            return "pack_weights is false"
+        if moe.w13.dtype == torch.bfloat16 and self.float_kernel != "avx512bf16":
+            return f"the bfloat16 linears are {self.float_kernel}'s, not AVX512_BF16 panels"
+        if moe.w13.dtype == torch.float32 and self.float32_kernel != "avx2":
+            return "the float32 linears are oneDNN's"
+        return cpu_experts.unsupported(moe)
 
     def prepare_model(self, model: nn.Module) -> None:
         if self.config.quantization in CHECKPOINT_SCHEMES and not self.kept_layers:

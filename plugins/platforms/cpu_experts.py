@@ -1,13 +1,15 @@
-"""Mixtures of experts in one native call on AVX512_BF16 CPUs (the ``cpu`` platform's
-:meth:`~modserve.core.contract.platform.Platform.experts`).
+"""Mixtures of experts in one native call (the ``cpu`` platform's
+:meth:`~modserve.core.contract.platform.Platform.experts`): a bfloat16 model's on AVX512_BF16
+CPUs, a float32 model's whose experts bfloat16 holds exactly (a bfloat16 checkpoint served in
+float32) on AVX2 and FMA.
 
 Why: the model's :class:`~modserve.plugins.models.moe.SparseMoE` runs torch's grouped products,
 which on a Zen 5 read one token's picked experts (Qwen3-30B-A3B's shapes) at a quarter of the
-machine's read bandwidth (this kernel: 75%; docs/cpu_experts.md), and sizes its expert batches on the host, so a decode step with experts
-could not replay as a call list. :class:`PanelExperts` holds every expert as packed bfloat16
-panels (:mod:`cpu_panel_linear`'s layout, the gate and up panels paired) and
-``native/cpu_experts.cpp`` routes, multiplies and sums in one call; the router stays a linear
-layer of the platform's.
+machine's read bandwidth (this kernel: 75%; docs/cpu_experts.md), and sizes its expert batches
+on the host, so a decode step with experts could not replay as a call list. :class:`PanelExperts`
+holds every expert as packed bfloat16 panels (:mod:`cpu_panel_linear`'s layout, the gate and up
+panels paired) and ``native/cpu_experts.cpp`` routes, multiplies and sums in one call; the
+router stays a linear layer of the platform's.
 """
 
 from __future__ import annotations
@@ -20,42 +22,58 @@ import torch
 from modserve.core.contract import NativeFunction
 from modserve.core.contract.experts import ExpertMLP
 from modserve.native.build import SOURCES, KernelUnavailable, compile_and_load
+from modserve.plugins.platforms.cpu_avx2_linear import exact_in_bfloat16
 from modserve.plugins.platforms.cpu_panel_linear import TILE_N, gated_pairs, pack, tile_rows
 
 SOURCE = SOURCES / "cpu_experts.cpp"
 
 
+BUILDS = {  # the model's dtype: the kernel's symbol and the instructions it needs
+    torch.bfloat16: ("modserve_experts", "AVX512_BF16"),
+    torch.float32: ("modserve_experts_f32", "AVX2 and FMA"),
+}
+
+
 @functools.cache
-def load() -> NativeFunction:
-    """The compiled kernel; raises ``KernelUnavailable`` where it cannot be built, or where the
-    compiler does not target AVX512_BF16 on this CPU (``-march=native``)."""
-    lib = compile_and_load(SOURCE, "the mixture-of-experts kernel")
-    lib.modserve_experts_available.restype = ctypes.c_int
-    if not lib.modserve_experts_available():
-        raise KernelUnavailable("the mixture-of-experts kernel: the compiler does not target AVX512_BF16 on this CPU (-march=native)")
+def load(dtype: torch.dtype = torch.bfloat16, extra_flags: tuple[str, ...] = ()) -> NativeFunction:
+    """The compiled kernel for a model of ``dtype`` (``extra_flags`` ``("-mno-avx512f",)``: the
+    float32 build's AVX2 width on an AVX-512 CPU, as the tests do); raises ``KernelUnavailable``
+    where it cannot be built, or where the compiler does not target its instructions on this CPU
+    (``-march=native``)."""
+    symbol, instructions = BUILDS[dtype]
+    lib = compile_and_load(SOURCE, "the mixture-of-experts kernel", extra_flags)
+    available = getattr(lib, f"{symbol}_available")
+    available.restype = ctypes.c_int
+    if not available():
+        raise KernelUnavailable(f"the mixture-of-experts kernel: the compiler does not target {instructions} on this CPU (-march=native)")
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     args = [ptr, i64, i64, ptr, i64, i32, i32, i32, ptr, ptr, i32, i32, ptr, i64, i32]
-    return NativeFunction(lib, "modserve_experts", args, ctypes.c_int)
+    return NativeFunction(lib, symbol, args, ctypes.c_int)
 
 
 def unsupported(moe: ExpertMLP) -> str | None:
     """Why :class:`PanelExperts` cannot compute ``moe`` (None where it can)."""
-    if moe.w13.dtype != torch.bfloat16:
-        return f"experts in {str(moe.w13.dtype).removeprefix('torch.')} (the kernel multiplies bfloat16)"
+    dtype = moe.w13.dtype
+    if dtype not in BUILDS:
+        return f"experts in {str(dtype).removeprefix('torch.')} (the kernel multiplies bfloat16 or float32)"
     if moe.intermediate % TILE_N:
         return f"expert width {moe.intermediate} is not a multiple of {TILE_N} (the gated panels pair 16 columns)"
+    if dtype == torch.float32 and not all(exact_in_bfloat16(w[e]) for w in (moe.w13, moe.w2) for e in range(w.shape[0])):
+        return "float32 experts that bfloat16 cannot hold (a float32 checkpoint; rounding them would change the model)"
     return None
 
 
 class PanelExperts(ExpertMLP):
     """``moe``'s map (:class:`ExpertMLP`) with its experts packed as bfloat16 panels and computed by
-    one kernel call after the router's product; capturable (no host waits)."""
+    one kernel call after the router's product, in the model's dtype (bfloat16, or float32 over
+    experts :func:`unsupported` found exact in bfloat16); capturable (no host waits)."""
 
     capturable = True
 
-    def __init__(self, moe: ExpertMLP) -> None:
+    def __init__(self, moe: ExpertMLP, extra_flags: tuple[str, ...] = ()) -> None:
         super().__init__()
-        self._kernel = load()
+        self.dtype = moe.w13.dtype
+        self._kernel = load(self.dtype, extra_flags)
         self.gate = moe.gate
         self.num_experts, self.top_k, self.intermediate = moe.num_experts, moe.top_k, moe.intermediate
         self.norm_topk_prob = moe.norm_topk_prob
@@ -64,11 +82,12 @@ class PanelExperts(ExpertMLP):
         self.register_buffer("w2", _pack_each(moe.w2, gated=False), False)  # [E, H/16 panels, ...]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.hidden:
-            raise ValueError(f"{type(self).__name__}: bfloat16 rows of {self.hidden} features, got {x.dtype} {tuple(x.shape)}")
+        if x.dtype != self.dtype or x.dim() != 2 or x.shape[1] != self.hidden:
+            want = str(self.dtype).removeprefix("torch.")
+            raise ValueError(f"{type(self).__name__}: {want} rows of {self.hidden} features, got {x.dtype} {tuple(x.shape)}")
         rows = tile_rows(x)
         logits = self.gate(rows)
-        out = torch.empty(rows.shape[0], self.hidden, dtype=torch.bfloat16)
+        out = torch.empty(rows.shape[0], self.hidden, dtype=self.dtype)
         failed = self._kernel(
             rows.data_ptr(), rows.stride(0), rows.shape[0], logits.data_ptr(), logits.stride(0), self.num_experts,
             self.top_k, self.norm_topk_prob, self.w13.data_ptr(), self.w2.data_ptr(), self.hidden, self.intermediate,
