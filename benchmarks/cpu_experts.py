@@ -1,11 +1,12 @@
 """Mixture-of-experts layers at Qwen3-30B-A3B's shape (hidden 2,048, 128 experts of width 768,
 top 8), per implementation and token count: the cpu platform's one-call kernel
-(``PanelExperts``, AVX512_BF16) against the model's own torch paths (``SparseMoE``: one
+(``PanelExperts``: AVX512_BF16, or ``--dtype float32`` over bfloat16-held experts with AVX2 /
+AVX-512 FMAs) against the model's own torch paths (``SparseMoE``: one
 ``grouped_mm`` per projection, or a loop over the experts).
 
 Each layer has its own weights (``--layers``, 2 by default: 2.4 GB of experts), so the picked
 experts come from memory as in a real step, and every repeat routes new random tokens. Prints
-ms per layer, the picked experts' bytes over that time (the rate a decode step is bound by)
+ms per layer, the picked experts' bytes (in bfloat16) over that time (the rate a decode step is bound by)
 and its share of the read bandwidth measured as ``bench roofline`` measures it,
 and each implementation's time over the first one's, all measured in this run, alternated
 round by round. Run it on a quiet machine; it prints the CPU.
@@ -25,25 +26,26 @@ import torch
 from modserve.bench.roofline import _measure_bandwidth
 from modserve.plugins.models.moe import SparseMoE
 from modserve.plugins.platforms.cpu import ISA_FLAGS, cpu_model_and_flags
+from modserve.plugins.platforms.cpu_avx2_linear import Avx2Linear
 from modserve.plugins.platforms.cpu_avx512_linear import Avx512Linear
 from modserve.plugins.platforms.cpu_experts import PanelExperts
 from modserve.plugins.platforms.cpu_memory import keep_freed_memory
 
 HIDDEN, EXPERTS, TOP_K, WIDTH = 2048, 128, 8, 768
-EXPERT_BYTES = 3 * WIDTH * HIDDEN * 2  # one expert's gate, up and down weights in bfloat16
+EXPERT_BYTES = 3 * WIDTH * HIDDEN * 2  # one expert's gate, up and down weights held in bfloat16 (by the kernel)
 
 
-def build(layers: int) -> tuple[list[SparseMoE], list[PanelExperts]]:
+def build(layers: int, dtype: torch.dtype) -> tuple[list[SparseMoE], list[PanelExperts]]:
     spec = SimpleNamespace(hidden_size=HIDDEN, moe=SimpleNamespace(num_experts=EXPERTS, top_k=TOP_K, intermediate_size=WIDTH, norm_topk_prob=True))
     torch.manual_seed(0)
     models, kernels = [], []
     for _ in range(layers):
-        moe = SparseMoE(spec).to(torch.bfloat16)
+        moe = SparseMoE(spec).to(dtype)
         with torch.no_grad():
             for p in (moe.w13, moe.w2, moe.gate.weight):
-                p.normal_(0, 0.02)
+                p.copy_(torch.randn(p.shape).mul_(0.02).to(torch.bfloat16))  # float32: a bfloat16 checkpoint's values
         panels = PanelExperts(moe)
-        panels.gate = Avx512Linear(moe.gate)  # as the platform's linear swap leaves it
+        panels.gate = (Avx512Linear if dtype == torch.bfloat16 else Avx2Linear)(moe.gate)  # as the platform's linear swap leaves it
         models.append(moe)
         kernels.append(panels)
     return models, kernels
@@ -59,6 +61,7 @@ def main() -> None:
     ap.add_argument("--impls", default="kernel,grouped", help="kernel, grouped, looped; ratios are against the first")
     ap.add_argument("--tokens", default="1,2,4,8,16,64,256,1024")
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="float32: the experts of a bfloat16 checkpoint")
     ap.add_argument("--repeats", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
@@ -66,7 +69,8 @@ def main() -> None:
     name, flags = cpu_model_and_flags()
     print(f"CPU: {name} ({', '.join(f for f in ISA_FLAGS if f in flags)}), {torch.get_num_threads()} threads, torch {torch.__version__}")
     impls = args.impls.split(",")
-    models, kernels = build(args.layers)
+    dtype = getattr(torch, args.dtype)
+    models, kernels = build(args.layers, dtype)
     read = _measure_bandwidth(torch.device("cpu"), 1 << 30, 5)["read_gb_s"]  # as bench roofline measures it
     print(f"read bandwidth {read:.1f} GB/s (a float32 sum over 1 GiB, best of 5)")
 
@@ -83,7 +87,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(1)
     with torch.inference_mode():
         for tokens in map(int, args.tokens.split(",")):
-            xs = [torch.randn(tokens, HIDDEN, generator=g).to(torch.bfloat16) for _ in range(args.repeats)]
+            xs = [torch.randn(tokens, HIDDEN, generator=g).to(dtype) for _ in range(args.repeats)]
             gb = statistics.mean(picked_bytes(models[0], x) for x in xs) / 1e9
             for impl in impls:
                 layer_ms(impl, xs[:2])  # warm up

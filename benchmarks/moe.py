@@ -1,14 +1,17 @@
 """Mixture-of-experts models end to end: output tokens/s offline with the cpu platform's experts
 kernel against the model's own torch products (grouped, or a loop over the experts).
 
-    .venv/bin/python benchmarks/moe.py [--arch qwen3_moe | mixtral] [--impls kernel,kernel-eager,grouped,looped] [--rounds 3]
+    .venv/bin/python benchmarks/moe.py [--arch qwen3_moe | mixtral] [--dtype bfloat16 | float32]
+        [--impls kernel,kernel-eager,grouped,looped] [--rounds 3]
 
-Builds a random checkpoint in a temporary directory (tests/tiny_models.py's tokenizer):
+Builds a random checkpoint in a temporary directory, saved in bfloat16 (tests/tiny_models.py's
+tokenizer; ``--dtype float32`` serves it in float32, the experts held in bfloat16 by the kernel):
 ``qwen3_moe``, 64 experts of width 512, top 8, hidden 1,024, 4 layers (each token reads 25 MB
 of experts a layer, 100 MB a step: from memory, not L3); or ``mixtral``, 8 experts of width 1,024,
 top 2, hidden 512, 4 layers. Generates offline (greedy, ``ignore_eos``) at 1 and 32 requests:
-``kernel`` is the platform's default where it has the kernel (AVX512_BF16, bfloat16: one native
-call per layer, decode steps as call lists; ``kernel-eager``: without the call lists);
+``kernel`` is the platform's default where it has the kernel (bfloat16 on AVX512_BF16, float32
+on AVX2: one native call per layer, decode steps as call lists; ``kernel-eager``: without the
+call lists);
 ``grouped`` and ``looped`` are the model's ``SparseMoE`` kept by the platform (one
 ``grouped_mm`` per projection, or a Python loop over the experts), eager. Alternated in
 rounds; prints each round's output tok/s, then the medians of the ratios to the first.
@@ -27,6 +30,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
+import torch  # noqa: E402
 from tiny_models import build_model  # noqa: E402
 
 from modserve import LLM, SamplingParams  # noqa: E402
@@ -60,7 +64,7 @@ def main() -> None:
     name, flags = cpu.cpu_model_and_flags()
     print(f"CPU: {name} ({', '.join(f for f in cpu.ISA_FLAGS if f in flags)})")
     path = os.path.join(tempfile.mkdtemp(prefix="modserve-moe-"), args.arch)
-    build_model(path, args.arch, **SHAPES[args.arch])
+    build_model(path, args.arch, **SHAPES[args.arch]).to(torch.bfloat16).save_pretrained(path)  # as such checkpoints ship
     config = dict(model={"path": path, "dtype": args.dtype}, kv_cache={"plugin": "paged", "num_blocks": 512})
     impls = args.impls.split(",")
     engines = {}
