@@ -238,6 +238,14 @@ void combine(const float* ys, const int64_t* copy, const float* weights, int k, 
     }
 }
 
+// A build's call-list entry point: the slots of experts<T, part>'s arguments, unpacked.
+template <typename T, Part<T> part>
+int packed_experts(const int64_t* a) {
+    using modserve::packed::ptr;
+    return experts<T, part>(ptr<const T*>(a[0]), a[1], a[2], ptr<const T*>(a[3]), a[4], a[5], a[6], a[7], ptr<const uint16_t*>(a[8]),
+                            ptr<const uint16_t*>(a[9]), a[10], a[11], ptr<T*>(a[12]), a[13], a[14]);
+}
+
 }  // namespace
 #endif
 
@@ -254,13 +262,7 @@ extern "C" int modserve_experts(const uint16_t* x, int64_t x_stride, int64_t T, 
                                                                   w2, H, I, out, out_stride, threads);
 }
 extern "C" int modserve_experts_available() { return 1; }
-
-MODSERVE_PACKED(modserve_experts) {
-    using modserve::packed::ptr;
-    return modserve_experts(ptr<const uint16_t*>(a[0]), a[1], a[2], ptr<const uint16_t*>(a[3]), a[4], a[5], a[6], a[7],
-                            ptr<const uint16_t*>(a[8]), ptr<const uint16_t*>(a[9]), a[10], a[11], ptr<uint16_t*>(a[12]), a[13],
-                            a[14]);
-}
+MODSERVE_PACKED(modserve_experts) { return packed_experts<uint16_t, modserve::bf16_panels::thread_part>(a); }
 #else  // no AVX512_BF16: the loader refuses the bfloat16 build
 extern "C" int modserve_experts_available() { return 0; }
 #endif
@@ -273,13 +275,7 @@ extern "C" int modserve_experts_f32(const float* x, int64_t x_stride, int64_t T,
                                                                   w2, H, I, out, out_stride, threads);
 }
 extern "C" int modserve_experts_f32_available() { return 1; }
-
-MODSERVE_PACKED(modserve_experts_f32) {
-    using modserve::packed::ptr;
-    return modserve_experts_f32(ptr<const float*>(a[0]), a[1], a[2], ptr<const float*>(a[3]), a[4], a[5], a[6], a[7],
-                                ptr<const uint16_t*>(a[8]), ptr<const uint16_t*>(a[9]), a[10], a[11], ptr<float*>(a[12]), a[13],
-                                a[14]);
-}
+MODSERVE_PACKED(modserve_experts_f32) { return packed_experts<float, modserve::float32_panels::thread_part>(a); }
 #else  // no AVX2 and FMA: the loader refuses the float32 build
 extern "C" int modserve_experts_f32_available() { return 0; }
 #endif

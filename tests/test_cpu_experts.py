@@ -275,3 +275,19 @@ def test_an_expert_width_off_the_panels_keeps_the_models_products(tmp_path, capl
     assert expert_kinds(llm) == {SparseMoE}
     if TAKES_KERNEL:
         assert "expert width 40 is not a multiple of 16" in caplog.text
+
+
+@pytest.mark.skipif(not TAKES_KERNEL, reason="the platform tries the kernel only where the bfloat16 linears are AVX512_BF16 panels")
+def test_a_kernel_that_does_not_build_keeps_the_models_products_and_says_why(tmp_path, caplog, monkeypatch):
+    from modserve.native.build import KernelUnavailable
+    from modserve.plugins.platforms import cpu_experts
+
+    def broken(*args):
+        raise KernelUnavailable("the mixture-of-experts kernel needs a C++ compiler (g++); none found on PATH or in $CXX")
+
+    monkeypatch.setattr(cpu_experts, "load", broken)
+    build_model(str(tmp_path), "mixtral")
+    with caplog.at_level(logging.INFO, logger="modserve.platform"):
+        llm = engine(str(tmp_path), graphs=False)
+    assert expert_kinds(llm) == {SparseMoE}
+    assert "mixtures of experts run torch's grouped products (the mixture-of-experts kernel needs a C++ compiler" in caplog.text

@@ -146,7 +146,8 @@ def build_model(
     ckpt: Checkpoint, attention: AttentionBackend, ctx: BuildContext, max_positions: int, num_layers: int | None = None, tp=None
 ) -> CausalLM:
     """Build the architecture's module on the meta device, load the tensors, move it to the
-    platform's device and dtype, and let the platform adapt it (its mixtures of experts, linear layers, fused ops).
+    platform's device and dtype, and let the platform adapt it (its mixtures of experts, its
+    linear layers, fused ops).
 
     From a GGUF file or a pre-quantized HF checkpoint (``ckpt.kept_weights``) the quantized
     linear weights are not loaded: each layer goes to the platform as a :class:`KeptLinear`

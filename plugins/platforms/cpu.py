@@ -206,7 +206,10 @@ class CPUPlatform(Platform):
         AMX CPUs oneDNN's tiles multiply them faster at prefill than these panels would)."""
         why = self._experts_unavailable(moe)
         if why is None:
-            return cpu_experts.PanelExperts(moe)
+            try:
+                return cpu_experts.PanelExperts(moe)
+            except KernelUnavailable as e:  # the instructions are there, the kernel did not build
+                why = str(e)
         if not self.kept_experts_note:
             log.info("device: mixtures of experts run torch's grouped products (%s)", why)
             self.kept_experts_note = True

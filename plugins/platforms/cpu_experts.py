@@ -26,8 +26,6 @@ from modserve.plugins.platforms.cpu_avx2_linear import exact_in_bfloat16
 from modserve.plugins.platforms.cpu_panel_linear import TILE_N, gated_pairs, pack, tile_rows
 
 SOURCE = SOURCES / "cpu_experts.cpp"
-
-
 BUILDS = {  # the model's dtype: the kernel's symbol and the instructions it needs
     torch.bfloat16: ("modserve_experts", "AVX512_BF16"),
     torch.float32: ("modserve_experts_f32", "AVX2 and FMA"),
