@@ -291,3 +291,15 @@ def test_a_kernel_that_does_not_build_keeps_the_models_products_and_says_why(tmp
         llm = engine(str(tmp_path), graphs=False)
     assert expert_kinds(llm) == {SparseMoE}
     assert "mixtures of experts run torch's grouped products (the mixture-of-experts kernel needs a C++ compiler" in caplog.text
+
+
+def test_a_quantization_scheme_says_the_experts_stay_in_floats(tmp_path, caplog):
+    """Quantization schemes quantize linear layers; the experts are not, and the log says so
+    once rather than let the scheme seem to cover the whole model."""
+    build_model(str(tmp_path), "mixtral")
+    with caplog.at_level(logging.WARNING, logger="modserve.platform"):
+        llm = engine(str(tmp_path), graphs=False, quantization="int8")
+    moe = next(m for m in llm.engine.runner.model.modules() if isinstance(m, (SparseMoE, PanelExperts)))
+    assert moe.w13.dtype == torch.bfloat16  # stacked or packed, not int8 codes
+    text = "device.quantization int8: mixtures of experts keep their experts in bfloat16 (the scheme quantizes linear layers"
+    assert caplog.text.count(text) == 1

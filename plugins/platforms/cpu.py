@@ -84,6 +84,7 @@ class CPUPlatform(Platform):
         self.amx_int8 = self.amx_linears and _int8_tiles_build(config)  # W8A8 on AMX-INT8 tiles
         self.kept_layers = 0  # layers built from a pre-quantized checkpoint's codes
         self.kept_experts_note = False  # the log said once why experts keep torch's products
+        self.experts_quantization_note = False  # ... and that a quantization scheme leaves experts in floats
         self.unrecorded_linear: str | None = None  # a layer that multiplies through torch (no decode call lists)
         if config.reuse_freed_memory:  # before anything is loaded: the weights too come from the kept heap
             keep_freed_memory()
@@ -204,6 +205,12 @@ class CPUPlatform(Platform):
         are our own panel kernels: bfloat16 on AVX512_BF16 panels, float32 over bfloat16-held
         experts on AVX2. Elsewhere the model's grouped products, and the log says why once (on
         AMX CPUs oneDNN's tiles multiply them faster at prefill than these panels would)."""
+        if self.config.quantization != "none" and not self.experts_quantization_note:
+            log.warning(
+                "device.quantization %s: mixtures of experts keep their experts in %s (the scheme quantizes linear "
+                "layers; quantized experts are not built yet)", self.config.quantization, str(moe.w13.dtype).removeprefix("torch."),
+            )  # fmt: skip
+            self.experts_quantization_note = True
         why = self._experts_unavailable(moe)
         if why is None:
             try:
