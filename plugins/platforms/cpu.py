@@ -85,6 +85,7 @@ class CPUPlatform(Platform):
         self.kept_layers = 0  # layers built from a pre-quantized checkpoint's codes
         self.kept_experts_note = False  # the log said once why experts keep torch's products
         self.experts_quantization_note = False  # ... and that a quantization scheme leaves experts in floats
+        self.routers: set[str] = set()  # the mixtures of experts' routers (linear layers no scheme quantizes)
         self.unrecorded_linear: str | None = None  # a layer that multiplies through torch (no decode call lists)
         if config.reuse_freed_memory:  # before anything is loaded: the weights too come from the kept heap
             keep_freed_memory()
@@ -195,6 +196,8 @@ class CPUPlatform(Platform):
             return kept
         if self.config.quantization == "none" or (name == "lm_head" and not self.config.quantize_lm_head):
             return layer
+        if name in self.routers and self.config.quantization != "gguf":  # a GGUF file's router stays as stored
+            return layer  # as vLLM and llama.cpp keep it: an expert's choice turns on small differences of its logits
         if self.config.quantization != "gguf":
             amx = self.amx_int8 if self.config.quantization == "w8a8" else self.amx_linears
             return quantize_linear(self.config.quantization, name, layer, self.config.int4_group_size or 128, amx)
@@ -205,10 +208,12 @@ class CPUPlatform(Platform):
         are our own panel kernels: bfloat16 on AVX512_BF16 panels, float32 over bfloat16-held
         experts on AVX2. Elsewhere the model's grouped products, and the log says why once (on
         AMX CPUs oneDNN's tiles multiply them faster at prefill than these panels would)."""
+        self.routers.add(f"{name}.gate")
         if self.config.quantization != "none" and not self.experts_quantization_note:
             log.warning(
-                "device.quantization %s: mixtures of experts keep their experts in %s (the scheme quantizes linear "
-                "layers; quantized experts are not built yet)", self.config.quantization, str(moe.w13.dtype).removeprefix("torch."),
+                "device.quantization %s: mixtures of experts keep their experts and routers in %s (the scheme quantizes "
+                "the other linear layers; quantized experts are not built yet)", self.config.quantization,
+                str(moe.w13.dtype).removeprefix("torch."),
             )  # fmt: skip
             self.experts_quantization_note = True
         why = self._experts_unavailable(moe)
