@@ -12,13 +12,14 @@
 
 namespace modserve {
 
-// 16 elements as float32: float32 as is, bfloat16 (the high half of a float32) widened,
-// int8 converted (scales are applied by the caller).
+// 16 bfloat16 values (the high halves of float32s) as float32.
+inline __m512 widen_bf16(__m256i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)); }
+
+// 16 elements as float32: float32 as is, bfloat16 widened, int8 converted (scales are applied
+// by the caller); with a mask, only the lanes it names are read (the others are 0).
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
+inline __m512 load16(const uint16_t* p) { return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512 load16(const uint16_t* p, __mmask16 m) { return widen_bf16(_mm256_maskz_loadu_epi16(m, p)); }
 inline __m512 load16(const int8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
@@ -36,11 +37,14 @@ inline __m512 round_bf16(__m512 v) {
     return _mm512_castsi512_ps(_mm512_and_si512(bf16_rounded_bits(v), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
-// Stores 16 float32 lanes to p: as they are, or narrowed to bfloat16 (bf16_rounded_bits).
+// 16 float32 lanes narrowed to bfloat16 (bf16_rounded_bits).
+inline __m256i narrow_bf16(__m512 v) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_rounded_bits(v), 16)); }
+
+// Stores 16 float32 lanes to p: as they are, or narrowed to bfloat16; with a mask, only the
+// lanes it names.
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(uint16_t* p, __m512 v) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_rounded_bits(v), 16)));
-}
+inline void store16(uint16_t* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), narrow_bf16(v)); }
+inline void store16(uint16_t* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, narrow_bf16(v)); }
 
 // The first `left` of 16 lanes (an output panel's columns that exist).
 inline __mmask16 cols_mask(int64_t left) {

@@ -31,21 +31,19 @@ namespace {
 
 using modserve::cols_mask;
 
-inline __m512 bf16_to_ps(__m256i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)); }
-
 // Row m of x quantized into q (Kp bytes, zero past K) and its scale: absmax / 127.
 void quantize_row(const uint16_t* x, int K, int Kp, int8_t* q, float* scale) {
     __m512 amax = _mm512_setzero_ps();
     for (int k = 0; k < K; k += 16) {
         const __mmask16 m = cols_mask(K - k);
-        amax = _mm512_max_ps(amax, _mm512_abs_ps(bf16_to_ps(_mm256_maskz_loadu_epi16(m, x + k))));
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(modserve::load16(x + k, m)));
     }
     float absmax = _mm512_reduce_max_ps(amax);
     absmax = absmax > FLT_MIN ? absmax : FLT_MIN;
     const __m512 inv = _mm512_set1_ps((1.f / absmax) * 127.f);  // torch's 127.0 / absmax: a reciprocal, then * 127
     for (int k = 0; k < K; k += 16) {
         const __mmask16 m = cols_mask(K - k);
-        const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(bf16_to_ps(_mm256_maskz_loadu_epi16(m, x + k)), inv));
+        const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(modserve::load16(x + k, m), inv));
         _mm_mask_storeu_epi8(q + k, m, _mm512_cvtsepi32_epi8(r));
     }
     if (Kp > K) std::memset(q + K, 0, Kp - K);

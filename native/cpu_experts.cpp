@@ -32,6 +32,7 @@
 #include <omp.h>
 
 #include <cmath>
+#include <memory>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -159,7 +160,9 @@ int experts(const T* x, int64_t x_stride, int64_t T_, const T* logits, int64_t l
     const int64_t expert13 = 2 * pairs * panel13, expert2 = down_panels * panel2;  // elements of one expert's panels
     std::vector<int32_t> ids(T_ * k);
     std::vector<float> weights(T_ * k);
-    std::vector<T> rows(T_ * k * H), act(T_ * k * I), ys(T_ * k * H);
+    // Every element of these is written before it is read: left uninitialized, not zeroed (at
+    // prefill sizes, tens of MB a call).
+    const std::unique_ptr<T[]> rows(new T[T_ * k * H]), act(new T[T_ * k * I]), ys(new T[T_ * k * H]);
     Plan p;
 #pragma omp parallel num_threads(threads)
     {
@@ -185,31 +188,22 @@ int experts(const T* x, int64_t x_stride, int64_t T_, const T* logits, int64_t l
         });
 #pragma omp barrier
 #pragma omp for schedule(static)
-        for (int64_t tok = 0; tok < T_; ++tok) combine(ys.data(), &p.copy[tok * k], &weights[tok * k], k, H, out + tok * out_stride);
+        for (int64_t tok = 0; tok < T_; ++tok) combine(ys.get(), &p.copy[tok * k], &weights[tok * k], k, H, out + tok * out_stride);
     }
     return 0;
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-// 16 columns (the first `left` of them) of a bfloat16 row as float32, and back.
-inline __m512 load_cols(const uint16_t* p, __mmask16 m) {
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-inline void store_cols(uint16_t* p, __mmask16 m, __m512 v) {
-    _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(modserve::bf16_rounded_bits(v), 16)));
-}
-
 // bfloat16: each product and each sum rounded to bfloat16, 16 columns at a time.
 void combine(const uint16_t* ys, const int64_t* copy, const float* weights, int k, int H, uint16_t* out) {
     for (int c = 0; c < H; c += 16) {
         const __mmask16 m = modserve::cols_mask(H - c);
         __m512 sum = _mm512_setzero_ps();
         for (int j = 0; j < k; ++j) {
-            const __m512 y = load_cols(ys + copy[j] * H + c, m);
+            const __m512 y = modserve::load16(ys + copy[j] * H + c, m);
             sum = modserve::round_bf16(_mm512_add_ps(sum, modserve::round_bf16(_mm512_mul_ps(y, _mm512_set1_ps(weights[j])))));
         }
-        store_cols(out + c, m, sum);
+        modserve::store16(out + c, sum, m);
     }
 }
 #endif
