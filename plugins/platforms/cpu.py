@@ -109,8 +109,8 @@ class CPUPlatform(Platform):
         kernels = [f"linears: {linears if self.config.pack_weights else 'plain nn.Linear'}"]
         if self.config.quantization != "none":
             kernels.append(f"quantized linears ({self.config.quantization}): {_quantized_kernels(self.config.quantization, self.amx_linears, self.amx_int8)}")
-        calls = [kind for kind, runs in (("AVX512_BF16 in bfloat16", self.float_kernel == "avx512bf16"),
-                                         ("float32 FMAs over bfloat16-held experts where exact", self.float32_kernel == "avx2")) if runs]  # fmt: skip
+        calls = ["AVX512_BF16 in bfloat16"] if self.float_kernel == "avx512bf16" else []
+        calls += ["float32 FMAs over bfloat16-held experts where exact"] if self.float32_kernel == "avx2" else []
         experts = f"one call a layer ({', '.join(calls)}), else torch's grouped products" if calls else "torch's grouped products"
         kernels.append(f"mixtures of experts: {experts}")
         return DeviceInfo(f"{name} ({', '.join(isa) or 'no AVX2'})", _total_memory(), dtypes, tuple(kernels))
