@@ -21,9 +21,9 @@ import torch
 
 from modserve.core.contract import NativeFunction
 from modserve.core.contract.experts import ExpertMLP
-from modserve.native.build import SOURCES, KernelUnavailable, compile_and_load
+from modserve.native.build import SOURCES
 from modserve.plugins.platforms.cpu_avx2_linear import exact_in_bfloat16
-from modserve.plugins.platforms.cpu_panel_linear import TILE_N, gated_pairs, pack, tile_rows
+from modserve.plugins.platforms.cpu_panel_linear import TILE_N, gated_pairs, load_kernel, pack, tile_rows
 
 SOURCE = SOURCES / "cpu_experts.cpp"
 BUILDS = {  # the model's dtype: the kernel's symbol and the instructions it needs
@@ -39,14 +39,9 @@ def load(dtype: torch.dtype = torch.bfloat16, extra_flags: tuple[str, ...] = ())
     where it cannot be built, or where the compiler does not target its instructions on this CPU
     (``-march=native``)."""
     symbol, instructions = BUILDS[dtype]
-    lib = compile_and_load(SOURCE, "the mixture-of-experts kernel", extra_flags)
-    available = getattr(lib, f"{symbol}_available")
-    available.restype = ctypes.c_int
-    if not available():
-        raise KernelUnavailable(f"the mixture-of-experts kernel: the compiler does not target {instructions} on this CPU (-march=native)")
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     args = [ptr, i64, i64, ptr, i64, i32, i32, i32, ptr, ptr, i32, i32, ptr, i64, i32]
-    return NativeFunction(lib, symbol, args, ctypes.c_int)
+    return load_kernel(SOURCE, "the mixture-of-experts kernel", symbol, instructions, extra_flags, args, ctypes.c_int)
 
 
 def unsupported(moe: ExpertMLP) -> str | None:

@@ -23,18 +23,23 @@ from modserve.native.build import KernelUnavailable, compile_and_load
 TILE_N, TILE_K = 16, 32  # outputs and inputs per packed weight tile
 
 
-def load_kernel(source, what: str, symbol: str, instructions: str, extra_flags: tuple[str, ...] = ()) -> NativeFunction:
-    """A panel kernel built from ``source``: ``symbol(x, x_stride, M, packed, N, K, bias_f32, y,
-    y_stride, threads, gated)``, with ``<symbol>_available()`` 0 where the compiler does not
-    target ``instructions`` on this CPU (then ``KernelUnavailable``, naming them).
-    ``extra_flags``: a variant build, e.g. ``("-mno-avx512f",)`` for a kernel's AVX2 width."""
+PANEL_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
+              ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int]  # a panel linear's, below
+
+
+def load_kernel(source, what: str, symbol: str, instructions: str, extra_flags: tuple[str, ...] = (), argtypes: list = PANEL_ARGS,
+                restype=None) -> NativeFunction:
+    """A kernel built from ``source``, by default a panel linear: ``symbol(x, x_stride, M, packed,
+    N, K, bias_f32, y, y_stride, threads, gated)``, with ``<symbol>_available()`` 0 where the
+    compiler does not target ``instructions`` on this CPU (then ``KernelUnavailable``, naming
+    them). ``extra_flags``: a variant build, e.g. ``("-mno-avx512f",)`` for a kernel's AVX2
+    width; ``argtypes``, ``restype``: another kernel's signature (the experts kernel's)."""
     lib = compile_and_load(source, what, extra_flags)
     available = getattr(lib, f"{symbol}_available")
     available.restype = ctypes.c_int
     if not available():
         raise KernelUnavailable(f"{what}: the compiler does not target {instructions} on this CPU (-march=native)")
-    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    return NativeFunction(lib, symbol, [ptr, i64, i64, ptr, i64, i32, ptr, ptr, i64, i32, i32])
+    return NativeFunction(lib, symbol, argtypes, restype)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
