@@ -65,10 +65,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
+    impls = args.impls.split(",")
+    if unknown := [i for i in impls if i not in ("kernel", "grouped", "looped")]:
+        ap.error(f"--impls: unknown {', '.join(unknown)}; expected some of kernel, grouped, looped")
     keep_freed_memory()
     name, flags = cpu_model_and_flags()
     print(f"CPU: {name} ({', '.join(f for f in ISA_FLAGS if f in flags)}), {torch.get_num_threads()} threads, torch {torch.__version__}")
-    impls = args.impls.split(",")
     dtype = getattr(torch, args.dtype)
     models, kernels = build(args.layers, dtype)
     read = _measure_bandwidth(torch.device("cpu"), 1 << 30, 5)["read_gb_s"]  # as bench roofline measures it

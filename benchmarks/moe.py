@@ -44,6 +44,7 @@ SHAPES = {
     "mixtral": dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
                     num_local_experts=8, num_experts_per_tok=2),
 }
+IMPLS = ("kernel", "kernel-eager", "grouped", "looped")
 
 
 def tokens_per_s(llm: LLM, batch: int, max_tokens: int) -> float:
@@ -57,16 +58,18 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", default="qwen3_moe", choices=sorted(SHAPES))
     p.add_argument("--impls", default="kernel,grouped", help="kernel, kernel-eager, grouped, looped; ratios are against the first")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=64)
     args = p.parse_args()
+    impls = args.impls.split(",")
+    if unknown := [i for i in impls if i not in IMPLS]:
+        p.error(f"--impls: unknown {', '.join(unknown)}; expected some of {', '.join(IMPLS)}")
     name, flags = cpu.cpu_model_and_flags()
     print(f"CPU: {name} ({', '.join(f for f in cpu.ISA_FLAGS if f in flags)})")
     path = os.path.join(tempfile.mkdtemp(prefix="modserve-moe-"), args.arch)
     build_model(path, args.arch, **SHAPES[args.arch]).to(torch.bfloat16).save_pretrained(path)  # as such checkpoints ship
     config = dict(model={"path": path, "dtype": args.dtype}, kv_cache={"plugin": "paged", "num_blocks": 512})
-    impls = args.impls.split(",")
     engines = {}
     for impl in {"kernel", "kernel-eager"} & set(impls):
         engines[impl] = LLM(**config, device={"plugin": "cpu", "decode_graphs": impl == "kernel"})

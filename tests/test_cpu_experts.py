@@ -311,3 +311,27 @@ def test_a_quantization_scheme_leaves_experts_and_routers_in_floats_and_says_so(
     text = (f"device.quantization {scheme}: mixtures of experts keep their experts and routers in bfloat16 (the scheme "
             "quantizes the other linear layers")  # fmt: skip
     assert caplog.text.count(text) == 1
+
+
+@pytest.mark.parametrize(
+    "script,argv,message",
+    [
+        ("cpu_experts", ["--impls", "kernel,bar"], "--impls: unknown bar; expected some of kernel, grouped, looped"),
+        ("moe", ["--impls", "kernel,foo"], "--impls: unknown foo; expected some of kernel, kernel-eager, grouped, looped"),
+        ("moe", ["--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
+    ],
+)
+def test_the_benchmarks_refuse_a_bad_argument_by_name(monkeypatch, capsys, script, argv, message):
+    """Before building anything: exit 2, the flag named (an unknown implementation once ran as
+    the loop over experts, or crashed on a missing engine)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{script}.py"
+    spec = importlib.util.spec_from_file_location(f"benchmark_{script}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr("sys.argv", [script, *argv])
+    with pytest.raises(SystemExit) as exit_:
+        module.main()
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
