@@ -7,7 +7,9 @@ Kernels: ``onednn`` (PackedLinear, bfloat16), ``onednn-fp32`` (PackedLinear, flo
 int4 kernel, groups of 32), ``int4-amx`` (the same int4 layers widened to bfloat16 tiles per
 call, from AMX_INT4_FROM_ROWS rows on), ``int8`` (torch's int8 kernel, widened weights and
 F.linear from 16 rows), ``int8-amx`` (int8 codes widened to bfloat16 tiles per call), ``w8a8``
-(oneDNN's int8 product) and ``w8a8-amx`` (the AMX-INT8 kernel). Prints ms per pass and each kernel's ratio to the
+(oneDNN's int8 product), ``w8a8-amx`` (the AMX-INT8 kernel), ``int8-panels`` (Int8PanelLinear: int8
+codes on the AVX512_BF16 panels, bfloat16 rows) and ``int8-panels-fp32`` (the same on the float32
+panels, float32 rows). Prints ms per pass and each kernel's ratio to the
 first one named, all measured in this run. Run it on a quiet machine; it prints the CPU.
 
     python benchmarks/cpu_linears.py --kernels amx,int4,int4-amx --rows 1,8,16,64,256,1024
@@ -24,14 +26,19 @@ from torch import nn
 from modserve.plugins.platforms.cpu import ISA_FLAGS, cpu_model_and_flags
 from modserve.plugins.platforms.cpu_amx_linear import AmxLinear
 from modserve.plugins.platforms.cpu_avx2_linear import Avx2Linear
+from modserve.plugins.platforms.cpu_avx2_linear import load_codes as avx2_linear_codes
 from modserve.plugins.platforms.cpu_avx512_linear import Avx512Linear
+from modserve.plugins.platforms.cpu_avx512_linear import load_codes as avx512_linear_codes
+from modserve.plugins.platforms.cpu_int8_panel_linear import Int8PanelLinear
 from modserve.plugins.platforms.cpu_linear import PackedLinear
 from modserve.plugins.platforms.cpu_memory import keep_freed_memory
 from modserve.plugins.platforms.cpu_quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear, W8A8Linear
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}  # (out, in)
 LAYERS = 30
-FLOAT32_KERNELS = ("onednn-fp32", "avx2")  # take float32 rows
+FLOAT32_KERNELS = ("onednn-fp32", "avx2", "int8-panels-fp32")  # take float32 rows
+KINDS = ("onednn", "onednn-fp32", "avx2", "amx", "avx512bf16", "w8a8", "w8a8-amx", "int8", "int8-amx", "int8-panels",
+         "int8-panels-fp32", "int4", "int4-amx")
 
 
 def build(kind: str) -> dict[str, list[nn.Module]]:
@@ -51,6 +58,10 @@ def build(kind: str) -> dict[str, list[nn.Module]]:
                 layers.append(AmxLinear(lin))
             elif kind == "avx512bf16":
                 layers.append(Avx512Linear(lin))
+            elif kind == "int8-panels":
+                layers.append(Int8PanelLinear(lin, avx512_linear_codes(), torch.bfloat16))
+            elif kind == "int8-panels-fp32":
+                layers.append(Int8PanelLinear(lin.float(), avx2_linear_codes(), torch.float32))
             elif kind.startswith("w8a8"):
                 layers.append(W8A8Linear(lin, amx=kind == "w8a8-amx"))
             elif kind.startswith("int8"):
@@ -78,6 +89,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     args = ap.parse_args()
     kernels = args.kernels.split(",")
+    if unknown := [k for k in kernels if k not in KINDS]:
+        ap.error(f"--kernels: unknown {', '.join(unknown)}; expected some of {', '.join(KINDS)}")
     keep_freed_memory()  # as the cpu platform does by default (reuse_freed_memory)
     name, flags = cpu_model_and_flags()
     print(f"{name} ({', '.join(f for f in ISA_FLAGS if f in flags)}), torch {torch.__version__}, {torch.get_num_threads()} threads")

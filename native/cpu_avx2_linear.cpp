@@ -53,6 +53,19 @@ void modserve_avx2_linear(const float* x, int64_t x_stride, int64_t M, const uin
 
 int modserve_avx2_linear_available() { return 1; }
 
+// The same product over int8 codes (device.quantization int8) packed in the same order
+// ([ceil(N/16)][ceil(K/32) * 16][16][2] int8), widened in registers: y = (x @ q.T) * scale + bias,
+// scale [ceil(N/16) * 16] float32 channel scales in the panels' order (gated: the pairs' order).
+void modserve_avx2_linear_int8(const float* x, int64_t x_stride, int64_t M, const int8_t* q, int64_t N, int K,
+                            const float* bias, float* y, int64_t y_stride, int threads, int gated, const float* scale) {
+    const int64_t panel = static_cast<int64_t>((K + 31) / 32) * 512;  // codes of one packed panel
+    modserve::for_panel_ranges(N, threads, [&](int64_t p0, int64_t p1) {
+        thread_part(x, x_stride, M, q, panel, N, K, bias, y, y_stride, gated != 0, p0, p1, scale);
+    });
+}
+
+int modserve_avx2_linear_int8_available() { return 1; }
+
 }  // extern "C"
 
 MODSERVE_PACKED(modserve_avx2_linear) {
@@ -62,8 +75,16 @@ MODSERVE_PACKED(modserve_avx2_linear) {
     return 0;
 }
 
+MODSERVE_PACKED(modserve_avx2_linear_int8) {
+    using modserve::packed::ptr;
+    modserve_avx2_linear_int8(ptr<const float*>(a[0]), a[1], a[2], ptr<const int8_t*>(a[3]), a[4], a[5], ptr<const float*>(a[6]),
+                ptr<float*>(a[7]), a[8], a[9], a[10], ptr<const float*>(a[11]));
+    return 0;
+}
+
 #else  // no AVX2 or FMA: the loader refuses the kernel
 
 extern "C" int modserve_avx2_linear_available() { return 0; }
+extern "C" int modserve_avx2_linear_int8_available() { return 0; }
 
 #endif

@@ -48,6 +48,19 @@ void modserve_avx512_linear(const uint16_t* x, int64_t x_stride, int64_t M, cons
 
 int modserve_avx512_linear_available() { return 1; }
 
+// The same product over int8 codes (device.quantization int8) packed in the same order
+// ([ceil(N/16)][ceil(K/32) * 16][16][2] int8), widened in registers: y = (x @ q.T) * scale + bias,
+// scale [ceil(N/16) * 16] float32 channel scales in the panels' order (gated: the pairs' order).
+void modserve_avx512_linear_int8(const uint16_t* x, int64_t x_stride, int64_t M, const int8_t* q, int64_t N, int K,
+                            const float* bias, uint16_t* y, int64_t y_stride, int threads, int gated, const float* scale) {
+    const int64_t panel = static_cast<int64_t>((K + 31) / 32) * 512;  // codes of one packed panel
+    modserve::for_panel_ranges(N, threads, [&](int64_t p0, int64_t p1) {
+        thread_part(x, x_stride, M, q, panel, N, K, bias, y, y_stride, gated != 0, p0, p1, scale);
+    });
+}
+
+int modserve_avx512_linear_int8_available() { return 1; }
+
 }  // extern "C"
 
 MODSERVE_PACKED(modserve_avx512_linear) {
@@ -57,8 +70,16 @@ MODSERVE_PACKED(modserve_avx512_linear) {
     return 0;
 }
 
+MODSERVE_PACKED(modserve_avx512_linear_int8) {
+    using modserve::packed::ptr;
+    modserve_avx512_linear_int8(ptr<const uint16_t*>(a[0]), a[1], a[2], ptr<const int8_t*>(a[3]), a[4], a[5], ptr<const float*>(a[6]),
+                ptr<uint16_t*>(a[7]), a[8], a[9], a[10], ptr<const float*>(a[11]));
+    return 0;
+}
+
 #else  // no AVX512_BF16: the loader refuses the kernel
 
 extern "C" int modserve_avx512_linear_available() { return 0; }
+extern "C" int modserve_avx512_linear_int8_available() { return 0; }
 
 #endif

@@ -3,7 +3,8 @@
 // bfloat16 model's on AVX512_BF16 (modserve_experts, the products of avx512_bf16_panels.h),
 // and a float32 model's whose experts bfloat16 holds exactly, on AVX2 and FMA (or AVX-512
 // wide; modserve_experts_f32, the products of float32_panels.h). The experts are packed per
-// expert as cpu_panel_linear packs a layer.
+// expert as cpu_panel_linear packs a layer: bfloat16 weights, or int8 codes in the same order
+// with a scale per output channel (device.quantization int8), widened in registers.
 //
 // Why: torch's grouped product (or a loop over experts) ran Qwen3-30B-A3B's expert shapes
 // (hidden 2,048, 128 experts of width 768, top 8) at one token in 3.2-4.2 ms a layer on a Zen
@@ -138,10 +139,11 @@ void share(int t, int nt, const Plan& p, int64_t units, const Run& run) {
 }
 
 // A thread's share of one expert's products (avx512_bf16_panels.h's or float32_panels.h's
-// thread_part): rows [0, M) of x times panels [p0, p1) of w, into y.
-template <typename T>
-using Part = void (*)(const T*, int64_t, int64_t, const uint16_t*, int64_t, int64_t, int, const float*, T*, int64_t, bool,
-                      int64_t, int64_t);
+// thread_part): rows [0, M) of x times panels [p0, p1) of w (bfloat16, or int8 codes with their
+// channel scales), into y.
+template <typename T, typename W>
+using Part = void (*)(const T*, int64_t, int64_t, const W*, int64_t, int64_t, int, const float*, T*, int64_t, bool,
+                      int64_t, int64_t, const float*);
 
 // Token tok's output: its experts' rows of ys (in `copy`, ascending experts) times their
 // weights, summed in the model's dtype.
@@ -150,10 +152,13 @@ void combine(const uint16_t* ys, const int64_t* copy, const float* weights, int 
 #endif
 void combine(const float* ys, const int64_t* copy, const float* weights, int k, int H, float* out);
 
-// The whole call (see the top of the file) for the model's dtype T and its products.
-template <typename T, Part<T> part>
+// The whole call (see the top of the file) for the model's dtype T and its products over
+// weights W (bfloat16, or int8 codes whose channel scales scale13 and scale2 hold: [E][2I] in
+// the gated panels' order, [E][H rounded up to 16]).
+template <typename T, typename W, Part<T, W> part>
 int experts(const T* x, int64_t x_stride, int64_t T_, const T* logits, int64_t logits_stride, int E, int k, int renormalize,
-            const uint16_t* w13, const uint16_t* w2, int H, int I, T* out, int64_t out_stride, int threads) {
+            const W* w13, const W* w2, const float* scale13, const float* scale2, int H, int I, T* out, int64_t out_stride,
+            int threads) {
     if (T_ <= 0) return 0;
     const int64_t panel13 = static_cast<int64_t>((H + 31) / 32) * 512, panel2 = static_cast<int64_t>((I + 31) / 32) * 512;
     const int64_t pairs = I / 16, down_panels = (H + 15) / 16;
@@ -179,12 +184,13 @@ int experts(const T* x, int64_t x_stride, int64_t T_, const T* logits, int64_t l
         share(t, nt, p, pairs, [&](int e, int64_t u0, int64_t u1) {
             const int64_t r0 = p.start[e];
             part(&rows[r0 * H], H, p.start[e + 1] - r0, w13 + e * expert13, panel13, 2 * I, H, nullptr, &act[r0 * I], I, true,
-                 2 * u0, 2 * u1);
+                 2 * u0, 2 * u1, scale13 + e * 2 * I);
         });
 #pragma omp barrier
         share(t, nt, p, down_panels, [&](int e, int64_t u0, int64_t u1) {
             const int64_t r0 = p.start[e];
-            part(&act[r0 * I], I, p.start[e + 1] - r0, w2 + e * expert2, panel2, H, I, nullptr, &ys[r0 * H], H, false, u0, u1);
+            part(&act[r0 * I], I, p.start[e + 1] - r0, w2 + e * expert2, panel2, H, I, nullptr, &ys[r0 * H], H, false, u0, u1,
+                 scale2 + e * down_panels * 16);
         });
 #pragma omp barrier
 #pragma omp for schedule(static)
@@ -232,44 +238,75 @@ void combine(const float* ys, const int64_t* copy, const float* weights, int k, 
     }
 }
 
-// A build's call-list entry point: the slots of experts<T, part>'s arguments, unpacked.
-template <typename T, Part<T> part>
+// The call for the model's dtype T and its panel products `Part` (a template over the weights'
+// type): int8 codes where scale13 is given, bfloat16 weights where it is null.
+template <typename T, template <typename W> class Part>
+int dispatch(const T* x, int64_t x_stride, int64_t T_, const T* logits, int64_t logits_stride, int E, int k, int renormalize,
+             const void* w13, const void* w2, const float* scale13, const float* scale2, int H, int I, T* out,
+             int64_t out_stride, int threads) {
+    if (scale13 != nullptr)
+        return experts<T, int8_t, Part<int8_t>::run>(x, x_stride, T_, logits, logits_stride, E, k, renormalize,
+                                                      static_cast<const int8_t*>(w13), static_cast<const int8_t*>(w2), scale13,
+                                                      scale2, H, I, out, out_stride, threads);
+    return experts<T, uint16_t, Part<uint16_t>::run>(x, x_stride, T_, logits, logits_stride, E, k, renormalize,
+                                                      static_cast<const uint16_t*>(w13), static_cast<const uint16_t*>(w2),
+                                                      nullptr, nullptr, H, I, out, out_stride, threads);
+}
+
+// A build's call-list entry point: the slots of dispatch's arguments, unpacked.
+template <typename T, template <typename W> class Part>
 int packed_experts(const int64_t* a) {
     using modserve::packed::ptr;
-    return experts<T, part>(ptr<const T*>(a[0]), a[1], a[2], ptr<const T*>(a[3]), a[4], a[5], a[6], a[7], ptr<const uint16_t*>(a[8]),
-                            ptr<const uint16_t*>(a[9]), a[10], a[11], ptr<T*>(a[12]), a[13], a[14]);
+    return dispatch<T, Part>(ptr<const T*>(a[0]), a[1], a[2], ptr<const T*>(a[3]), a[4], a[5], a[6], a[7], ptr<const void*>(a[8]),
+                             ptr<const void*>(a[9]), ptr<const float*>(a[10]), ptr<const float*>(a[11]), a[12], a[13], ptr<T*>(a[14]),
+                             a[15], a[16]);
 }
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+template <typename W>
+struct Bf16Part {  // a bfloat16 model's products over W
+    static constexpr Part<uint16_t, W> run = modserve::bf16_panels::thread_part<W>;
+};
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+template <typename W>
+struct Float32Part {  // a float32 model's products over W
+    static constexpr Part<float, W> run = modserve::float32_panels::thread_part<W>;
+};
+#endif
 
 }  // namespace
 #endif
 
 // x [T, H] (rows x_stride apart) in the model's dtype; logits [T, E] (the router's, rows
-// logits_stride apart) in the model's dtype; w13 [E] experts of packed bfloat16 (gate, up) panel
-// pairs (N 2I, K H: the gated layout of cpu_panel_linear.gated_pairs), w2 [E] experts of packed
-// bfloat16 panels (N H, K I); out [T, H] (rows out_stride apart). I a multiple of 16,
-// 1 <= k <= E. Returns 0. modserve_experts: a bfloat16 model; modserve_experts_f32: float32.
+// logits_stride apart) in the model's dtype; w13 [E] experts of packed (gate, up) panel pairs
+// (N 2I, K H: the gated layout of cpu_panel_linear.gated_pairs), w2 [E] experts of packed panels
+// (N H, K I), each bfloat16 (scale13, scale2 null) or int8 codes (scale13 [E][2I] and scale2
+// [E][ceil(H/16) * 16] float32 channel scales in the panels' order); out [T, H] (rows out_stride
+// apart). I a multiple of 16, 1 <= k <= E. Returns 0. modserve_experts: a bfloat16 model;
+// modserve_experts_f32: float32.
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 extern "C" int modserve_experts(const uint16_t* x, int64_t x_stride, int64_t T, const uint16_t* logits, int64_t logits_stride,
-                                int E, int k, int renormalize, const uint16_t* w13, const uint16_t* w2, int H, int I,
-                                uint16_t* out, int64_t out_stride, int threads) {
-    return experts<uint16_t, modserve::bf16_panels::thread_part>(x, x_stride, T, logits, logits_stride, E, k, renormalize, w13,
-                                                                  w2, H, I, out, out_stride, threads);
+                                int E, int k, int renormalize, const void* w13, const void* w2, const float* scale13,
+                                const float* scale2, int H, int I, uint16_t* out, int64_t out_stride, int threads) {
+    return dispatch<uint16_t, Bf16Part>(x, x_stride, T, logits, logits_stride, E, k, renormalize, w13, w2, scale13, scale2, H, I,
+                                        out, out_stride, threads);
 }
 extern "C" int modserve_experts_available() { return 1; }
-MODSERVE_PACKED(modserve_experts) { return packed_experts<uint16_t, modserve::bf16_panels::thread_part>(a); }
+MODSERVE_PACKED(modserve_experts) { return packed_experts<uint16_t, Bf16Part>(a); }
 #else  // no AVX512_BF16: the loader refuses the bfloat16 build
 extern "C" int modserve_experts_available() { return 0; }
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
 extern "C" int modserve_experts_f32(const float* x, int64_t x_stride, int64_t T, const float* logits, int64_t logits_stride,
-                                    int E, int k, int renormalize, const uint16_t* w13, const uint16_t* w2, int H, int I,
-                                    float* out, int64_t out_stride, int threads) {
-    return experts<float, modserve::float32_panels::thread_part>(x, x_stride, T, logits, logits_stride, E, k, renormalize, w13,
-                                                                  w2, H, I, out, out_stride, threads);
+                                    int E, int k, int renormalize, const void* w13, const void* w2, const float* scale13,
+                                    const float* scale2, int H, int I, float* out, int64_t out_stride, int threads) {
+    return dispatch<float, Float32Part>(x, x_stride, T, logits, logits_stride, E, k, renormalize, w13, w2, scale13, scale2, H, I,
+                                        out, out_stride, threads);
 }
 extern "C" int modserve_experts_f32_available() { return 1; }
-MODSERVE_PACKED(modserve_experts_f32) { return packed_experts<float, modserve::float32_panels::thread_part>(a); }
+MODSERVE_PACKED(modserve_experts_f32) { return packed_experts<float, Float32Part>(a); }
 #else  // no AVX2 and FMA: the loader refuses the float32 build
 extern "C" int modserve_experts_f32_available() { return 0; }
 #endif

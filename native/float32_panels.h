@@ -1,7 +1,9 @@
 // The float32 panel product over bfloat16-held weights (FMAs on weights widened by a shift or a
 // mask) that the float32 linear kernel (cpu_avx2_linear.cpp, where its layout, loop and widths
 // are explained) and the mixture-of-experts kernel (cpu_experts.cpp, one such product per
-// expert) both run: a thread's share of panels for every row, in register blocks of rows.
+// expert) both run: a thread's share of panels for every row, in register blocks of rows. The
+// panels hold bfloat16 weights, or int8 codes in the same order (W int8_t), widened to float32
+// in registers, whose sums are then multiplied by their output channel's scale.
 #pragma once
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -9,6 +11,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 
 #include "fast_exp.h"
@@ -34,6 +37,15 @@ inline Weights odd_weights(const uint16_t* w, int k) {  // input 2k + 1's: the l
     const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
     return {_mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(w + k * 32), high))};
 }
+// int8 codes: a pair step's 32 bytes as 16 int32 lanes, each holding its output's two codes
+// (input 2k's in the low byte), sign-extended from 16 bits.
+inline __m512i code_pairs(const int8_t* w, int k) {
+    return _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * 32)));
+}
+inline Weights even_weights(const int8_t* w, int k) {
+    return {_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(code_pairs(w, k), 24), 24))};
+}
+inline Weights odd_weights(const int8_t* w, int k) { return {_mm512_cvtepi32_ps(_mm512_srai_epi32(code_pairs(w, k), 8))}; }
 inline void fma(Sums& s, const float* x, const Weights& w) { s.v = _mm512_fmadd_ps(_mm512_set1_ps(*x), w.v, s.v); }
 inline void add_sums(Sums& s, const Sums& t) { s.v = _mm512_add_ps(s.v, t.v); }
 inline void store_sums(float* out, const Sums& s) { _mm512_store_ps(out, s.v); }
@@ -58,6 +70,19 @@ inline Weights odd_weights(const uint16_t* w, int k) {  // input 2k + 1's: the l
     return {_mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(src), high)),
             _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(src + 1), high))};
 }
+// int8 codes: a pair step's outputs 0-7 (half 0) or 8-15 (half 1) as 8 int32 lanes, each
+// holding its output's two codes (input 2k's in the low byte), sign-extended from 16 bits.
+inline __m256i code_pairs(const int8_t* w, int k, int half) {
+    return _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * 32) + half));
+}
+inline __m256 even_codes(__m256i v) { return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24), 24)); }
+inline Weights even_weights(const int8_t* w, int k) {
+    return {even_codes(code_pairs(w, k, 0)), even_codes(code_pairs(w, k, 1))};
+}
+inline Weights odd_weights(const int8_t* w, int k) {
+    return {_mm256_cvtepi32_ps(_mm256_srai_epi32(code_pairs(w, k, 0), 8)),
+            _mm256_cvtepi32_ps(_mm256_srai_epi32(code_pairs(w, k, 1), 8))};
+}
 inline void fma(Sums& s, const float* x, const Weights& w) {
     const __m256 xb = _mm256_broadcast_ss(x);
     s.lo = _mm256_fmadd_ps(xb, w.lo, s.lo);
@@ -80,8 +105,8 @@ constexpr int64_t kChunk = 96;   // rows per sweep over a thread's panels (with 
 // Input pair k (inputs 2k, 2k + 1; Odd false: 2k only) of P adjacent panels (`panel` elements
 // apart) times rows [0, R) of x, added to `even` (input 2k) and `odd_sums` (input 2k + 1; the
 // same array or one of its own). Each broadcast of x feeds the P panels.
-template <int R, int P, bool Odd, int RO>
-__attribute__((always_inline)) inline void pair_step(const float* x, int64_t x_stride, const uint16_t* w, int64_t panel,
+template <int R, int P, bool Odd, int RO, typename W>
+__attribute__((always_inline)) inline void pair_step(const float* x, int64_t x_stride, const W* w, int64_t panel,
                                                      int k, Sums (&even)[R][P], Sums (&odd_sums)[RO][P]) {
     Weights we[P];
 #pragma GCC unroll 2
@@ -104,13 +129,13 @@ __attribute__((always_inline)) inline void pair_step(const float* x, int64_t x_s
 }
 
 // Rows [0, R) of x times P adjacent panels w (16 outputs each, from column n0), all of K, into
-// float32 sums; then, plain (gate null), y[r][n0 + j] = sum + bias for the columns below N; or,
+// float32 sums (codes: each times its channel's scale, from `scale`, 16 a panel); then, plain (gate null), y[r][n0 + j] = sum + bias for the columns below N; or,
 // the up half of a gated pair (P 1), y[r][n0 / 2 + j] = silu(gate[r][j]) * sum, gate holding the
 // gate panel's sums (16 a row, from a plain call with y = gate, n0 = 0, N = 16); or a whole
 // gated pair at once (P 2, gated_pair): y[r][n0 / 2 + j] = silu(first panel's) * second's.
-template <int R, int P>
-void block(const float* x, int64_t x_stride, const uint16_t* w, int64_t panel, int K, const float* bias, int64_t n0,
-           int64_t N, float* y, int64_t y_stride, const float* gate, bool gated_pair, const char* ahead,
+template <typename W, int R, int P>
+void block(const float* x, int64_t x_stride, const W* w, int64_t panel, int K, const float* bias, const float* scale,
+           int64_t n0, int64_t N, float* y, int64_t y_stride, const float* gate, bool gated_pair, const char* ahead,
            int64_t ahead_lines) {
     constexpr bool Split = R <= 2 && P == 1;  // even and odd inputs in sums of their own when few sums are live
     Sums acc[R][P], acc_odd[Split ? R : 1][P];
@@ -139,6 +164,13 @@ void block(const float* x, int64_t x_stride, const uint16_t* w, int64_t panel, i
         if constexpr (Split) add_sums(acc[r][0], acc_odd[r][0]);
 #pragma GCC unroll 2
         for (int q = 0; q < P; ++q) store_sums(sums[q], acc[r][q]);
+        if constexpr (std::is_same_v<W, int8_t>) {
+#pragma GCC unroll 2
+            for (int q = 0; q < P; ++q) {
+#pragma omp simd
+                for (int j = 0; j < 16; ++j) sums[q][j] *= scale[16 * q + j];
+            }
+        }
         float* out = y + r * y_stride;
         if (P == 2 && gated_pair) {
 #pragma omp simd
@@ -156,22 +188,26 @@ void block(const float* x, int64_t x_stride, const uint16_t* w, int64_t panel, i
     }
 }
 
-using Block = void (*)(const float*, int64_t, const uint16_t*, int64_t, int, const float*, int64_t, int64_t, float*,
+template <typename W>
+using Block = void (*)(const float*, int64_t, const W*, int64_t, int, const float*, const float*, int64_t, int64_t, float*,
                        int64_t, const float*, bool, const char*, int64_t);
 
 // The instantiation for r rows (1..kRows) and P panels.
-template <int P, int... Rs>
-Block rows_block_of(int r, std::integer_sequence<int, Rs...>) {
-    Block run = block<kRows, P>;
-    ((r == Rs + 1 ? (run = block<Rs + 1, P>, 0) : 0), ...);
+template <typename W, int P, int... Rs>
+Block<W> rows_block_of(int r, std::integer_sequence<int, Rs...>) {
+    Block<W> run = block<W, kRows, P>;
+    ((r == Rs + 1 ? (run = block<W, Rs + 1, P>, 0) : 0), ...);
     return run;
 }
-template <int P>
-Block rows_block(int r) { return rows_block_of<P>(r, std::make_integer_sequence<int, kRows>{}); }
+template <typename W, int P>
+Block<W> rows_block(int r) { return rows_block_of<W, P>(r, std::make_integer_sequence<int, kRows>{}); }
 
-// One thread's share: panels [p0, p1) (whole gated pairs) for every row, kChunk rows at a time.
-inline void thread_part(const float* x, int64_t x_stride, int64_t M, const uint16_t* w, int64_t panel, int64_t N, int K,
-                        const float* bias, float* y, int64_t y_stride, bool gated, int64_t p0, int64_t p1) {
+// One thread's share: panels [p0, p1) (whole gated pairs) for every row, kChunk rows at a time;
+// `scale` the channel scales of int8 codes (16 a panel, in the panels' order), else unused.
+template <typename W>
+void thread_part(const float* x, int64_t x_stride, int64_t M, const W* w, int64_t panel, int64_t N, int K,
+                 const float* bias, float* y, int64_t y_stride, bool gated, int64_t p0, int64_t p1,
+                 const float* scale = nullptr) {
     alignas(64) float gate[kRows * 16];  // a gated pair's gate sums, until its up panel's block
     for (int64_t c0 = 0; c0 < M; c0 += kChunk) {
         const int64_t c1 = c0 + kChunk < M ? c0 + kChunk : M;
@@ -179,25 +215,26 @@ inline void thread_part(const float* x, int64_t x_stride, int64_t M, const uint1
         for (int64_t g = p0; g < p1; g += kPanels) {
             const int64_t g1 = g + kPanels < p1 ? g + kPanels : p1;
             const int64_t after = p1 - g1 < kPanels ? p1 - g1 : kPanels;  // panels in the next group
-            const int64_t next_lines = c1 - c0 > 1 ? after * panel * 2 / 64 : 0;  // one row streams as fast without
+            const int64_t next_lines = c1 - c0 > 1 ? after * panel * static_cast<int64_t>(sizeof(W)) / 64 : 0;  // one row streams as fast without
             const char* next_w = reinterpret_cast<const char*>(w + g1 * panel);
             for (int64_t b = 0; b < blocks; ++b) {
                 const int64_t m = c0 + b * kRows;
                 const int rows = c1 - m < kRows ? static_cast<int>(c1 - m) : kRows;
-                const Block run = rows_block<1>(rows), run_two = rows_block<2>(rows);
+                const Block<W> run = rows_block<W, 1>(rows), run_two = rows_block<W, 2>(rows);
                 const int64_t l0 = next_lines * b / blocks, l1 = next_lines * (b + 1) / blocks;
                 const float* xm = x + m * x_stride;
                 for (int64_t p = g; p < g1;) {  // each call asks for its panels' part of the block's lines
                     const int64_t take = kTwoPanelsFrom > 0 && rows >= kTwoPanelsFrom && p + 1 < g1 ? 2 : 1;
                     const int64_t a0 = l0 + (l1 - l0) * (p - g) / (g1 - g), a1 = l0 + (l1 - l0) * (p + take - g) / (g1 - g);
                     const char* ahead = next_w + 64 * a0;
+                    const float* s = std::is_same_v<W, int8_t> ? scale + 16 * p : nullptr;  // panel p's channel scales
                     if (take == 2)  // gated: a (gate, up) pair, p even
-                        run_two(xm, x_stride, w + p * panel, panel, K, bias, p * 16, N, y + m * y_stride, y_stride,
+                        run_two(xm, x_stride, w + p * panel, panel, K, bias, s, p * 16, N, y + m * y_stride, y_stride,
                                 nullptr, gated, ahead, a1 - a0);
                     else if (gated && (p & 1) == 0)
-                        run(xm, x_stride, w + p * panel, panel, K, nullptr, 0, 16, gate, 16, nullptr, false, ahead, a1 - a0);
+                        run(xm, x_stride, w + p * panel, panel, K, nullptr, s, 0, 16, gate, 16, nullptr, false, ahead, a1 - a0);
                     else
-                        run(xm, x_stride, w + p * panel, panel, K, bias, (gated ? p - 1 : p) * 16, N, y + m * y_stride,
+                        run(xm, x_stride, w + p * panel, panel, K, bias, s, (gated ? p - 1 : p) * 16, N, y + m * y_stride,
                             y_stride, gated ? gate : nullptr, false, ahead, a1 - a0);  // gated: the pair's columns, from its gate panel's
                     p += take;
                 }

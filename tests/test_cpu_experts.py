@@ -293,30 +293,30 @@ def test_a_kernel_that_does_not_build_keeps_the_models_products_and_says_why(tmp
     assert "mixtures of experts run torch's grouped products (the mixture-of-experts kernel needs a C++ compiler" in caplog.text
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("scheme", ["w8a8", "int4"])
 def test_a_quantization_scheme_leaves_experts_and_routers_in_floats_and_says_so(tmp_path, caplog, scheme):
-    """Quantization schemes quantize linear layers; the experts are not linear layers, and the
-    routers stay in floats (as vLLM and llama.cpp keep them). The log says so once, rather than
-    let the scheme seem to cover the whole model."""
-    from modserve.plugins.platforms.cpu_quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear
+    """Schemes other than int8 (tests/test_cpu_int8_experts.py) quantize linear layers only; the
+    experts are not linear layers, and the routers stay in floats (as vLLM and llama.cpp keep
+    them). The log says so once, rather than let the scheme seem to cover the whole model."""
+    from modserve.plugins.platforms.cpu_quant import Int4WeightOnlyLinear, W8A8Linear
 
     build_model(str(tmp_path), "mixtral")
     with caplog.at_level(logging.WARNING, logger="modserve.platform"):
         llm = engine(str(tmp_path), graphs=False, quantization=scheme)
     model = llm.engine.runner.model
-    quantized = (Int8WeightOnlyLinear, Int4WeightOnlyLinear)
+    quantized = (W8A8Linear, Int4WeightOnlyLinear)
     moe = next(m for m in model.modules() if isinstance(m, (SparseMoE, PanelExperts)))
     assert moe.w13.dtype == torch.bfloat16  # stacked or packed, not int8 codes
     assert not isinstance(moe.gate, quantized) and isinstance(model.layers[0].self_attn.qkv_proj, quantized)
     text = (f"device.quantization {scheme}: mixtures of experts keep their experts and routers in bfloat16 (the scheme "
-            "quantizes the other linear layers")  # fmt: skip
+            "quantizes the other linear layers; of the schemes only int8 quantizes experts)")  # fmt: skip
     assert caplog.text.count(text) == 1
 
 
 @pytest.mark.parametrize(
     "script,argv,message",
     [
-        ("cpu_experts", ["--impls", "kernel,bar"], "--impls: unknown bar; expected some of kernel, grouped, looped"),
+        ("cpu_experts", ["--impls", "kernel,bar"], "--impls: unknown bar; expected some of kernel, kernel-int8, grouped, looped"),
         ("moe", ["--impls", "kernel,foo"], "--impls: unknown foo; expected some of kernel, kernel-eager, grouped, looped"),
         ("moe", ["--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
     ],

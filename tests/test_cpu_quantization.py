@@ -36,6 +36,7 @@ from torch import nn
 from modserve import LLM, SamplingParams
 from modserve.core.config import ConfigError
 from modserve.core.engine_factory import resolve
+from modserve.plugins.platforms.cpu_int8_panel_linear import Int8PanelLinear
 from modserve.plugins.platforms.cpu_panel_linear import PanelLinear
 from modserve.plugins.platforms.cpu_linear import PackedLinear
 from modserve.plugins.platforms.cpu_quant import (
@@ -239,9 +240,9 @@ def test_engine_stays_within_stated_tolerance_of_the_float_engine(calm_llama, fl
     path, _ = calm_llama
     llm = _llm(path, dtype, quantization=scheme)
     model = llm.engine.c.runner.model
-    kind = {"int8": Int8WeightOnlyLinear, "w8a8": W8A8Linear, "int4": Int4WeightOnlyLinear}[scheme]
+    kind = {"int8": (Int8WeightOnlyLinear, Int8PanelLinear), "w8a8": W8A8Linear, "int4": Int4WeightOnlyLinear}[scheme]
     assert sum(isinstance(m, kind) for m in model.modules()) == 4 * len(model.layers)  # qkv, o, gate_up, down
-    assert isinstance(model.lm_head, (PackedLinear, PanelLinear, nn.Linear))  # the head stays float by default
+    assert isinstance(model.lm_head, (PackedLinear, PanelLinear, nn.Linear)) and not isinstance(model.lm_head, kind)  # float by default
     if scheme == "int4":  # in_features 64 (hidden) takes groups of 64, 128 (intermediate) the asked 128
         assert {m.group_size for m in model.modules() if isinstance(m, kind)} == {64, 128}
     sequences, want = float_reference[dtype]
@@ -295,7 +296,7 @@ def test_quantized_tied_head_leaves_the_embedding_alone(calm_llama):
     ref = _llm(path).engine.c.runner.model
     for scheme in SCHEMES:
         model = _llm(path, quantization=scheme, quantize_lm_head=True, **({"int4_group_size": 32} if scheme == "int4" else {})).engine.c.runner.model
-        assert not isinstance(model.lm_head, (nn.Linear, PackedLinear, PanelLinear))
+        assert isinstance(model.lm_head, Int8PanelLinear) or not isinstance(model.lm_head, (nn.Linear, PackedLinear, PanelLinear))
         assert not any(t is model.embed_tokens.weight for t in model.lm_head.buffers())
         assert torch.equal(model.embed_tokens.weight, ref.embed_tokens.weight)
 

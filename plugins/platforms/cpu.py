@@ -25,13 +25,14 @@ from torch import nn
 
 from modserve.core import native_calls
 from modserve.core.config import ConfigError
-from modserve.core.contract import DeviceInfo, Platform, hookimpl
+from modserve.core.contract import DeviceInfo, NativeFunction, Platform, hookimpl
 from modserve.core.contract.experts import ExpertMLP
 from modserve.native.build import KernelUnavailable
 from modserve.plugins.platforms import cpu_amx_linear as amx_linear
 from modserve.plugins.platforms import cpu_avx2_linear as avx2_linear
 from modserve.plugins.platforms import cpu_avx512_linear as avx512_linear
-from modserve.plugins.platforms import cpu_experts
+from modserve.plugins.platforms import cpu_experts, cpu_int8_experts
+from modserve.plugins.platforms.cpu_int8_panel_linear import Int8PanelLinear
 from modserve.plugins.platforms.cpu_linear import PackedLinear, can_pack
 from modserve.plugins.platforms.cpu_memory import keep_freed_memory
 from modserve.plugins.platforms.cpu_panel_linear import PanelLinear
@@ -108,10 +109,16 @@ class CPUPlatform(Platform):
         linears = f"{bf16} in bfloat16, {fp32} in float32" if bf16 != fp32 else fp32
         kernels = [f"linears: {linears if self.config.pack_weights else 'plain nn.Linear'}"]
         if self.config.quantization != "none":
-            kernels.append(f"quantized linears ({self.config.quantization}): {_quantized_kernels(self.config.quantization, self.amx_linears, self.amx_int8)}")
+            quantized = _quantized_kernels(self.config.quantization, self.amx_linears, self.amx_int8)
+            if self.config.quantization == "int8" and not self.amx_linears:
+                panels = [d for d, k in (("bfloat16", self.float_kernel == "avx512bf16"), ("float32", self.float32_kernel == "avx2")) if k]
+                quantized = f"panel kernels over int8 codes in {' and '.join(panels)}, else {quantized}" if panels else quantized
+            kernels.append(f"quantized linears ({self.config.quantization}): {quantized}")
         calls = ["AVX512_BF16 in bfloat16"] if self.float_kernel == "avx512bf16" else []
         calls += ["float32 FMAs over bfloat16-held experts where exact"] if self.float32_kernel == "avx2" else []
         experts = f"one call a layer ({', '.join(calls)}), else torch's grouped products" if calls else "torch's grouped products"
+        if self.config.quantization == "int8":
+            experts = "int8 codes, one call a layer where the kernel builds (AVX512_BF16 in bfloat16, AVX2 FMAs in float32), else widened in torch"
         kernels.append(f"mixtures of experts: {experts}")
         return DeviceInfo(f"{name} ({', '.join(isa) or 'no AVX2'})", _total_memory(), dtypes, tuple(kernels))
 
@@ -198,34 +205,48 @@ class CPUPlatform(Platform):
             return layer
         if name in self.routers and self.config.quantization != "gguf":  # a GGUF file's router stays as stored
             return layer  # as vLLM and llama.cpp keep it: an expert's choice turns on small differences of its logits
+        if self.config.quantization == "int8" and (kernel := self._int8_panel_kernel(layer.weight.dtype)) is not None:
+            return Int8PanelLinear(layer, kernel, layer.weight.dtype)
         if self.config.quantization != "gguf":
             amx = self.amx_int8 if self.config.quantization == "w8a8" else self.amx_linears
             return quantize_linear(self.config.quantization, name, layer, self.config.int4_group_size or 128, amx)
         return gguf_linear(name, layer)  # the layer itself where the file stores it as floats
 
+    def _int8_panel_kernel(self, dtype: torch.dtype) -> NativeFunction | None:
+        """The panel kernel's int8 entry where this dtype's float linears run on our panel
+        kernels without AMX (AMX CPUs widen int8 codes to tiles instead), else None."""
+        if dtype == torch.bfloat16 and self.float_kernel == "avx512bf16":
+            return avx512_linear.load_codes()
+        if dtype == torch.float32 and self.float32_kernel == "avx2":
+            return avx2_linear.load_codes()
+        return None
+
     def experts(self, name: str, moe: ExpertMLP) -> ExpertMLP:
         """One native call per mixture of experts (:mod:`cpu_experts`) where the model's linears
         are our own panel kernels: bfloat16 on AVX512_BF16 panels, float32 over bfloat16-held
         experts on AVX2. Elsewhere the model's grouped products, and the log says why once (on
-        AMX CPUs oneDNN's tiles multiply them faster at prefill than these panels would)."""
+        AMX CPUs oneDNN's tiles multiply them faster at prefill than these panels would).
+        ``quantization: int8``: int8 experts (:mod:`cpu_int8_experts`), on the kernel wherever it
+        builds for the model's dtype, else in torch; the router stays in floats."""
         self.routers.add(f"{name}.gate")
-        if self.config.quantization != "none" and not self.experts_quantization_note:
+        int8 = self.config.quantization == "int8"
+        if self.config.quantization not in ("none", "int8") and not self.experts_quantization_note:
             log.warning(
                 "device.quantization %s: mixtures of experts keep their experts and routers in %s (the scheme quantizes "
-                "the other linear layers; quantized experts are not built yet)", self.config.quantization,
+                "the other linear layers; of the schemes only int8 quantizes experts)", self.config.quantization,
                 str(moe.w13.dtype).removeprefix("torch."),
             )  # fmt: skip
             self.experts_quantization_note = True
-        why = self._experts_unavailable(moe)
+        why = cpu_experts.unsupported(moe, int8=True) if int8 else self._experts_unavailable(moe)
         if why is None:
             try:
-                return cpu_experts.PanelExperts(moe)
+                return cpu_experts.PanelExperts(moe, int8=int8)
             except KernelUnavailable as e:  # the instructions are there, the kernel did not build
                 why = str(e)
         if not self.kept_experts_note:
-            log.info("device: mixtures of experts run torch's grouped products (%s)", why)
+            log.info("device: mixtures of experts run %s (%s)", "int8 codes widened in torch" if int8 else "torch's grouped products", why)
             self.kept_experts_note = True
-        return moe
+        return cpu_int8_experts.Int8LoopedExperts(moe) if int8 else moe
 
     def _experts_unavailable(self, moe: ExpertMLP) -> str | None:
         if not self.config.pack_weights:

@@ -23,6 +23,7 @@ from torch import nn
 
 from modserve.core.contract import NativeFunction
 from modserve.native.build import SOURCES
+from modserve.plugins.platforms.cpu_int8_panel_linear import load_int8
 from modserve.plugins.platforms.cpu_panel_linear import PanelLinear, load_kernel
 
 SOURCE = SOURCES / "cpu_avx2_linear.cpp"
@@ -35,6 +36,12 @@ def load(extra_flags: tuple[str, ...] = ()) -> NativeFunction:
     ``KernelUnavailable`` where it cannot be built, or where the compiler does not target AVX2
     and FMA on this CPU (``-march=native``)."""
     return load_kernel(SOURCE, "the AVX2 linear kernel", "modserve_avx2_linear", "AVX2 and FMA", extra_flags)
+
+
+@functools.cache
+def load_codes(extra_flags: tuple[str, ...] = ()) -> NativeFunction:
+    """The same kernel's entry over int8 codes (:class:`~modserve.plugins.platforms.cpu_int8_panel_linear.Int8PanelLinear`)."""
+    return load_int8(SOURCE, "the AVX2 linear kernel", "modserve_avx2_linear_int8", "AVX2 and FMA", extra_flags)
 
 
 def exact_in_bfloat16(weight: torch.Tensor) -> bool:

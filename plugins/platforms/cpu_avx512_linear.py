@@ -23,6 +23,7 @@ from torch import nn
 
 from modserve.core.contract import NativeFunction
 from modserve.native.build import SOURCES
+from modserve.plugins.platforms.cpu_int8_panel_linear import load_int8
 from modserve.plugins.platforms.cpu_panel_linear import PanelLinear, load_kernel
 
 SOURCE = SOURCES / "cpu_avx512_linear.cpp"
@@ -33,6 +34,12 @@ def load() -> NativeFunction:
     """The compiled kernel; raises ``KernelUnavailable`` where it cannot be built, or where the
     compiler does not target AVX512_BF16 on this CPU (``-march=native``)."""
     return load_kernel(SOURCE, "the AVX512_BF16 linear kernel", "modserve_avx512_linear", "AVX512_BF16")
+
+
+@functools.cache
+def load_codes() -> NativeFunction:
+    """The same kernel's entry over int8 codes (:class:`~modserve.plugins.platforms.cpu_int8_panel_linear.Int8PanelLinear`)."""
+    return load_int8(SOURCE, "the AVX512_BF16 linear kernel", "modserve_avx512_linear_int8", "AVX512_BF16")
 
 
 class Avx512Linear(PanelLinear):

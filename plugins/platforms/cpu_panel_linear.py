@@ -89,13 +89,14 @@ class PanelLinear(nn.Module, GatedLinear):
     gated = False  # forward returns the SiLU-gated product (see enable_silu_mul)
     input_multiple = 1
     dtype = torch.bfloat16  # of the inputs and outputs (the weights are bfloat16 panels either way)
+    _extra: tuple = ()  # the kernel's arguments after `gated` (Int8PanelLinear: its scales)
 
     def __init__(self, linear: nn.Linear, kernel: NativeFunction) -> None:
         super().__init__()
         self._kernel = kernel
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.padded_in = -(-self.in_features // self.input_multiple) * self.input_multiple
-        self.register_buffer("packed", pack(linear.weight), False)
+        self.register_buffer("packed", self._pack(linear.weight), False)
         self.bias = linear.bias
         self.register_buffer("_bias32", None if linear.bias is None else linear.bias.detach().float().contiguous(), False)
         self._width = self.out_features  # of y: out_features, or half of it once gated
@@ -120,9 +121,13 @@ class PanelLinear(nn.Module, GatedLinear):
             self._kernel(
                 rows.data_ptr(), rows.stride(0), m, buffers["packed"].data_ptr(), self.out_features, self.padded_in,
                 None if bias is None else bias.data_ptr(), out.data_ptr(), self._width, torch.get_num_threads(),
-                self.gated,
+                self.gated, *self._extra,
             )  # fmt: skip
         return out if flat else out.view(*x.shape[:-1], self._width)
+
+    def _pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """The weights as the kernel reads them: packed bfloat16 panels."""
+        return pack(weight)
 
     def enable_silu_mul(self) -> bool:
         """Reorder the packed panels as (gate, up) pairs of the same 16 intermediate columns, so
