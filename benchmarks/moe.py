@@ -2,7 +2,7 @@
 kernel against the model's own torch products (grouped, or a loop over the experts).
 
     .venv/bin/python benchmarks/moe.py [--arch qwen3_moe | mixtral] [--dtype bfloat16 | float32]
-        [--impls kernel,kernel-eager,grouped,looped] [--rounds 3]
+        [--impls kernel,kernel-int8,kernel-eager,grouped,looped] [--rounds 3]
 
 Builds a random checkpoint in a temporary directory, saved in bfloat16 (tests/tiny_models.py's
 tokenizer; ``--dtype float32`` serves it in float32, the experts held in bfloat16 by the kernel):
@@ -11,7 +11,8 @@ of experts a layer, 100 MB a step: from memory, not L3); or ``mixtral``, 8 exper
 top 2, hidden 512, 4 layers. Generates offline (greedy, ``ignore_eos``) at 1 and 32 requests:
 ``kernel`` is the platform's default where it has the kernel (bfloat16 on AVX512_BF16, float32
 on AVX2: one native call per layer, decode steps as call lists; ``kernel-eager``: without the
-call lists);
+call lists; ``kernel-int8``: ``device.quantization: int8``, the experts and the other linears
+(not the routers or the head) as int8 codes on the same kernels);
 ``grouped`` and ``looped`` are the model's ``SparseMoE`` kept by the platform (one
 ``grouped_mm`` per projection, or a Python loop over the experts), eager. Alternated in
 rounds; prints each round's output tok/s, then the medians of the ratios to the first.
@@ -44,7 +45,7 @@ SHAPES = {
     "mixtral": dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
                     num_local_experts=8, num_experts_per_tok=2),
 }
-IMPLS = ("kernel", "kernel-eager", "grouped", "looped")
+IMPLS = ("kernel", "kernel-int8", "kernel-eager", "grouped", "looped")
 
 
 def tokens_per_s(llm: LLM, batch: int, max_tokens: int) -> float:
@@ -57,7 +58,7 @@ def tokens_per_s(llm: LLM, batch: int, max_tokens: int) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", default="qwen3_moe", choices=sorted(SHAPES))
-    p.add_argument("--impls", default="kernel,grouped", help="kernel, kernel-eager, grouped, looped; ratios are against the first")
+    p.add_argument("--impls", default="kernel,grouped", help=f"{', '.join(IMPLS)}; ratios are against the first")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -71,8 +72,9 @@ def main() -> None:
     build_model(path, args.arch, **SHAPES[args.arch]).to(torch.bfloat16).save_pretrained(path)  # as such checkpoints ship
     config = dict(model={"path": path, "dtype": args.dtype}, kv_cache={"plugin": "paged", "num_blocks": 512})
     engines = {}
-    for impl in {"kernel", "kernel-eager"} & set(impls):
-        engines[impl] = LLM(**config, device={"plugin": "cpu", "decode_graphs": impl == "kernel"})
+    for impl in {"kernel", "kernel-int8", "kernel-eager"} & set(impls):
+        quantization = "int8" if impl == "kernel-int8" else "none"
+        engines[impl] = LLM(**config, device={"plugin": "cpu", "decode_graphs": impl != "kernel-eager", "quantization": quantization})
         kinds = {type(m).__name__ for m in engines[impl].engine.runner.model.modules() if isinstance(m, ExpertMLP)}
         print(f"{impl}: the platform's experts are {', '.join(sorted(kinds))}")
     if {"grouped", "looped"} & set(impls):

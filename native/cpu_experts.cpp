@@ -184,13 +184,13 @@ int experts(const T* x, int64_t x_stride, int64_t T_, const T* logits, int64_t l
         share(t, nt, p, pairs, [&](int e, int64_t u0, int64_t u1) {
             const int64_t r0 = p.start[e];
             part(&rows[r0 * H], H, p.start[e + 1] - r0, w13 + e * expert13, panel13, 2 * I, H, nullptr, &act[r0 * I], I, true,
-                 2 * u0, 2 * u1, scale13 + e * 2 * I);
+                 2 * u0, 2 * u1, scale13 != nullptr ? scale13 + e * 2 * I : nullptr);
         });
 #pragma omp barrier
         share(t, nt, p, down_panels, [&](int e, int64_t u0, int64_t u1) {
             const int64_t r0 = p.start[e];
             part(&act[r0 * I], I, p.start[e + 1] - r0, w2 + e * expert2, panel2, H, I, nullptr, &ys[r0 * H], H, false, u0, u1,
-                 scale2 + e * down_panels * 16);
+                 scale2 != nullptr ? scale2 + e * down_panels * 16 : nullptr);
         });
 #pragma omp barrier
 #pragma omp for schedule(static)

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "fast_exp.h"
 #include "prefetch.h"
@@ -47,6 +48,13 @@ inline Weights even_weights(const int8_t* w, int k) {
 }
 inline Weights odd_weights(const int8_t* w, int k) { return {_mm512_cvtepi32_ps(_mm512_srai_epi32(code_pairs(w, k), 8))}; }
 inline void fma(Sums& s, const float* x, const Weights& w) { s.v = _mm512_fmadd_ps(_mm512_set1_ps(*x), w.v, s.v); }
+// n codes as bfloat16 (n a multiple of 16): a code's float32 has 16 zero low bits, so its high half is exact.
+inline void widen_codes(const int8_t* w, int64_t n, uint16_t* out) {
+    for (int64_t i = 0; i < n; i += 16) {
+        const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i))));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(f), 16)));
+    }
+}
 inline void add_sums(Sums& s, const Sums& t) { s.v = _mm512_add_ps(s.v, t.v); }
 inline void store_sums(float* out, const Sums& s) { _mm512_store_ps(out, s.v); }
 constexpr int kRows = 12;  // rows per register block: 24 sums (two panels) of the 32 zmm registers
@@ -82,6 +90,14 @@ inline Weights even_weights(const int8_t* w, int k) {
 inline Weights odd_weights(const int8_t* w, int k) {
     return {_mm256_cvtepi32_ps(_mm256_srai_epi32(code_pairs(w, k, 0), 8)),
             _mm256_cvtepi32_ps(_mm256_srai_epi32(code_pairs(w, k, 1), 8))};
+}
+// n codes as bfloat16 (n a multiple of 8): a code's float32 has 16 zero low bits, so its high half is exact.
+inline void widen_codes(const int8_t* w, int64_t n, uint16_t* out) {
+    for (int64_t i = 0; i < n; i += 8) {
+        const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + i))));
+        const __m256i high = _mm256_srli_epi32(_mm256_castps_si256(f), 16);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1)));
+    }
 }
 inline void fma(Sums& s, const float* x, const Weights& w) {
     const __m256 xb = _mm256_broadcast_ss(x);
@@ -129,7 +145,7 @@ __attribute__((always_inline)) inline void pair_step(const float* x, int64_t x_s
 }
 
 // Rows [0, R) of x times P adjacent panels w (16 outputs each, from column n0), all of K, into
-// float32 sums (codes: each times its channel's scale, from `scale`, 16 a panel); then, plain (gate null), y[r][n0 + j] = sum + bias for the columns below N; or,
+// float32 sums (each times its channel's scale where `scale` is given, 16 a panel); then, plain (gate null), y[r][n0 + j] = sum + bias for the columns below N; or,
 // the up half of a gated pair (P 1), y[r][n0 / 2 + j] = silu(gate[r][j]) * sum, gate holding the
 // gate panel's sums (16 a row, from a plain call with y = gate, n0 = 0, N = 16); or a whole
 // gated pair at once (P 2, gated_pair): y[r][n0 / 2 + j] = silu(first panel's) * second's.
@@ -164,7 +180,7 @@ void block(const float* x, int64_t x_stride, const W* w, int64_t panel, int K, c
         if constexpr (Split) add_sums(acc[r][0], acc_odd[r][0]);
 #pragma GCC unroll 2
         for (int q = 0; q < P; ++q) store_sums(sums[q], acc[r][q]);
-        if constexpr (std::is_same_v<W, int8_t>) {
+        if (scale != nullptr) {  // codes, or codes widened to bfloat16 (thread_part)
 #pragma GCC unroll 2
             for (int q = 0; q < P; ++q) {
 #pragma omp simd
@@ -203,11 +219,16 @@ template <typename W, int P>
 Block<W> rows_block(int r) { return rows_block_of<W, P>(r, std::make_integer_sequence<int, kRows>{}); }
 
 // One thread's share: panels [p0, p1) (whole gated pairs) for every row, kChunk rows at a time;
-// `scale` the channel scales of int8 codes (16 a panel, in the panels' order), else unused.
+// `scale` the channel scales of int8 codes (16 a panel, in the panels' order), else null. With
+// more rows than two blocks, a group's codes are widened once to bfloat16 panels in this
+// thread's scratch (in L2), which every block then reads, as avx512_bf16_panels.h does.
 template <typename W>
 void thread_part(const float* x, int64_t x_stride, int64_t M, const W* w, int64_t panel, int64_t N, int K,
                  const float* bias, float* y, int64_t y_stride, bool gated, int64_t p0, int64_t p1,
                  const float* scale = nullptr) {
+    constexpr bool codes = std::is_same_v<W, int8_t>;
+    static thread_local std::vector<uint16_t> widened;  // a group of codes as bfloat16 panels
+    if (codes && M > 2 * kRows && widened.size() < static_cast<size_t>(kPanels * panel)) widened.resize(kPanels * panel);
     alignas(64) float gate[kRows * 16];  // a gated pair's gate sums, until its up panel's block
     for (int64_t c0 = 0; c0 < M; c0 += kChunk) {
         const int64_t c1 = c0 + kChunk < M ? c0 + kChunk : M;
@@ -217,28 +238,40 @@ void thread_part(const float* x, int64_t x_stride, int64_t M, const W* w, int64_
             const int64_t after = p1 - g1 < kPanels ? p1 - g1 : kPanels;  // panels in the next group
             const int64_t next_lines = c1 - c0 > 1 ? after * panel * static_cast<int64_t>(sizeof(W)) / 64 : 0;  // one row streams as fast without
             const char* next_w = reinterpret_cast<const char*>(w + g1 * panel);
-            for (int64_t b = 0; b < blocks; ++b) {
-                const int64_t m = c0 + b * kRows;
-                const int rows = c1 - m < kRows ? static_cast<int>(c1 - m) : kRows;
-                const Block<W> run = rows_block<W, 1>(rows), run_two = rows_block<W, 2>(rows);
-                const int64_t l0 = next_lines * b / blocks, l1 = next_lines * (b + 1) / blocks;
-                const float* xm = x + m * x_stride;
-                for (int64_t p = g; p < g1;) {  // each call asks for its panels' part of the block's lines
-                    const int64_t take = kTwoPanelsFrom > 0 && rows >= kTwoPanelsFrom && p + 1 < g1 ? 2 : 1;
-                    const int64_t a0 = l0 + (l1 - l0) * (p - g) / (g1 - g), a1 = l0 + (l1 - l0) * (p + take - g) / (g1 - g);
-                    const char* ahead = next_w + 64 * a0;
-                    const float* s = std::is_same_v<W, int8_t> ? scale + 16 * p : nullptr;  // panel p's channel scales
-                    if (take == 2)  // gated: a (gate, up) pair, p even
-                        run_two(xm, x_stride, w + p * panel, panel, K, bias, s, p * 16, N, y + m * y_stride, y_stride,
-                                nullptr, gated, ahead, a1 - a0);
-                    else if (gated && (p & 1) == 0)
-                        run(xm, x_stride, w + p * panel, panel, K, nullptr, s, 0, 16, gate, 16, nullptr, false, ahead, a1 - a0);
-                    else
-                        run(xm, x_stride, w + p * panel, panel, K, bias, s, (gated ? p - 1 : p) * 16, N, y + m * y_stride,
-                            y_stride, gated ? gate : nullptr, false, ahead, a1 - a0);  // gated: the pair's columns, from its gate panel's
-                    p += take;
+            auto run_blocks = [&](const auto* group) {  // the group's panels: codes, or bfloat16
+                using V = std::remove_const_t<std::remove_pointer_t<decltype(group)>>;
+                for (int64_t b = 0; b < blocks; ++b) {
+                    const int64_t m = c0 + b * kRows;
+                    const int rows = c1 - m < kRows ? static_cast<int>(c1 - m) : kRows;
+                    const Block<V> run = rows_block<V, 1>(rows), run_two = rows_block<V, 2>(rows);
+                    const int64_t l0 = next_lines * b / blocks, l1 = next_lines * (b + 1) / blocks;
+                    const float* xm = x + m * x_stride;
+                    for (int64_t p = g; p < g1;) {  // each call asks for its panels' part of the block's lines
+                        const int64_t take = kTwoPanelsFrom > 0 && rows >= kTwoPanelsFrom && p + 1 < g1 ? 2 : 1;
+                        const int64_t a0 = l0 + (l1 - l0) * (p - g) / (g1 - g), a1 = l0 + (l1 - l0) * (p + take - g) / (g1 - g);
+                        const char* ahead = next_w + 64 * a0;
+                        const V* wp = group + (p - g) * panel;
+                        const float* s = scale != nullptr ? scale + 16 * p : nullptr;  // panel p's channel scales
+                        if (take == 2)  // gated: a (gate, up) pair, p even
+                            run_two(xm, x_stride, wp, panel, K, bias, s, p * 16, N, y + m * y_stride, y_stride, nullptr, gated,
+                                    ahead, a1 - a0);
+                        else if (gated && (p & 1) == 0)
+                            run(xm, x_stride, wp, panel, K, nullptr, s, 0, 16, gate, 16, nullptr, false, ahead, a1 - a0);
+                        else
+                            run(xm, x_stride, wp, panel, K, bias, s, (gated ? p - 1 : p) * 16, N, y + m * y_stride, y_stride,
+                                gated ? gate : nullptr, false, ahead, a1 - a0);  // gated: the pair's columns, from its gate panel's
+                        p += take;
+                    }
+                }
+            };
+            if constexpr (codes) {
+                if (c1 - c0 > 2 * kRows) {
+                    widen_codes(w + g * panel, (g1 - g) * panel, widened.data());
+                    run_blocks(static_cast<const uint16_t*>(widened.data()));
+                    continue;
                 }
             }
+            run_blocks(w + g * panel);
         }
     }
 }

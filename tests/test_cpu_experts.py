@@ -317,7 +317,7 @@ def test_a_quantization_scheme_leaves_experts_and_routers_in_floats_and_says_so(
     "script,argv,message",
     [
         ("cpu_experts", ["--impls", "kernel,bar"], "--impls: unknown bar; expected some of kernel, kernel-int8, grouped, looped"),
-        ("moe", ["--impls", "kernel,foo"], "--impls: unknown foo; expected some of kernel, kernel-eager, grouped, looped"),
+        ("moe", ["--impls", "kernel,foo"], "--impls: unknown foo; expected some of kernel, kernel-int8, kernel-eager, grouped, looped"),
         ("moe", ["--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
     ],
 )
