@@ -9,7 +9,8 @@ call, from AMX_INT4_FROM_ROWS rows on), ``int8`` (torch's int8 kernel, widened w
 F.linear from 16 rows), ``int8-amx`` (int8 codes widened to bfloat16 tiles per call), ``w8a8``
 (oneDNN's int8 product), ``w8a8-amx`` (the AMX-INT8 kernel), ``int8-panels`` (Int8PanelLinear: int8
 codes on the AVX512_BF16 panels, bfloat16 rows) and ``int8-panels-fp32`` (the same on the float32
-panels, float32 rows). Prints ms per pass and each kernel's ratio to the
+panels, float32 rows), ``int4-panels`` (the int4 layers widened to AVX512_BF16 panels per call from
+PANEL_INT4_FROM_ROWS rows on). Prints ms per pass and each kernel's ratio to the
 first one named, all measured in this run. Run it on a quiet machine; it prints the CPU.
 
     python benchmarks/cpu_linears.py --kernels amx,int4,int4-amx --rows 1,8,16,64,256,1024
@@ -38,7 +39,7 @@ SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (5
 LAYERS = 30
 FLOAT32_KERNELS = ("onednn-fp32", "avx2", "int8-panels-fp32")  # take float32 rows
 KINDS = ("onednn", "onednn-fp32", "avx2", "amx", "avx512bf16", "w8a8", "w8a8-amx", "int8", "int8-amx", "int8-panels",
-         "int8-panels-fp32", "int4", "int4-amx")
+         "int8-panels-fp32", "int4", "int4-amx", "int4-panels")
 
 
 def build(kind: str) -> dict[str, list[nn.Module]]:
@@ -69,6 +70,7 @@ def build(kind: str) -> dict[str, list[nn.Module]]:
             else:
                 module = Int4WeightOnlyLinear(lin, 32)
                 module.amx = kind == "int4-amx"
+                module.panels = kind == "int4-panels"
                 layers.append(module)
         out[name] = layers
     return out

@@ -125,6 +125,24 @@ inline void widen_codes(const int8_t* w, int64_t n, uint16_t* out) {
     for (int64_t i = 0; i < n; i += 32) _mm512_storeu_si512(out + i, reinterpret_cast<__m512i>(pair_weights(w + i)));
 }
 
+// Rows [c0, c1) times the np panels from panel p, whose weights (codes or bfloat16) are `group`,
+// in blocks of up to kRows rows; each block asks for its share of the next_lines cache lines at
+// next_w (the next group's weights).
+template <typename V>
+void group_blocks(const uint16_t* x, int64_t x_stride, int64_t c0, int64_t c1, const V* group, int64_t panel, int K,
+                  const float* bias, const float* scale, int64_t p, int np, int64_t N, uint16_t* y, int64_t y_stride,
+                  bool gated, const char* next_w, int64_t next_lines) {
+    const int64_t blocks = (c1 - c0 + kRows - 1) / kRows;
+    for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t m = c0 + b * kRows;
+        const int nr = c1 - m < kRows ? static_cast<int>(c1 - m) : kRows;
+        const int64_t l0 = next_lines * b / blocks, l1 = next_lines * (b + 1) / blocks;
+        const Block<V> run = gated ? pick<V, true>(nr, np) : pick<V, false>(nr, np);
+        run(x + m * x_stride, x_stride, group, panel, K, bias, scale, p * 16, N, y + m * y_stride, y_stride, next_w + 64 * l0,
+            l1 - l0);
+    }
+}
+
 // One thread's share: panels [p0, p1) (whole gated pairs) for every row, kChunk rows at a time;
 // `scale` the channel scales of int8 codes (16 a panel, in the panels' order), else null. With
 // more rows than two blocks, a group's codes are widened once into this thread's scratch (in L2)
@@ -139,7 +157,6 @@ void thread_part(const uint16_t* x, int64_t x_stride, int64_t M, const W* w, int
     if (kCodes<W> && M > 2 * kRows && widened.size() < static_cast<size_t>(kPanels * panel)) widened.resize(kPanels * panel);
     for (int64_t c0 = 0; c0 < M; c0 += kChunk) {
         const int64_t c1 = c0 + kChunk < M ? c0 + kChunk : M;
-        const int64_t blocks = (c1 - c0 + kRows - 1) / kRows;
         // Asking for the next group ahead: bfloat16 streams one row as fast without; codes, whose
         // widening keeps the core busy between loads, ran one row 1.8-1.9x bfloat16's speed with it
         // against 0.87x without (SmolLM2's layers, Zen 5).
@@ -147,29 +164,37 @@ void thread_part(const uint16_t* x, int64_t x_stride, int64_t M, const W* w, int
         for (int64_t p = p0; p < p1; p += kPanels) {
             const int np = p1 - p < kPanels ? static_cast<int>(p1 - p) : kPanels;
             const int64_t after = p1 - p - np < kPanels ? p1 - p - np : kPanels;  // panels in the next group
-            const int64_t next_lines = after * panel * static_cast<int64_t>(sizeof(W)) / 64;
+            const int64_t next_lines = ahead ? after * panel * static_cast<int64_t>(sizeof(W)) / 64 : 0;
             const char* next_w = reinterpret_cast<const char*>(w + (p + np) * panel);
             const float* s = scale != nullptr ? scale + 16 * p : nullptr;
-            auto run_blocks = [&](const auto* group) {  // the group's panels: codes, or bfloat16
-                using V = std::remove_const_t<std::remove_pointer_t<decltype(group)>>;
-                for (int64_t b = 0; b < blocks; ++b) {
-                    const int64_t m = c0 + b * kRows;
-                    const int nr = c1 - m < kRows ? static_cast<int>(c1 - m) : kRows;
-                    const int64_t l0 = ahead ? next_lines * b / blocks : 0, l1 = ahead ? next_lines * (b + 1) / blocks : 0;
-                    const Block<V> run = gated ? pick<V, true>(nr, np) : pick<V, false>(nr, np);
-                    run(x + m * x_stride, x_stride, group, panel, K, bias, s, p * 16, N, y + m * y_stride, y_stride,
-                        next_w + 64 * l0, l1 - l0);
-                }
-            };
             if constexpr (kCodes<W>) {
                 if (c1 - c0 > 2 * kRows) {
                     widen_codes(w + p * panel, np * panel, widened.data());
-                    run_blocks(static_cast<const uint16_t*>(widened.data()));
+                    group_blocks<uint16_t>(x, x_stride, c0, c1, widened.data(), panel, K, bias, s, p, np, N, y, y_stride, gated,
+                                           next_w, next_lines);
                     continue;
                 }
             }
-            run_blocks(w + p * panel);
+            group_blocks<W>(x, x_stride, c0, c1, w + p * panel, panel, K, bias, s, p, np, N, y, y_stride, gated, next_w,
+                            next_lines);
         }
+    }
+}
+
+// One thread's share of a layer whose weights come widened to bfloat16 panels a group at a time
+// (int4_panels.h): widen(p, np, out) writes panels [p, p + np) at out, into this thread's scratch;
+// every row's blocks then multiply that group (so it is widened once per call, whatever M).
+template <typename Widen>
+void widened_part(const uint16_t* x, int64_t x_stride, int64_t M, const Widen& widen, int64_t panel, int64_t N, int K,
+                  const float* bias, uint16_t* y, int64_t y_stride, int64_t p0, int64_t p1) {
+    static thread_local std::vector<uint16_t> widened;
+    if (widened.size() < static_cast<size_t>(kPanels * panel)) widened.resize(kPanels * panel);
+    for (int64_t p = p0; p < p1; p += kPanels) {
+        const int np = p1 - p < kPanels ? static_cast<int>(p1 - p) : kPanels;
+        widen(p, np, widened.data());
+        for (int64_t c0 = 0; c0 < M; c0 += kChunk)
+            group_blocks<uint16_t>(x, x_stride, c0, c0 + kChunk < M ? c0 + kChunk : M, widened.data(), panel, K, bias, nullptr,
+                                   p, np, N, y, y_stride, false, nullptr, 0);
     }
 }
 

@@ -30,6 +30,7 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include "avx512_bf16_panels.h"
+#include "int4_panels.h"
 
 using modserve::bf16_panels::thread_part;
 
@@ -61,6 +62,20 @@ void modserve_avx512_linear_int8(const uint16_t* x, int64_t x_stride, int64_t M,
 
 int modserve_avx512_linear_int8_available() { return 1; }
 
+// int4 weights as torch's CPU int4 kernel holds them (int4_panels.h; N a multiple of 64, K and the
+// group multiples of 32): each thread widens its panels four at a time into a bfloat16 scratch of
+// its own and multiplies them as above, for the many-row calls where torch's int4 kernel is slow.
+void modserve_avx512_linear_int4(const uint16_t* x, int64_t x_stride, int64_t M, const uint8_t* q4, const uint16_t* sz,
+                                 int64_t N, int K, int group, const float* bias, uint16_t* y, int64_t y_stride, int threads) {
+    const int64_t panel = static_cast<int64_t>(K / 32) * 512;  // elements of one widened panel
+    modserve::for_panel_ranges(N, threads, [&](int64_t p0, int64_t p1) {
+        const auto widen = [&](int64_t p, int np, uint16_t* out) { modserve::widen_int4_panels(q4, sz, N, K, group, p, p + np, out); };
+        modserve::bf16_panels::widened_part(x, x_stride, M, widen, panel, N, K, bias, y, y_stride, p0, p1);
+    });
+}
+
+int modserve_avx512_linear_int4_available() { return 1; }
+
 }  // extern "C"
 
 MODSERVE_PACKED(modserve_avx512_linear) {
@@ -77,9 +92,17 @@ MODSERVE_PACKED(modserve_avx512_linear_int8) {
     return 0;
 }
 
+MODSERVE_PACKED(modserve_avx512_linear_int4) {
+    using modserve::packed::ptr;
+    modserve_avx512_linear_int4(ptr<const uint16_t*>(a[0]), a[1], a[2], ptr<const uint8_t*>(a[3]), ptr<const uint16_t*>(a[4]), a[5],
+                                a[6], a[7], ptr<const float*>(a[8]), ptr<uint16_t*>(a[9]), a[10], a[11]);
+    return 0;
+}
+
 #else  // no AVX512_BF16: the loader refuses the kernel
 
 extern "C" int modserve_avx512_linear_available() { return 0; }
 extern "C" int modserve_avx512_linear_int8_available() { return 0; }
+extern "C" int modserve_avx512_linear_int4_available() { return 0; }
 
 #endif

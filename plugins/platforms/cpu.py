@@ -174,6 +174,7 @@ class CPUPlatform(Platform):
         if module is not layer:
             if isinstance(module, Int4WeightOnlyLinear):
                 module.amx = self.amx_linears  # many rows: widened to bfloat16 tiles on AMX
+                module.panels = self.float_kernel == "avx512bf16"  # ... or to AVX512_BF16 panels
             return module
         if not self.config.pack_weights:
             return layer

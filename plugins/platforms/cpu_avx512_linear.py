@@ -17,14 +17,16 @@ same bytes as oneDNN's copy. Results equal ``F.linear`` up to float32 summation 
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
+import torch
 from torch import nn
 
 from modserve.core.contract import NativeFunction
 from modserve.native.build import SOURCES
 from modserve.plugins.platforms.cpu_int8_panel_linear import load_int8
-from modserve.plugins.platforms.cpu_panel_linear import PanelLinear, load_kernel
+from modserve.plugins.platforms.cpu_panel_linear import PanelLinear, load_kernel, tile_rows
 
 SOURCE = SOURCES / "cpu_avx512_linear.cpp"
 
@@ -34,6 +36,33 @@ def load() -> NativeFunction:
     """The compiled kernel; raises ``KernelUnavailable`` where it cannot be built, or where the
     compiler does not target AVX512_BF16 on this CPU (``-march=native``)."""
     return load_kernel(SOURCE, "the AVX512_BF16 linear kernel", "modserve_avx512_linear", "AVX512_BF16")
+
+
+@functools.cache
+def load_int4() -> NativeFunction:
+    """The same kernel's entry over int4 weights as torch's int4 kernel holds them, widened to
+    bfloat16 panels per call (:func:`int4_product`)."""
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    args = [ptr, i64, i64, ptr, ptr, i64, i32, i32, ptr, ptr, i64, i32]
+    return load_kernel(SOURCE, "the AVX512_BF16 linear kernel", "modserve_avx512_linear_int4", "AVX512_BF16", argtypes=args)
+
+
+def int4_product(rows: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int) -> torch.Tensor:
+    """``rows @ W.T`` in bfloat16 for int4 ``W`` held as torch's CPU int4 kernel holds it
+    (``packed`` from ``_convert_weight_to_int4pack_for_cpu``, ``[N, K/2]`` uint8, N a multiple
+    of 64; ``scales_and_zeros`` ``[K/group, N, 2]`` bfloat16; K and the group multiples of 32):
+    each thread widens four of its panels at a time to bfloat16 (``q s + (z - 8 s)``, rounded
+    once, as the AMX tiles' widening) in a scratch that stays in its cache, and multiplies them
+    with VDPBF16PS. For many rows, where torch's int4 kernel (a matrix-vector product per row)
+    is slow; ``rows`` ``[M, K]`` bfloat16."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    rows = tile_rows(rows)
+    out = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
+    load_int4()(
+        rows.data_ptr(), rows.stride(0), rows.shape[0], packed.data_ptr(), scales_and_zeros.data_ptr(), n, k, group, None,
+        out.data_ptr(), n, torch.get_num_threads(),
+    )  # fmt: skip
+    return out
 
 
 @functools.cache

@@ -110,6 +110,7 @@ def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 DEQUANTIZE_FROM_ROWS = 16  # int8 weight-only: from this many rows on (always in float32), widen the weights per call
 AMX_INT4_FROM_ROWS = 8  # int4 on AMX CPUs: from this many bfloat16 rows on, widen to bfloat16 tiles per call
+PANEL_INT4_FROM_ROWS = 8  # int4 on AVX512_BF16 CPUs without AMX: from this many bfloat16 rows on, widen to panels per call
 
 
 class QuantizedLinear(nn.Module):
@@ -304,9 +305,13 @@ class Int4WeightOnlyLinear(QuantizedLinear):
     bfloat16 from 16 rows on. With ``amx`` (set by the platform where its bfloat16 linears run
     on AMX tiles), from ``AMX_INT4_FROM_ROWS`` bfloat16 rows on and where ``out_features`` is a
     multiple of 64, each call widens the weights to bfloat16 tiles, thread by thread, and runs
-    the AMX product on them (:func:`~modserve.plugins.platforms.cpu_amx_linear.int4_product`)."""
+    the AMX product on them (:func:`~modserve.plugins.platforms.cpu_amx_linear.int4_product`);
+    with ``panels`` (where they run on AVX512_BF16 panels), from ``PANEL_INT4_FROM_ROWS`` rows
+    on, the same widening into bfloat16 panels multiplied with VDPBF16PS
+    (:func:`~modserve.plugins.platforms.cpu_avx512_linear.int4_product`)."""
 
     amx = False
+    panels = False
 
     def __init__(self, layer: nn.Linear, group_size: int) -> None:
         super().__init__(layer)
@@ -337,6 +342,10 @@ class Int4WeightOnlyLinear(QuantizedLinear):
             from modserve.plugins.platforms.cpu_amx_linear import int4_product
 
             return self.with_bias(int4_product(rows, self.packed, sz, self.group_size))
+        if self.panels and rows.shape[0] >= PANEL_INT4_FROM_ROWS and rows.dtype == torch.bfloat16 and self.out_features % 64 == 0:
+            from modserve.plugins.platforms.cpu_avx512_linear import int4_product as panel_int4_product
+
+            return self.with_bias(panel_int4_product(rows, self.packed, sz, self.group_size))
         return self.with_bias(torch._weight_int4pack_mm_for_cpu(rows.contiguous(), self.packed, self.group_size, sz))
 
     def extra_repr(self) -> str:
