@@ -9,8 +9,8 @@ call, from AMX_INT4_FROM_ROWS rows on), ``int8`` (torch's int8 kernel, widened w
 F.linear from 16 rows), ``int8-amx`` (int8 codes widened to bfloat16 tiles per call), ``w8a8``
 (oneDNN's int8 product), ``w8a8-amx`` (the AMX-INT8 kernel), ``int8-panels`` (Int8PanelLinear: int8
 codes on the AVX512_BF16 panels, bfloat16 rows) and ``int8-panels-fp32`` (the same on the float32
-panels, float32 rows), ``int4-panels`` (the int4 layers widened to AVX512_BF16 panels per call from
-PANEL_INT4_FROM_ROWS rows on). Prints ms per pass and each kernel's ratio to the
+panels, float32 rows), ``int4-panels`` (the int4 layers in one native call on AVX512_BF16: their
+nibbles multiplied directly below 8 rows, widened to bfloat16 panels from 8). Prints ms per pass and each kernel's ratio to the
 first one named, all measured in this run. Run it on a quiet machine; it prints the CPU.
 
     python benchmarks/cpu_linears.py --kernels amx,int4,int4-amx --rows 1,8,16,64,256,1024

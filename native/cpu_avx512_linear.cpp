@@ -29,7 +29,10 @@
 #include "panel_threads.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <vector>
+
 #include "avx512_bf16_panels.h"
+#include "bf16.h"
 #include "int4_panels.h"
 
 using modserve::bf16_panels::thread_part;
@@ -63,10 +66,42 @@ void modserve_avx512_linear_int8(const uint16_t* x, int64_t x_stride, int64_t M,
 int modserve_avx512_linear_int8_available() { return 1; }
 
 // int4 weights as torch's CPU int4 kernel holds them (int4_panels.h; N a multiple of 64, K and the
-// group multiples of 32): each thread widens its panels four at a time into a bfloat16 scratch of
-// its own and multiplies them as above, for the many-row calls where torch's int4 kernel is slow.
+// group multiples of 32), bias float32 or null. Below kInt4WidenFrom rows each thread takes whole
+// 64-output blocks and multiplies their nibbles directly (int4_block_direct, two rows at a time);
+// from there on it widens its panels four at a time into a bfloat16 scratch of its own and
+// multiplies them as above, the widening paid once for all the rows.
+constexpr int64_t kInt4WidenFrom = 8;
+
 void modserve_avx512_linear_int4(const uint16_t* x, int64_t x_stride, int64_t M, const uint8_t* q4, const uint16_t* sz,
                                  int64_t N, int K, int group, const float* bias, uint16_t* y, int64_t y_stride, int threads) {
+    if (M < kInt4WidenFrom) {
+        const int groups = K / group;
+        const int64_t blocks = N / 64;
+#pragma omp parallel num_threads(threads)
+        {
+            std::vector<float> xsum(M * groups);  // [row][group]: each group's inputs summed
+            for (int64_t r = 0; r < M; ++r)
+                for (int g = 0; g < groups; ++g) {
+                    float t = 0.f;
+                    for (int k = g * group; k < (g + 1) * group; ++k) t += modserve::bf16_to_float(x[r * x_stride + k]);
+                    xsum[r * groups + g] = t;
+                }
+            const float* sums = xsum.data();
+            const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+            for (int64_t b = blocks * t / nt; b < blocks * (t + 1) / nt; ++b) {
+                const uint8_t* block = q4 + b * 32 * static_cast<int64_t>(K);
+                const uint16_t* s = sz + b * 64 * 2;
+                const float* bb = bias != nullptr ? bias + b * 64 : nullptr;
+                for (int64_t r = 0; r < M; r += 4) {
+                    const auto run = M - r >= 4 ? modserve::int4_block_direct<4> : M - r == 3 ? modserve::int4_block_direct<3>
+                                     : M - r == 2 ? modserve::int4_block_direct<2> : modserve::int4_block_direct<1>;
+                    run(x + r * x_stride, x_stride, sums + r * groups, groups, block, s, N, K, group, bb, y + r * y_stride + b * 64,
+                        y_stride);
+                }
+            }
+        }
+        return;
+    }
     const int64_t panel = static_cast<int64_t>(K / 32) * 512;  // elements of one widened panel
     modserve::for_panel_ranges(N, threads, [&](int64_t p0, int64_t p1) {
         const auto widen = [&](int64_t p, int np, uint16_t* out) { modserve::widen_int4_panels(q4, sz, N, K, group, p, p + np, out); };

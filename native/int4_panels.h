@@ -8,6 +8,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 
 namespace modserve {
 
@@ -49,6 +50,73 @@ inline void widen_int4_panels(const uint8_t* q4, const uint16_t* sz, int64_t N, 
             }
         }
     }
+}
+
+// Rows [0, R) (R 1 to 4) of x times one 64-output block of torch's int4 packing (`block`:
+// [K][32] bytes; `sz` its outputs' (scale, zero) pairs at group 0, groups N pairs apart), without
+// widening to memory: for the few-row calls where a widened scratch would be read too few times.
+// Each input pair's nibbles become bfloat16 (128 + q) by a mask and an OR (exact), so VDPBF16PS
+// sums D = 128 X + sum x q over a group, X its inputs' sum (`xsum`, [R][groups] float32); the
+// group then adds s D + (z - 136 s) X = sum x ((q - 8) s + z) to the float32 sums. The weights
+// are never rounded (the widened path rounds each to bfloat16). y gets the sums plus the bias,
+// rounded once to bfloat16.
+//
+// Two inputs' 32-byte rows, bytes interleaved (VPUNPCKL/HBW, within 128-bit lanes) and widened to
+// words, give four vectors of (input k, input k + 1) pairs: low nibbles of the low halves for
+// outputs 0-7 and 16-23, of the high halves for 8-15 and 24-31; high nibbles likewise for 32-63.
+template <int R>
+void int4_block_direct(const uint16_t* x, int64_t x_stride, const float* xsum, int groups, const uint8_t* block,
+                       const uint16_t* sz, int64_t N, int K, int group, const float* bias, uint16_t* y, int64_t y_stride) {
+    const __m512i nibble = _mm512_set1_epi16(0xF), magic = _mm512_set1_epi16(0x4300);  // bfloat16 128.0
+    const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    alignas(64) float acc[R][4][16] = {};  // the block's sums, updated once a group: in memory, so that R x 4 group sums fit the registers
+    for (int g = 0; g < groups; ++g) {
+        __m512 sums[R][4];
+        for (int r = 0; r < R; ++r)
+            for (int q = 0; q < 4; ++q) sums[r][q] = _mm512_setzero_ps();
+        for (int k = g * group; k < (g + 1) * group; k += 2) {
+            const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + static_cast<int64_t>(k) * 32));
+            const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + static_cast<int64_t>(k + 1) * 32));
+            const __m512i lo = _mm512_cvtepu8_epi16(_mm256_unpacklo_epi8(a, b)), hi = _mm512_cvtepu8_epi16(_mm256_unpackhi_epi8(a, b));
+            const __m512bh w[4] = {
+                reinterpret_cast<__m512bh>(_mm512_ternarylogic_epi32(lo, nibble, magic, 0xEA)),  // (v & 0xF) | 128.0
+                reinterpret_cast<__m512bh>(_mm512_ternarylogic_epi32(hi, nibble, magic, 0xEA)),
+                reinterpret_cast<__m512bh>(_mm512_or_si512(_mm512_srli_epi16(lo, 4), magic)),
+                reinterpret_cast<__m512bh>(_mm512_or_si512(_mm512_srli_epi16(hi, 4), magic)),
+            };
+            for (int r = 0; r < R; ++r) {
+                int32_t pair;
+                std::memcpy(&pair, x + r * x_stride + k, sizeof pair);
+                const __m512bh xb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+                for (int q = 0; q < 4; ++q) sums[r][q] = _mm512_dpbf16_ps(sums[r][q], xb, w[q]);
+            }
+        }
+        const uint16_t* sg = sz + static_cast<int64_t>(g) * N * 2;
+        for (int half = 0; half < 2; ++half) {  // outputs 0-31 (vectors 0, 1), then 32-63 (2, 3)
+            const __m512i p0 = _mm512_loadu_si512(sg + half * 64), p1 = _mm512_loadu_si512(sg + half * 64 + 32);
+            for (int v = 0; v < 2; ++v) {
+                const __m512i pairs = _mm512_permutex2var_epi32(p0, v == 0 ? first : second, p1);  // the vector's outputs
+                const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+                const __m512 c = _mm512_fnmadd_ps(_mm512_set1_ps(136.f), s, _mm512_castsi512_ps(_mm512_and_si512(pairs, high_half)));
+                const int q = 2 * half + v;
+                for (int r = 0; r < R; ++r) {
+                    const __m512 before = _mm512_fmadd_ps(c, _mm512_set1_ps(xsum[r * groups + g]), _mm512_load_ps(acc[r][q]));
+                    _mm512_store_ps(acc[r][q], _mm512_fmadd_ps(s, sums[r][q], before));
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int half = 0; half < 2; ++half)
+            for (int v = 0; v < 2; ++v) {  // outputs 32 half + 16 v ..: the two vectors' lanes back in order
+                const int n = 32 * half + 16 * v;
+                __m512 out = _mm512_permutex2var_ps(_mm512_load_ps(acc[r][2 * half]), v == 0 ? first : second,
+                                                    _mm512_load_ps(acc[r][2 * half + 1]));
+                if (bias != nullptr) out = _mm512_add_ps(out, _mm512_loadu_ps(bias + n));
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * y_stride + n), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(out)));
+            }
 }
 
 }  // namespace modserve

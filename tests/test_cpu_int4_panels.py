@@ -1,10 +1,11 @@
-"""int4 layers on AVX512_BF16 CPUs without AMX: from ``PANEL_INT4_FROM_ROWS`` rows on, the int4
-weights (torch's CPU int4 packing) widened to bfloat16 panels per call and multiplied with
-VDPBF16PS (``modserve_avx512_linear_int4``, ``native/int4_panels.h``).
+"""int4 layers on AVX512_BF16 CPUs without AMX, in one native call (``modserve_avx512_linear_int4``,
+``native/int4_panels.h``) over torch's CPU int4 packing: below 8 rows the nibbles multiplied
+directly, from 8 rows widened to bfloat16 panels per call and multiplied with VDPBF16PS.
 
-What could go wrong, and is checked here: a weight widened from the wrong nibble, block or
-group, the widened value rounded differently from the AMX tiles' (``q s + (z - 8 s)`` in float32,
-rounded once), rows past one sweep, and the module taking the wrong product for its row count."""
+What could go wrong, and is checked here: a weight taken from the wrong nibble, 64-output block
+or group (either path), the widened value rounded differently from the AMX tiles' (``q s + (z -
+8 s)`` in float32, rounded once), the direct path's outputs put back out of order, rows past one
+sweep, a bias lost, and an int4 model whose decode steps cannot replay."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import torch
 from test_cpu_experts import NATIVE
 from torch import nn
 
-from modserve.plugins.platforms import cpu_quant
 from modserve.plugins.platforms.cpu_quant import Int4WeightOnlyLinear, quantize_groups_int4
 
 pytestmark = pytest.mark.skipif(not NATIVE, reason="this CPU has no AVX512_BF16 (or no compiler targets it)")
@@ -28,10 +28,11 @@ def widened(module: Int4WeightOnlyLinear, q: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("threads", [1, 3])
-@pytest.mark.parametrize("k,n,rows,group", [(576, 192, 4, 32), (256, 64, 37, 64), (1536, 128, 300, 128), (512, 320, 7, 256)])
+@pytest.mark.parametrize("k,n,rows,group", [(576, 192, 8, 32), (256, 64, 37, 64), (1536, 128, 300, 128), (512, 320, 9, 256)])
 def test_the_widened_product_equals_the_bfloat16_panels_on_the_widened_weights(k, n, rows, group, threads):
-    """Bit for bit: the widening must give the AMX tiles' bfloat16 weights (every nibble, 64-output
-    block and group in its place), and the products then run the bfloat16 panel kernel's blocks."""
+    """From 8 rows, bit for bit: the widening must give the AMX tiles' bfloat16 weights (every
+    nibble, 64-output block and group in its place), and the products then run the bfloat16
+    panel kernel's blocks."""
     from modserve.plugins.platforms.cpu_avx512_linear import Avx512Linear, int4_product
 
     torch.manual_seed(k + rows)
@@ -53,19 +54,43 @@ def test_the_widened_product_equals_the_bfloat16_panels_on_the_widened_weights(k
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
-def test_the_module_takes_the_panels_from_their_row_count(monkeypatch):
-    """``panels`` set: below PANEL_INT4_FROM_ROWS rows torch's int4 kernel (the fastest at one
-    row), from there on the widened panels; a bias is added either way."""
-    from modserve.plugins.platforms import cpu_avx512_linear
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7])
+@pytest.mark.parametrize("k,n,group", [(576, 192, 32), (256, 64, 256), (1536, 128, 128)])
+def test_the_direct_product_equals_the_exact_int4_product(k, n, group, rows):
+    """Below 8 rows, where nothing is widened to memory: the output is the float32 product with
+    the unrounded weights ``(q - 8) s + z`` (and the bias), rounded once to bfloat16, so within
+    one bfloat16 step of it; blocks of 4 rows and the remainders of 1 to 3."""
+    from modserve.plugins.platforms.cpu_avx512_linear import int4_product
 
-    layer = nn.Linear(256, 128).to(torch.bfloat16)
-    module = Int4WeightOnlyLinear(layer, 32)
-    module.panels = True
-    calls = []
-    real = cpu_avx512_linear.int4_product
-    monkeypatch.setattr(cpu_avx512_linear, "int4_product", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    for rows in (1, cpu_quant.PANEL_INT4_FROM_ROWS - 1, cpu_quant.PANEL_INT4_FROM_ROWS, 40):
-        x = torch.randn(rows, 256).to(torch.bfloat16)
-        want = torch._weight_int4pack_mm_for_cpu(x, module.packed, 32, module.scales_and_zeros) + layer.bias
-        torch.testing.assert_close(module(x), want, rtol=2e-2, atol=2e-2)
-    assert calls == [cpu_quant.PANEL_INT4_FROM_ROWS, 40]
+    torch.manual_seed(k + rows)
+    layer = nn.Linear(k, n).to(torch.bfloat16)
+    module = Int4WeightOnlyLinear(layer, group)
+    q, _, _ = quantize_groups_int4(layer.weight, group)
+    sz = module.scales_and_zeros.float()
+    s, z = (t.t().repeat_interleave(group, dim=1) for t in (sz[..., 0], sz[..., 1]))
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    exact = x.float() @ ((q.float() - 8) * s + z).T + layer.bias.float()
+    got = int4_product(x, module.packed, module.scales_and_zeros, group, layer.bias.float())
+    torch.testing.assert_close(got.float(), exact, rtol=2 ** -8, atol=1e-4)
+
+
+def test_an_int4_model_replays_its_decode_steps_with_the_eager_tokens(tmp_path):
+    """``quantization: int4`` (and the same layers from a GGUF file) in bfloat16: every projection
+    one native call, so decode steps of 1-4 requests replay as call lists, with the eager
+    engine's greedy tokens."""
+    from test_cpu_experts import engine
+    from tiny_models import build_model, prompts
+
+    from modserve import SamplingParams
+
+    hf = build_model(str(tmp_path), "llama", intermediate_size=128, hidden_size=64)
+    ps = prompts(hf.config.vocab_size, count=5, seed=6)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 6, 9, 12, 20)]
+    llm = engine(str(tmp_path), "bfloat16", quantization="int4", int4_group_size=32)
+    model = llm.engine.runner.model
+    assert all(m.records for m in model.modules() if isinstance(m, Int4WeightOnlyLinear))
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], params)]
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and all(graphs.replays[s] > 0 for s in graphs.sizes), graphs and graphs.replays
+    eager = engine(str(tmp_path), "bfloat16", graphs=False, quantization="int4", int4_group_size=32)
+    assert [o.outputs[0].token_ids for o in eager.generate([{"prompt_token_ids": p} for p in ps], params)] == got

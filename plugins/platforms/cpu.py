@@ -163,7 +163,7 @@ class CPUPlatform(Platform):
 
     def linear(self, name: str, layer: nn.Linear) -> nn.Module:
         module = self._linear(name, layer)
-        if self.unrecorded_linear is None and name != "lm_head" and not isinstance(module, PanelLinear):
+        if self.unrecorded_linear is None and name != "lm_head" and not _records(module):
             self.unrecorded_linear = name  # computes through torch: a decode forward cannot be a call list
             if self.config.decode_graphs:
                 log.info("device.decode_graphs: off, linear %s multiplies through torch", name)
@@ -174,7 +174,7 @@ class CPUPlatform(Platform):
         if module is not layer:
             if isinstance(module, Int4WeightOnlyLinear):
                 module.amx = self.amx_linears  # many rows: widened to bfloat16 tiles on AMX
-                module.panels = self.float_kernel == "avx512bf16"  # ... or to AVX512_BF16 panels
+                module.panels = self.float_kernel == "avx512bf16"  # ... or one native call on AVX512_BF16 panels
             return module
         if not self.config.pack_weights:
             return layer
@@ -266,6 +266,11 @@ class CPUPlatform(Platform):
             )
         if self.config.fuse_ops:
             model.use_cpu_fused_ops()
+
+
+def _records(module: nn.Module) -> bool:
+    """Whether a linear layer computes through native calls only (a call list can replay it)."""
+    return isinstance(module, PanelLinear) or (isinstance(module, Int4WeightOnlyLinear) and module.records)
 
 
 def _quantized_kernels(scheme: str, amx: bool, amx_int8: bool) -> str:

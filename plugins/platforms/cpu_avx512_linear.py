@@ -47,20 +47,22 @@ def load_int4() -> NativeFunction:
     return load_kernel(SOURCE, "the AVX512_BF16 linear kernel", "modserve_avx512_linear_int4", "AVX512_BF16", argtypes=args)
 
 
-def int4_product(rows: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int) -> torch.Tensor:
-    """``rows @ W.T`` in bfloat16 for int4 ``W`` held as torch's CPU int4 kernel holds it
+def int4_product(rows: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``rows @ W.T + bias`` in bfloat16 for int4 ``W`` held as torch's CPU int4 kernel holds it
     (``packed`` from ``_convert_weight_to_int4pack_for_cpu``, ``[N, K/2]`` uint8, N a multiple
-    of 64; ``scales_and_zeros`` ``[K/group, N, 2]`` bfloat16; K and the group multiples of 32):
-    each thread widens four of its panels at a time to bfloat16 (``q s + (z - 8 s)``, rounded
-    once, as the AMX tiles' widening) in a scratch that stays in its cache, and multiplies them
-    with VDPBF16PS. For many rows, where torch's int4 kernel (a matrix-vector product per row)
-    is slow; ``rows`` ``[M, K]`` bfloat16."""
+    of 64; ``scales_and_zeros`` ``[K/group, N, 2]`` bfloat16; K and the group multiples of 32;
+    ``bias`` ``[N]`` float32 or None), one native call (``native/int4_panels.h``): below 8 rows
+    each thread multiplies its 64-output blocks' nibbles directly (the weights never rounded);
+    from 8 rows on it widens four of its panels at a time to bfloat16 (``q s + (z - 8 s)``,
+    rounded once, as the AMX tiles' widening) in a scratch that stays in its cache and
+    multiplies them with VDPBF16PS. ``rows`` ``[M, K]`` bfloat16."""
     n, k = packed.shape[0], packed.shape[1] * 2
     rows = tile_rows(rows)
     out = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
     load_int4()(
-        rows.data_ptr(), rows.stride(0), rows.shape[0], packed.data_ptr(), scales_and_zeros.data_ptr(), n, k, group, None,
-        out.data_ptr(), n, torch.get_num_threads(),
+        rows.data_ptr(), rows.stride(0), rows.shape[0], packed.data_ptr(), scales_and_zeros.data_ptr(), n, k, group,
+        None if bias is None else bias.data_ptr(), out.data_ptr(), n, torch.get_num_threads(),
     )  # fmt: skip
     return out
 

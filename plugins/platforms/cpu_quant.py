@@ -110,7 +110,6 @@ def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 DEQUANTIZE_FROM_ROWS = 16  # int8 weight-only: from this many rows on (always in float32), widen the weights per call
 AMX_INT4_FROM_ROWS = 8  # int4 on AMX CPUs: from this many bfloat16 rows on, widen to bfloat16 tiles per call
-PANEL_INT4_FROM_ROWS = 8  # int4 on AVX512_BF16 CPUs without AMX: from this many bfloat16 rows on, widen to panels per call
 
 
 class QuantizedLinear(nn.Module):
@@ -305,10 +304,12 @@ class Int4WeightOnlyLinear(QuantizedLinear):
     bfloat16 from 16 rows on. With ``amx`` (set by the platform where its bfloat16 linears run
     on AMX tiles), from ``AMX_INT4_FROM_ROWS`` bfloat16 rows on and where ``out_features`` is a
     multiple of 64, each call widens the weights to bfloat16 tiles, thread by thread, and runs
-    the AMX product on them (:func:`~modserve.plugins.platforms.cpu_amx_linear.int4_product`);
-    with ``panels`` (where they run on AVX512_BF16 panels), from ``PANEL_INT4_FROM_ROWS`` rows
-    on, the same widening into bfloat16 panels multiplied with VDPBF16PS
-    (:func:`~modserve.plugins.platforms.cpu_avx512_linear.int4_product`)."""
+    the AMX product on them (:func:`~modserve.plugins.platforms.cpu_amx_linear.int4_product`).
+    With ``panels`` (set where they run on AVX512_BF16 panels), bfloat16 rows and ``out_features``
+    a multiple of 64, every call is one native call
+    (:func:`~modserve.plugins.platforms.cpu_avx512_linear.int4_product`, the bias inside): below
+    8 rows the nibbles multiplied directly, from 8 on the same widening into bfloat16 panels;
+    such a layer is recordable in a decode call list (:attr:`records`)."""
 
     amx = False
     panels = False
@@ -335,6 +336,7 @@ class Int4WeightOnlyLinear(QuantizedLinear):
         self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q, 1), False)  # [N, K/2] uint8
         scales_and_zeros = torch.stack([scale, lo + 8.0 * scale], dim=-1).transpose(0, 1).contiguous()
         self.register_buffer("scales_and_zeros", scales_and_zeros.to(dtype), False)
+        self.register_buffer("_bias32", None if layer.bias is None else layer.bias.detach().float().contiguous(), False)  # panels
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         sz = self.scales_and_zeros if self.scales_and_zeros.dtype == rows.dtype else self.scales_and_zeros.to(rows.dtype)
@@ -342,11 +344,17 @@ class Int4WeightOnlyLinear(QuantizedLinear):
             from modserve.plugins.platforms.cpu_amx_linear import int4_product
 
             return self.with_bias(int4_product(rows, self.packed, sz, self.group_size))
-        if self.panels and rows.shape[0] >= PANEL_INT4_FROM_ROWS and rows.dtype == torch.bfloat16 and self.out_features % 64 == 0:
+        if self.panels and rows.dtype == torch.bfloat16 and self.out_features % 64 == 0:
             from modserve.plugins.platforms.cpu_avx512_linear import int4_product as panel_int4_product
 
-            return self.with_bias(panel_int4_product(rows, self.packed, sz, self.group_size))
+            return panel_int4_product(rows, self.packed, sz, self.group_size, self._bias32)
         return self.with_bias(torch._weight_int4pack_mm_for_cpu(rows.contiguous(), self.packed, self.group_size, sz))
+
+    @property
+    def records(self) -> bool:
+        """Whether a call is one native call for any row count (no torch operator): a decode
+        step through it can be recorded as a call list."""
+        return self.panels and self.out_features % 64 == 0 and self.input_order is None and self.scales_and_zeros.dtype == torch.bfloat16
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, group_size={self.group_size}"
