@@ -47,6 +47,9 @@ inline Weights even_weights(const int8_t* w, int k) {
     return {_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(code_pairs(w, k), 24), 24))};
 }
 inline Weights odd_weights(const int8_t* w, int k) { return {_mm512_cvtepi32_ps(_mm512_srai_epi32(code_pairs(w, k), 8))}; }
+// float32 weights (a panel widened from int4, [K][16]): input 2k's 16, then input 2k + 1's.
+inline Weights even_weights(const float* w, int k) { return {_mm512_loadu_ps(w + k * 32)}; }
+inline Weights odd_weights(const float* w, int k) { return {_mm512_loadu_ps(w + k * 32 + 16)}; }
 inline void fma(Sums& s, const float* x, const Weights& w) { s.v = _mm512_fmadd_ps(_mm512_set1_ps(*x), w.v, s.v); }
 // n codes as bfloat16 (n a multiple of 16): a code's float32 has 16 zero low bits, so its high half is exact.
 inline void widen_codes(const int8_t* w, int64_t n, uint16_t* out) {
@@ -91,6 +94,9 @@ inline Weights odd_weights(const int8_t* w, int k) {
     return {_mm256_cvtepi32_ps(_mm256_srai_epi32(code_pairs(w, k, 0), 8)),
             _mm256_cvtepi32_ps(_mm256_srai_epi32(code_pairs(w, k, 1), 8))};
 }
+// float32 weights (a panel widened from int4, [K][16]): input 2k's 16, then input 2k + 1's.
+inline Weights even_weights(const float* w, int k) { return {_mm256_loadu_ps(w + k * 32), _mm256_loadu_ps(w + k * 32 + 8)}; }
+inline Weights odd_weights(const float* w, int k) { return {_mm256_loadu_ps(w + k * 32 + 16), _mm256_loadu_ps(w + k * 32 + 24)}; }
 // n codes as bfloat16 (n a multiple of 8): a code's float32 has 16 zero low bits, so its high half is exact.
 inline void widen_codes(const int8_t* w, int64_t n, uint16_t* out) {
     for (int64_t i = 0; i < n; i += 8) {
@@ -218,6 +224,38 @@ Block<W> rows_block_of(int r, std::integer_sequence<int, Rs...>) {
 template <typename W, int P>
 Block<W> rows_block(int r) { return rows_block_of<W, P>(r, std::make_integer_sequence<int, kRows>{}); }
 
+// Rows [c0, c1) times panels [g, g1), whose weights (bfloat16, codes or float32) are `group`, in
+// blocks of up to kRows rows; each call asks for its panels' share of the block's part of the
+// next_lines cache lines at next_w (the next group's weights). `gate`: a gated pair's gate sums.
+template <typename V>
+void group_blocks(const float* x, int64_t x_stride, int64_t c0, int64_t c1, const V* group, int64_t panel, int K,
+                  const float* bias, const float* scale, int64_t g, int64_t g1, int64_t N, float* y, int64_t y_stride, bool gated,
+                  float* gate, const char* next_w, int64_t next_lines) {
+    const int64_t blocks = (c1 - c0 + kRows - 1) / kRows;
+    for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t m = c0 + b * kRows;
+        const int rows = c1 - m < kRows ? static_cast<int>(c1 - m) : kRows;
+        const Block<V> run = rows_block<V, 1>(rows), run_two = rows_block<V, 2>(rows);
+        const int64_t l0 = next_lines * b / blocks, l1 = next_lines * (b + 1) / blocks;
+        const float* xm = x + m * x_stride;
+        for (int64_t p = g; p < g1;) {  // each call asks for its panels' part of the block's lines
+            const int64_t take = kTwoPanelsFrom > 0 && rows >= kTwoPanelsFrom && p + 1 < g1 ? 2 : 1;
+            const int64_t a0 = l0 + (l1 - l0) * (p - g) / (g1 - g), a1 = l0 + (l1 - l0) * (p + take - g) / (g1 - g);
+            const char* ahead = next_w + 64 * a0;
+            const V* wp = group + (p - g) * panel;
+            const float* s = scale != nullptr ? scale + 16 * p : nullptr;  // panel p's channel scales
+            if (take == 2)  // gated: a (gate, up) pair, p even
+                run_two(xm, x_stride, wp, panel, K, bias, s, p * 16, N, y + m * y_stride, y_stride, nullptr, gated, ahead, a1 - a0);
+            else if (gated && (p & 1) == 0)
+                run(xm, x_stride, wp, panel, K, nullptr, s, 0, 16, gate, 16, nullptr, false, ahead, a1 - a0);
+            else
+                run(xm, x_stride, wp, panel, K, bias, s, (gated ? p - 1 : p) * 16, N, y + m * y_stride, y_stride,
+                    gated ? gate : nullptr, false, ahead, a1 - a0);  // gated: the pair's columns, from its gate panel's
+            p += take;
+        }
+    }
+}
+
 // One thread's share: panels [p0, p1) (whole gated pairs) for every row, kChunk rows at a time;
 // `scale` the channel scales of int8 codes (16 a panel, in the panels' order), else null. With
 // more rows than two blocks, a group's codes are widened once to bfloat16 panels in this
@@ -232,47 +270,41 @@ void thread_part(const float* x, int64_t x_stride, int64_t M, const W* w, int64_
     alignas(64) float gate[kRows * 16];  // a gated pair's gate sums, until its up panel's block
     for (int64_t c0 = 0; c0 < M; c0 += kChunk) {
         const int64_t c1 = c0 + kChunk < M ? c0 + kChunk : M;
-        const int64_t blocks = (c1 - c0 + kRows - 1) / kRows;
         for (int64_t g = p0; g < p1; g += kPanels) {
             const int64_t g1 = g + kPanels < p1 ? g + kPanels : p1;
             const int64_t after = p1 - g1 < kPanels ? p1 - g1 : kPanels;  // panels in the next group
             const int64_t next_lines = c1 - c0 > 1 ? after * panel * static_cast<int64_t>(sizeof(W)) / 64 : 0;  // one row streams as fast without
             const char* next_w = reinterpret_cast<const char*>(w + g1 * panel);
-            auto run_blocks = [&](const auto* group) {  // the group's panels: codes, or bfloat16
-                using V = std::remove_const_t<std::remove_pointer_t<decltype(group)>>;
-                for (int64_t b = 0; b < blocks; ++b) {
-                    const int64_t m = c0 + b * kRows;
-                    const int rows = c1 - m < kRows ? static_cast<int>(c1 - m) : kRows;
-                    const Block<V> run = rows_block<V, 1>(rows), run_two = rows_block<V, 2>(rows);
-                    const int64_t l0 = next_lines * b / blocks, l1 = next_lines * (b + 1) / blocks;
-                    const float* xm = x + m * x_stride;
-                    for (int64_t p = g; p < g1;) {  // each call asks for its panels' part of the block's lines
-                        const int64_t take = kTwoPanelsFrom > 0 && rows >= kTwoPanelsFrom && p + 1 < g1 ? 2 : 1;
-                        const int64_t a0 = l0 + (l1 - l0) * (p - g) / (g1 - g), a1 = l0 + (l1 - l0) * (p + take - g) / (g1 - g);
-                        const char* ahead = next_w + 64 * a0;
-                        const V* wp = group + (p - g) * panel;
-                        const float* s = scale != nullptr ? scale + 16 * p : nullptr;  // panel p's channel scales
-                        if (take == 2)  // gated: a (gate, up) pair, p even
-                            run_two(xm, x_stride, wp, panel, K, bias, s, p * 16, N, y + m * y_stride, y_stride, nullptr, gated,
-                                    ahead, a1 - a0);
-                        else if (gated && (p & 1) == 0)
-                            run(xm, x_stride, wp, panel, K, nullptr, s, 0, 16, gate, 16, nullptr, false, ahead, a1 - a0);
-                        else
-                            run(xm, x_stride, wp, panel, K, bias, s, (gated ? p - 1 : p) * 16, N, y + m * y_stride, y_stride,
-                                gated ? gate : nullptr, false, ahead, a1 - a0);  // gated: the pair's columns, from its gate panel's
-                        p += take;
-                    }
-                }
-            };
             if constexpr (codes) {
                 if (c1 - c0 > 2 * kRows) {
                     widen_codes(w + g * panel, (g1 - g) * panel, widened.data());
-                    run_blocks(static_cast<const uint16_t*>(widened.data()));
+                    group_blocks<uint16_t>(x, x_stride, c0, c1, widened.data(), panel, K, bias, scale, g, g1, N, y, y_stride, gated,
+                                           gate, next_w, next_lines);
                     continue;
                 }
             }
-            run_blocks(w + g * panel);
+            group_blocks<W>(x, x_stride, c0, c1, w + g * panel, panel, K, bias, scale, g, g1, N, y, y_stride, gated, gate, next_w,
+                            next_lines);
         }
+    }
+}
+
+// One thread's share of a layer whose weights come widened to float32 panels ([K][16] each) a
+// group at a time (int4_panels.h): widen(p, np, out) writes panels [p, p + np) at out, into this
+// thread's scratch; every row's blocks then multiply that group (widened once per call).
+template <typename Widen>
+void widened_part(const float* x, int64_t x_stride, int64_t M, const Widen& widen, int K, const float* bias, int64_t N,
+                  float* y, int64_t y_stride, int64_t p0, int64_t p1) {
+    const int64_t panel = static_cast<int64_t>(K) * 16;  // floats of one widened panel
+    static thread_local std::vector<float> widened;
+    if (widened.size() < static_cast<size_t>(kPanels * panel)) widened.resize(kPanels * panel);
+    alignas(64) float gate[kRows * 16];
+    for (int64_t g = p0; g < p1; g += kPanels) {
+        const int64_t g1 = g + kPanels < p1 ? g + kPanels : p1;
+        widen(g, static_cast<int>(g1 - g), widened.data());
+        for (int64_t c0 = 0; c0 < M; c0 += kChunk)
+            group_blocks<float>(x, x_stride, c0, c0 + kChunk < M ? c0 + kChunk : M, widened.data(), panel, K, bias, nullptr, g, g1,
+                                N, y, y_stride, false, gate, nullptr, 0);
     }
 }
 

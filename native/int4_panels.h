@@ -1,7 +1,9 @@
-// int4 weights as torch's CPU int4 kernel holds them, widened to the packed bfloat16 panels
-// that the AMX tiles (cpu_amx_linear.cpp) and VDPBF16PS (cpu_avx512_linear.cpp) multiply: both
-// widen a thread's share of a layer into a scratch of their own and run their bfloat16 products
-// on it, for the many-row calls where torch's int4 kernel (a matrix-vector product per row) is slow.
+// int4 weights as torch's CPU int4 kernel holds them, for our own products: widened to the packed
+// bfloat16 panels that the AMX tiles (cpu_amx_linear.cpp) and VDPBF16PS (cpu_avx512_linear.cpp)
+// multiply, a thread's share at a time into a scratch of its own, or (few rows) multiplied
+// directly; and for float32 models, widened to float32 panels for the FMA loops
+// (cpu_avx2_linear.cpp), where torch's int4 kernel takes a slow path (30-160x a bfloat16-held
+// float32 layer's time on a Zen 5).
 #pragma once
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -117,6 +119,48 @@ void int4_block_direct(const uint16_t* x, int64_t x_stride, const float* xsum, i
                 if (bias != nullptr) out = _mm512_add_ps(out, _mm512_loadu_ps(bias + n));
                 _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * y_stride + n), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(out)));
             }
+}
+
+}  // namespace modserve
+
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace modserve {
+
+// int4 weights in torch's CPU packing (as widen_int4_panels reads them) with a float32 model's
+// scales_and_zeros ([K/group][N][2] float32: w = (q - 8) s + z), widened to float32 panels of
+// 16 outputs, [K][16] each, for panels [panel0, panel1), panel0 written at `out`: each weight
+// q s + (z - 8 s) in float32 (one FMA; z - 8 s rounded once).
+inline void widen_int4_f32(const uint8_t* q4, const float* sz, int64_t N, int K, int group, int64_t panel0, int64_t panel1,
+                           float* out) {
+    const __m256i low_nibble = _mm256_set1_epi32(0xF);
+    for (int64_t p = panel0; p < panel1; ++p) {
+        const int64_t n0 = p * 16;
+        const uint8_t* block = q4 + (n0 / 64) * 64 * static_cast<int64_t>(K / 2);
+        const int sub = static_cast<int>(n0 % 64) / 16, byte0 = (sub % 2) * 16;
+        const bool high = sub >= 2;
+        float* panel = out + (p - panel0) * static_cast<int64_t>(K) * 16;
+        for (int g = 0; g < K / group; ++g) {
+            alignas(32) float s[16], base[16];
+            for (int j = 0; j < 16; ++j) {
+                const float* pair = sz + (static_cast<int64_t>(g) * N + n0 + j) * 2;
+                s[j] = pair[0];
+                base[j] = pair[1] - 8.f * pair[0];
+            }
+            for (int k = g * group; k < (g + 1) * group; ++k)
+                for (int h = 0; h < 2; ++h) {  // outputs 8 h .. 8 h + 7
+                    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + static_cast<int64_t>(k) * 32 + byte0 + 8 * h));
+                    const __m256i v = _mm256_cvtepu8_epi32(bytes);
+                    const __m256i q = high ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, low_nibble);
+                    _mm256_storeu_ps(panel + k * 16 + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_load_ps(s + 8 * h), _mm256_load_ps(base + 8 * h)));
+                }
+        }
+    }
 }
 
 }  // namespace modserve

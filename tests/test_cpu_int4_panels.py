@@ -1,6 +1,8 @@
-"""int4 layers on AVX512_BF16 CPUs without AMX, in one native call (``modserve_avx512_linear_int4``,
-``native/int4_panels.h``) over torch's CPU int4 packing: below 8 rows the nibbles multiplied
-directly, from 8 rows widened to bfloat16 panels per call and multiplied with VDPBF16PS.
+"""int4 layers in one native call over torch's CPU int4 packing (``native/int4_panels.h``): in
+bfloat16 on AVX512_BF16 CPUs without AMX (``modserve_avx512_linear_int4``: below 8 rows the
+nibbles multiplied directly, from 8 rows widened to bfloat16 panels and multiplied with
+VDPBF16PS), in float32 on AVX2 (``modserve_avx2_linear_int4``: widened to float32 panels for the
+FMA loops; torch's int4 kernel takes a slow path with float32 rows).
 
 What could go wrong, and is checked here: a weight taken from the wrong nibble, 64-output block
 or group (either path), the widened value rounded differently from the AMX tiles' (``q s + (z -
@@ -11,12 +13,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_cpu_experts import NATIVE
+from test_cpu_experts import NATIVE, needs_avx2
 from torch import nn
 
 from modserve.plugins.platforms.cpu_quant import Int4WeightOnlyLinear, quantize_groups_int4
 
-pytestmark = pytest.mark.skipif(not NATIVE, reason="this CPU has no AVX512_BF16 (or no compiler targets it)")
+needs_bf16 = pytest.mark.skipif(not NATIVE, reason="this CPU has no AVX512_BF16 (or no compiler targets it)")
 
 
 def widened(module: Int4WeightOnlyLinear, q: torch.Tensor) -> torch.Tensor:
@@ -27,6 +29,7 @@ def widened(module: Int4WeightOnlyLinear, q: torch.Tensor) -> torch.Tensor:
     return (q.float() * s + (z - 8 * s)).to(torch.bfloat16)
 
 
+@needs_bf16
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("k,n,rows,group", [(576, 192, 8, 32), (256, 64, 37, 64), (1536, 128, 300, 128), (512, 320, 9, 256)])
 def test_the_widened_product_equals_the_bfloat16_panels_on_the_widened_weights(k, n, rows, group, threads):
@@ -54,6 +57,7 @@ def test_the_widened_product_equals_the_bfloat16_panels_on_the_widened_weights(k
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
+@needs_bf16
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7])
 @pytest.mark.parametrize("k,n,group", [(576, 192, 32), (256, 64, 256), (1536, 128, 128)])
 def test_the_direct_product_equals_the_exact_int4_product(k, n, group, rows):
@@ -74,23 +78,47 @@ def test_the_direct_product_equals_the_exact_int4_product(k, n, group, rows):
     torch.testing.assert_close(got.float(), exact, rtol=2 ** -8, atol=1e-4)
 
 
-def test_an_int4_model_replays_its_decode_steps_with_the_eager_tokens(tmp_path):
-    """``quantization: int4`` (and the same layers from a GGUF file) in bfloat16: every projection
-    one native call, so decode steps of 1-4 requests replay as call lists, with the eager
-    engine's greedy tokens."""
+@needs_avx2
+@pytest.mark.parametrize("build", [(), ("-mno-avx512f",)], ids=["native", "avx2-width"])
+@pytest.mark.parametrize("k,n,rows,group", [(576, 192, 1, 32), (256, 64, 37, 64), (1536, 128, 300, 128), (512, 320, 5, 256)])
+def test_the_float32_product_equals_torchs_int4_kernel(k, n, rows, group, build):
+    """float32 rows (both widths): the weights widened to float32 panels give torch's own float32
+    int4 product (the weights in float32, never rounded to bfloat16) to float32 summation order,
+    with the bias."""
+    from modserve.plugins.platforms.cpu_avx2_linear import int4_product
+
+    torch.manual_seed(k + rows)
+    layer = nn.Linear(k, n)
+    module = Int4WeightOnlyLinear(layer, group)
+    x = torch.randn(rows, k)
+    want = torch._weight_int4pack_mm_for_cpu(x, module.packed, group, module.scales_and_zeros) + layer.bias
+    got = int4_product(x, module.packed, module.scales_and_zeros, group, layer.bias.detach(), build)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [pytest.param("bfloat16", marks=needs_bf16), pytest.param("float32", marks=needs_avx2)],
+)
+def test_an_int4_model_replays_its_decode_steps_with_the_eager_tokens(tmp_path, dtype):
+    """``quantization: int4`` on a bfloat16 checkpoint, served in bfloat16 or in float32: every
+    projection one native call, so decode steps of 1-4 requests replay as call lists, with the
+    eager engine's greedy tokens (a GGUF file's Q4 layers are the same modules)."""
     from test_cpu_experts import engine
     from tiny_models import build_model, prompts
 
     from modserve import SamplingParams
 
     hf = build_model(str(tmp_path), "llama", intermediate_size=128, hidden_size=64)
+    hf.to(torch.bfloat16).save_pretrained(str(tmp_path))  # float32: its head on the bfloat16-held panels
     ps = prompts(hf.config.vocab_size, count=5, seed=6)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 6, 9, 12, 20)]
-    llm = engine(str(tmp_path), "bfloat16", quantization="int4", int4_group_size=32)
+    llm = engine(str(tmp_path), dtype, quantization="int4", int4_group_size=32)
     model = llm.engine.runner.model
-    assert all(m.records for m in model.modules() if isinstance(m, Int4WeightOnlyLinear))
+    int4 = [m for m in model.modules() if isinstance(m, Int4WeightOnlyLinear)]
+    assert len(int4) == 4 * len(model.layers) and all(m.records for m in int4)
     got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], params)]
     graphs = llm.engine.runner.graphs
     assert graphs is not None and all(graphs.replays[s] > 0 for s in graphs.sizes), graphs and graphs.replays
-    eager = engine(str(tmp_path), "bfloat16", graphs=False, quantization="int4", int4_group_size=32)
+    eager = engine(str(tmp_path), dtype, graphs=False, quantization="int4", int4_group_size=32)
     assert [o.outputs[0].token_ids for o in eager.generate([{"prompt_token_ids": p} for p in ps], params)] == got

@@ -174,7 +174,8 @@ class CPUPlatform(Platform):
         if module is not layer:
             if isinstance(module, Int4WeightOnlyLinear):
                 module.amx = self.amx_linears  # many rows: widened to bfloat16 tiles on AMX
-                module.panels = self.float_kernel == "avx512bf16"  # ... or one native call on AVX512_BF16 panels
+                bf16 = module.scales_and_zeros.dtype == torch.bfloat16  # ... or one native call on our panel kernels:
+                module.panels = self.float_kernel == "avx512bf16" if bf16 else self.float32_kernel == "avx2"
             return module
         if not self.config.pack_weights:
             return layer

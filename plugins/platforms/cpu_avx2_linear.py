@@ -16,6 +16,7 @@ would change the model.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import torch
@@ -24,7 +25,7 @@ from torch import nn
 from modserve.core.contract import NativeFunction
 from modserve.native.build import SOURCES
 from modserve.plugins.platforms.cpu_int8_panel_linear import load_int8
-from modserve.plugins.platforms.cpu_panel_linear import PanelLinear, load_kernel
+from modserve.plugins.platforms.cpu_panel_linear import PanelLinear, load_kernel, tile_rows
 
 SOURCE = SOURCES / "cpu_avx2_linear.cpp"
 
@@ -36,6 +37,34 @@ def load(extra_flags: tuple[str, ...] = ()) -> NativeFunction:
     ``KernelUnavailable`` where it cannot be built, or where the compiler does not target AVX2
     and FMA on this CPU (``-march=native``)."""
     return load_kernel(SOURCE, "the AVX2 linear kernel", "modserve_avx2_linear", "AVX2 and FMA", extra_flags)
+
+
+@functools.cache
+def load_int4(extra_flags: tuple[str, ...] = ()) -> NativeFunction:
+    """The same kernel's entry over int4 weights as torch's int4 kernel holds them, widened to
+    float32 panels per call (:func:`int4_product`)."""
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    args = [ptr, i64, i64, ptr, ptr, i64, i32, i32, ptr, ptr, i64, i32]
+    return load_kernel(SOURCE, "the AVX2 linear kernel", "modserve_avx2_linear_int4", "AVX2 and FMA", extra_flags, args)
+
+
+def int4_product(rows: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int,
+                 bias: torch.Tensor | None = None, extra_flags: tuple[str, ...] = ()) -> torch.Tensor:
+    """``rows @ W.T + bias`` in float32 for int4 ``W`` held as torch's CPU int4 kernel holds it
+    (``packed`` ``[N, K/2]`` uint8, N a multiple of 64; ``scales_and_zeros`` ``[K/group, N, 2]``
+    float32; K and the group multiples of 32; ``bias`` ``[N]`` float32 or None), one native
+    call: each thread widens four of its panels at a time to float32 (``q s + (z - 8 s)``) in a
+    scratch that stays in its cache and runs the FMA blocks on them. torch's int4 kernel takes a
+    slow path with float32 rows (SmolLM2's 576 -> 1536 layer: 648 us at one row, 40 ms at 64,
+    against 22 us and 245 us for the bfloat16-held float32 layer). ``rows`` ``[M, K]`` float32."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    rows = tile_rows(rows)
+    out = torch.empty(rows.shape[0], n, dtype=torch.float32)
+    load_int4(extra_flags)(
+        rows.data_ptr(), rows.stride(0), rows.shape[0], packed.data_ptr(), scales_and_zeros.data_ptr(), n, k, group,
+        None if bias is None else bias.data_ptr(), out.data_ptr(), n, torch.get_num_threads(),
+    )  # fmt: skip
+    return out
 
 
 @functools.cache

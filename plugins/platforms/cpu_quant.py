@@ -305,11 +305,12 @@ class Int4WeightOnlyLinear(QuantizedLinear):
     on AMX tiles), from ``AMX_INT4_FROM_ROWS`` bfloat16 rows on and where ``out_features`` is a
     multiple of 64, each call widens the weights to bfloat16 tiles, thread by thread, and runs
     the AMX product on them (:func:`~modserve.plugins.platforms.cpu_amx_linear.int4_product`).
-    With ``panels`` (set where they run on AVX512_BF16 panels), bfloat16 rows and ``out_features``
-    a multiple of 64, every call is one native call
-    (:func:`~modserve.plugins.platforms.cpu_avx512_linear.int4_product`, the bias inside): below
-    8 rows the nibbles multiplied directly, from 8 on the same widening into bfloat16 panels;
-    such a layer is recordable in a decode call list (:attr:`records`)."""
+    With ``panels`` (set where the platform's linears of the module's dtype are our panel
+    kernels) and ``out_features`` a multiple of 64, every call is one native call, the bias
+    inside: bfloat16 on AVX512_BF16 (:func:`~modserve.plugins.platforms.cpu_avx512_linear.int4_product`:
+    below 8 rows the nibbles multiplied directly, from 8 on the same widening into bfloat16
+    panels), float32 on AVX2 (:func:`~modserve.plugins.platforms.cpu_avx2_linear.int4_product`:
+    widened to float32 panels); such a layer is recordable in a decode call list (:attr:`records`)."""
 
     amx = False
     panels = False
@@ -344,17 +345,18 @@ class Int4WeightOnlyLinear(QuantizedLinear):
             from modserve.plugins.platforms.cpu_amx_linear import int4_product
 
             return self.with_bias(int4_product(rows, self.packed, sz, self.group_size))
-        if self.panels and rows.dtype == torch.bfloat16 and self.out_features % 64 == 0:
-            from modserve.plugins.platforms.cpu_avx512_linear import int4_product as panel_int4_product
+        if self.panels and rows.dtype == self.scales_and_zeros.dtype and self.out_features % 64 == 0:
+            from modserve.plugins.platforms import cpu_avx2_linear, cpu_avx512_linear
 
-            return panel_int4_product(rows, self.packed, sz, self.group_size, self._bias32)
+            kernels = cpu_avx512_linear if rows.dtype == torch.bfloat16 else cpu_avx2_linear
+            return kernels.int4_product(rows, self.packed, sz, self.group_size, self._bias32)
         return self.with_bias(torch._weight_int4pack_mm_for_cpu(rows.contiguous(), self.packed, self.group_size, sz))
 
     @property
     def records(self) -> bool:
         """Whether a call is one native call for any row count (no torch operator): a decode
         step through it can be recorded as a call list."""
-        return self.panels and self.out_features % 64 == 0 and self.input_order is None and self.scales_and_zeros.dtype == torch.bfloat16
+        return self.panels and self.out_features % 64 == 0 and self.input_order is None
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, group_size={self.group_size}"
