@@ -17,8 +17,9 @@ namespace modserve {
 // int4 weights in torch's CPU packing (_convert_weight_to_int4pack_for_cpu: for each block of
 // 64 outputs, [K][32] bytes, byte j holding output j in its low nibble and output j + 32 in its
 // high one) with torch's scales_and_zeros ([K/group][N][2] bfloat16: w = (q - 8) s + z),
-// widened into the packed bfloat16 panels (cpu_panel_linear.py's pack) for 16-output panels [panel0, panel1), panel0
-// written at `out`: each weight computed in float32 as q s + (z - 8 s), rounded to nearest even.
+// widened into the packed bfloat16 panels (cpu_panel_linear.py's pack) for 16-output panels
+// [panel0, panel1), panel0 written at `out`: each weight computed in float32 as q s + (z - 8 s),
+// rounded to nearest even.
 inline void widen_int4_panels(const uint8_t* q4, const uint16_t* sz, int64_t N, int K, int group, int64_t panel0,
                               int64_t panel1, uint16_t* out) {
     const int kb = K / 32;
@@ -73,7 +74,8 @@ void int4_block_direct(const uint16_t* x, int64_t x_stride, const float* xsum, i
     const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
     const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
     const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-    alignas(64) float acc[R][4][16] = {};  // the block's sums, updated once a group: in memory, so that R x 4 group sums fit the registers
+    // The block's sums, updated once a group: in memory, so that the R x 4 group sums fit the registers.
+    alignas(64) float acc[R][4][16] = {};
     for (int g = 0; g < groups; ++g) {
         __m512 sums[R][4];
         for (int r = 0; r < R; ++r)
@@ -81,7 +83,8 @@ void int4_block_direct(const uint16_t* x, int64_t x_stride, const float* xsum, i
         for (int k = g * group; k < (g + 1) * group; k += 2) {
             const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + static_cast<int64_t>(k) * 32));
             const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + static_cast<int64_t>(k + 1) * 32));
-            const __m512i lo = _mm512_cvtepu8_epi16(_mm256_unpacklo_epi8(a, b)), hi = _mm512_cvtepu8_epi16(_mm256_unpackhi_epi8(a, b));
+            const __m512i lo = _mm512_cvtepu8_epi16(_mm256_unpacklo_epi8(a, b));
+            const __m512i hi = _mm512_cvtepu8_epi16(_mm256_unpackhi_epi8(a, b));
             const __m512bh w[4] = {
                 reinterpret_cast<__m512bh>(_mm512_ternarylogic_epi32(lo, nibble, magic, 0xEA)),  // (v & 0xF) | 128.0
                 reinterpret_cast<__m512bh>(_mm512_ternarylogic_epi32(hi, nibble, magic, 0xEA)),
@@ -101,7 +104,8 @@ void int4_block_direct(const uint16_t* x, int64_t x_stride, const float* xsum, i
             for (int v = 0; v < 2; ++v) {
                 const __m512i pairs = _mm512_permutex2var_epi32(p0, v == 0 ? first : second, p1);  // the vector's outputs
                 const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
-                const __m512 c = _mm512_fnmadd_ps(_mm512_set1_ps(136.f), s, _mm512_castsi512_ps(_mm512_and_si512(pairs, high_half)));
+                const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_half));
+                const __m512 c = _mm512_fnmadd_ps(_mm512_set1_ps(136.f), s, z);  // z - 136 s
                 const int q = 2 * half + v;
                 for (int r = 0; r < R; ++r) {
                     const __m512 before = _mm512_fmadd_ps(c, _mm512_set1_ps(xsum[r * groups + g]), _mm512_load_ps(acc[r][q]));
@@ -117,7 +121,8 @@ void int4_block_direct(const uint16_t* x, int64_t x_stride, const float* xsum, i
                 __m512 out = _mm512_permutex2var_ps(_mm512_load_ps(acc[r][2 * half]), v == 0 ? first : second,
                                                     _mm512_load_ps(acc[r][2 * half + 1]));
                 if (bias != nullptr) out = _mm512_add_ps(out, _mm512_loadu_ps(bias + n));
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * y_stride + n), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(out)));
+                const __m256i rounded = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(out));
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * y_stride + n), rounded);
             }
 }
 
@@ -154,10 +159,12 @@ inline void widen_int4_f32(const uint8_t* q4, const float* sz, int64_t N, int K,
             }
             for (int k = g * group; k < (g + 1) * group; ++k)
                 for (int h = 0; h < 2; ++h) {  // outputs 8 h .. 8 h + 7
-                    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + static_cast<int64_t>(k) * 32 + byte0 + 8 * h));
+                    const uint8_t* src = block + static_cast<int64_t>(k) * 32 + byte0 + 8 * h;
+                    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src));
                     const __m256i v = _mm256_cvtepu8_epi32(bytes);
                     const __m256i q = high ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, low_nibble);
-                    _mm256_storeu_ps(panel + k * 16 + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_load_ps(s + 8 * h), _mm256_load_ps(base + 8 * h)));
+                    const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_load_ps(s + 8 * h), _mm256_load_ps(base + 8 * h));
+                    _mm256_storeu_ps(panel + k * 16 + 8 * h, w);
                 }
         }
     }

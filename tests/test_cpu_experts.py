@@ -10,6 +10,7 @@ products)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from types import SimpleNamespace
@@ -104,6 +105,17 @@ def panel_experts(moe: SparseMoE, build: str) -> PanelExperts:
     return out
 
 
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's (and so the kernels') thread count set to n for the block, then put back."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def tokens(n: int, hidden: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return torch.randn(n, hidden, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
@@ -121,12 +133,8 @@ def test_one_expert_a_token_equals_its_expert_bit_for_bit(build, hidden, num, wi
     dtype = BUILDS[build][0]
     moe = experts(hidden, num, 1, width, dtype, seed=hidden + num)
     x = tokens(count, hidden, dtype, seed=count)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         got = panel_experts(moe, build)(x)
-    finally:
-        torch.set_num_threads(before)
     assert torch.equal(got, reference(moe, x, build))
 
 

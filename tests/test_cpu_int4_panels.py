@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_cpu_experts import NATIVE, needs_avx2
+from test_cpu_experts import NATIVE, needs_avx2, torch_threads
 from torch import nn
 
 from modserve.plugins.platforms.cpu_quant import Int4WeightOnlyLinear, quantize_groups_int4
@@ -46,12 +46,8 @@ def test_the_widened_product_equals_the_bfloat16_panels_on_the_widened_weights(k
     with torch.no_grad():
         reference.weight.copy_(widened(module, q))
     x = torch.randn(rows, k).to(torch.bfloat16)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         got = int4_product(x, module.packed, module.scales_and_zeros, group)
-    finally:
-        torch.set_num_threads(before)
     assert torch.equal(got, Avx512Linear(reference)(x))
     want = torch._weight_int4pack_mm_for_cpu(x, module.packed, group, module.scales_and_zeros)  # torch's own kernel
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)

@@ -13,7 +13,9 @@ import logging
 
 import pytest
 import torch
-from test_cpu_experts import BUILDS, KERNEL_BUILDS, TAKES_KERNEL, engine, experts, needs_avx2, panel_linear, prompt_logprobs, tokens
+from test_cpu_experts import (
+    BUILDS, KERNEL_BUILDS, TAKES_KERNEL, engine, experts, needs_avx2, panel_linear, prompt_logprobs, tokens, torch_threads,
+)
 from tiny_models import build_model, prompts
 
 from modserve import SamplingParams
@@ -64,12 +66,8 @@ def test_int8_codes_give_the_bfloat16_weights_products_bit_for_bit(build, hidden
     x = tokens(count, hidden, dtype, seed=count)
     int8, floats = on_kernel(moe, build, int8=True), on_kernel(moe, build, int8=False)
     assert int8.w13.dtype == torch.int8 and int8.w13.nbytes * 2 == floats.w13.nbytes
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         got = int8(x)
-    finally:
-        torch.set_num_threads(before)
     assert torch.equal(got, floats(x))
 
 

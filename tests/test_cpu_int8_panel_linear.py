@@ -13,7 +13,7 @@ import logging
 
 import pytest
 import torch
-from test_cpu_experts import BUILDS, KERNEL_BUILDS, TAKES_KERNEL, engine, panel_linear
+from test_cpu_experts import BUILDS, KERNEL_BUILDS, TAKES_KERNEL, engine, panel_linear, torch_threads
 from tiny_models import build_model, prompts
 from torch import nn
 
@@ -62,12 +62,8 @@ def test_int8_codes_give_the_bfloat16_weights_products_bit_for_bit(build, k, n, 
     if gated:
         assert int8.enable_silu_mul() and floats.enable_silu_mul()
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         got = int8(x)
-    finally:
-        torch.set_num_threads(before)
     assert torch.equal(got, floats(x))
 
 

@@ -110,9 +110,11 @@ class CPUPlatform(Platform):
         kernels = [f"linears: {linears if self.config.pack_weights else 'plain nn.Linear'}"]
         if self.config.quantization != "none":
             quantized = _quantized_kernels(self.config.quantization, self.amx_linears, self.amx_int8)
-            if self.config.quantization == "int8" and not self.amx_linears:
-                panels = [d for d, k in (("bfloat16", self.float_kernel == "avx512bf16"), ("float32", self.float32_kernel == "avx2")) if k]
-                quantized = f"panel kernels over int8 codes in {' and '.join(panels)}, else {quantized}" if panels else quantized
+            panels = [d for d, k in (("bfloat16", self.float_kernel == "avx512bf16"), ("float32", self.float32_kernel == "avx2")) if k]
+            if panels and self.config.quantization == "int8":
+                quantized = f"panel kernels over int8 codes in {' and '.join(panels)}, else {quantized}"
+            elif panels and self.config.quantization not in ("none", "w8a8"):
+                quantized = f"int4 layers: one native call on the panel kernels in {' and '.join(panels)} (out_features a multiple of 64); {quantized}"
             kernels.append(f"quantized linears ({self.config.quantization}): {quantized}")
         calls = ["AVX512_BF16 in bfloat16"] if self.float_kernel == "avx512bf16" else []
         calls += ["float32 FMAs over bfloat16-held experts where exact"] if self.float32_kernel == "avx2" else []
@@ -200,7 +202,7 @@ class CPUPlatform(Platform):
     def _quantized(self, name: str, layer: nn.Linear) -> nn.Module:
         """The quantized module for ``layer`` under ``quantization``, or ``layer`` itself."""
         if self.config.quantization in CHECKPOINT_SCHEMES:
-            kept = checkpoint_linear(self.config.quantization, name, layer, self.amx_linears, self.amx_int8)
+            kept = checkpoint_linear(self.config.quantization, name, layer, self.amx_linears, self.amx_int8, self._int8_panel_kernel)
             self.kept_layers += kept is not layer
             return kept
         if self.config.quantization == "none" or (name == "lm_head" and not self.config.quantize_lm_head):

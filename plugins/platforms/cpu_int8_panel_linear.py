@@ -43,8 +43,8 @@ class Int8PanelLinear(PanelLinear):
         super().__init__(linear, kernel)
         del self._codes
 
-    def _pack(self, weight: torch.Tensor) -> torch.Tensor:
-        q, scale = self._codes if self._codes is not None else quantize_per_channel_int8(weight)
+    def _pack(self, linear: nn.Linear) -> torch.Tensor:
+        q, scale = self._codes if self._codes is not None else quantize_per_channel_int8(linear.weight)  # codes: no float weight read
         self._set_scale(F.pad(scale.float(), (0, -scale.shape[0] % TILE_N)))
         return pack_tiles(q)
 

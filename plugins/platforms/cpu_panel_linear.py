@@ -96,7 +96,7 @@ class PanelLinear(nn.Module, GatedLinear):
         self._kernel = kernel
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.padded_in = -(-self.in_features // self.input_multiple) * self.input_multiple
-        self.register_buffer("packed", self._pack(linear.weight), False)
+        self.register_buffer("packed", self._pack(linear), False)
         self.bias = linear.bias
         self.register_buffer("_bias32", None if linear.bias is None else linear.bias.detach().float().contiguous(), False)
         self._width = self.out_features  # of y: out_features, or half of it once gated
@@ -125,9 +125,9 @@ class PanelLinear(nn.Module, GatedLinear):
             )  # fmt: skip
         return out if flat else out.view(*x.shape[:-1], self._width)
 
-    def _pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """The weights as the kernel reads them: packed bfloat16 panels."""
-        return pack(weight)
+    def _pack(self, linear: nn.Linear) -> torch.Tensor:
+        """The layer's weights as the kernel reads them: packed bfloat16 panels."""
+        return pack(linear.weight)
 
     def enable_silu_mul(self) -> bool:
         """Reorder the packed panels as (gate, up) pairs of the same 16 intermediate columns, so

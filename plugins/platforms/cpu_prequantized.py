@@ -22,12 +22,16 @@ an ignored layer) stays a float layer: the checkpoint chose it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from modserve.core.config import ConfigError
+from modserve.core.contract import NativeFunction
 from modserve.core.models.kept_weights import FloatWeight, KeptLinear
 from modserve.core.models.prequantized import Codes, QuantizedWeight
+from modserve.plugins.platforms.cpu_int8_panel_linear import Int8PanelLinear
 from modserve.plugins.platforms.cpu_quant import (
     INT4_GROUP_SIZES,
     INT4_N_MULTIPLE,
@@ -41,10 +45,13 @@ from modserve.plugins.platforms.cpu_quant import (
 CHECKPOINT_SCHEMES = ("gptq", "awq", "compressed-tensors")
 
 
-def checkpoint_linear(scheme: str, name: str, layer: nn.Module, amx: bool = False, amx_int8: bool = False) -> nn.Module:
+def checkpoint_linear(scheme: str, name: str, layer: nn.Module, amx: bool = False, amx_int8: bool = False,
+                      int8_panels: Callable[[torch.dtype], NativeFunction | None] = lambda dtype: None) -> nn.Module:
     """The module for ``layer`` (qualified ``name``) of a ``scheme`` checkpoint, or ``layer``
     itself where the checkpoint stores it unquantized; ``amx``: bfloat16 int4 and int8 layers on
-    AMX tiles, ``amx_int8``: W8A8 layers on AMX-INT8 tiles."""
+    AMX tiles, ``amx_int8``: W8A8 layers on AMX-INT8 tiles; ``int8_panels(dtype)``: the panel
+    kernel's int8 entry for a model of that dtype (or None), which per-channel int8 weight-only
+    layers in the checkpoint's input order run on (:class:`Int8PanelLinear`)."""
     if not isinstance(layer, KeptLinear) or all(isinstance(p, FloatWeight) for p in layer.parts):
         return layer
     if any(isinstance(p, FloatWeight) for p in layer.parts):
@@ -66,7 +73,10 @@ def checkpoint_linear(scheme: str, name: str, layer: nn.Module, amx: bool = Fals
     fmt = formats.pop()
     codes = _fused(name, [p.codes() for p in layer.parts])
     w8a8, bf16 = fmt.activations is not None, layer.dtype == torch.bfloat16
-    module = _int4(name, layer, codes) if fmt.bits == 4 else _int8(name, layer, codes, w8a8, (amx_int8 if w8a8 else amx) and bf16)
+    if fmt.bits == 4:
+        module = _int4(name, layer, codes)
+    else:
+        module = _int8(name, layer, codes, w8a8, (amx_int8 if w8a8 else amx) and bf16, int8_panels(layer.dtype) if codes.perm is None else None)
     module.input_order = codes.perm
     return module
 
@@ -106,12 +116,14 @@ def _int4(name: str, layer: KeptLinear, c: Codes) -> QuantizedLinear:
     return Int4WeightOnlyLinear.from_codes(layer, c.q, scale, -zero * scale, group, layer.dtype)
 
 
-def _int8(name: str, layer: KeptLinear, c: Codes, w8a8: bool, amx: bool) -> QuantizedLinear:
+def _int8(name: str, layer: KeptLinear, c: Codes, w8a8: bool, amx: bool, panels: NativeFunction | None) -> nn.Module:
     if not bool((c.zero == 128).all()):
         raise ConfigError(f"device.quantization: layer {name!r} has asymmetric int8 weights; the int8 kernels are symmetric")
     q = (c.q - 128).to(torch.int8)
     if c.scale.shape[1] == 1:
         if w8a8:
             return W8A8Linear(layer, codes=(q, c.scale[:, 0]), amx=amx)
+        if panels is not None and not amx:
+            return Int8PanelLinear(layer, panels, layer.dtype, codes=(q, c.scale[:, 0]))
         return Int8WeightOnlyLinear(layer, codes=(q, c.scale[:, 0]), dtype=layer.dtype, amx=amx)
     return Int8GroupLinear(layer, q, c.scale, c.group_size, scale_dtype=torch.float32)
