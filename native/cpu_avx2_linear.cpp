@@ -35,6 +35,7 @@
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include "float32_panels.h"
+#include "group_int8_panels.h"
 #include "int4_panels.h"
 
 using modserve::float32_panels::thread_part;
@@ -81,6 +82,19 @@ void modserve_avx2_linear_int4(const float* x, int64_t x_stride, int64_t M, cons
 
 int modserve_avx2_linear_int4_available() { return 1; }
 
+// int8 codes with a scale per group of inputs (group_int8_panels.h: GGUF Q8_0, GPTQ 8-bit; N a
+// multiple of 16, K and the group multiples of 32), bias float32 or null: each thread widens its
+// panels four at a time into a scratch of its own and runs the blocks above on them.
+void modserve_avx2_linear_group_int8(const float* x, int64_t x_stride, int64_t M, const int8_t* codes, const float* scales, int64_t N,
+                      int K, int group, const float* bias, float* y, int64_t y_stride, int threads) {
+    modserve::for_panel_ranges(N, threads, [&](int64_t p0, int64_t p1) {
+        const auto widen = [&](int64_t p, int np, float* out) { modserve::widen_group_int8_f32(codes, scales, K, group, p, p + np, out); };
+        modserve::float32_panels::widened_part(x, x_stride, M, widen, K, bias, N, y, y_stride, p0, p1);
+    });
+}
+
+int modserve_avx2_linear_group_int8_available() { return 1; }
+
 }  // extern "C"
 
 MODSERVE_PACKED(modserve_avx2_linear) {
@@ -104,10 +118,18 @@ MODSERVE_PACKED(modserve_avx2_linear_int4) {
     return 0;
 }
 
+MODSERVE_PACKED(modserve_avx2_linear_group_int8) {
+    using modserve::packed::ptr;
+    modserve_avx2_linear_group_int8(ptr<const float*>(a[0]), a[1], a[2], ptr<const int8_t*>(a[3]), ptr<const float*>(a[4]), a[5], a[6], a[7],
+                     ptr<const float*>(a[8]), ptr<float*>(a[9]), a[10], a[11]);
+    return 0;
+}
+
 #else  // no AVX2 or FMA: the loader refuses the kernel
 
 extern "C" int modserve_avx2_linear_available() { return 0; }
 extern "C" int modserve_avx2_linear_int8_available() { return 0; }
 extern "C" int modserve_avx2_linear_int4_available() { return 0; }
+extern "C" int modserve_avx2_linear_group_int8_available() { return 0; }
 
 #endif

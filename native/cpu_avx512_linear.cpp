@@ -33,6 +33,7 @@
 
 #include "avx512_bf16_panels.h"
 #include "bf16.h"
+#include "group_int8_panels.h"
 #include "int4_panels.h"
 
 using modserve::bf16_panels::thread_part;
@@ -111,6 +112,20 @@ void modserve_avx512_linear_int4(const uint16_t* x, int64_t x_stride, int64_t M,
 
 int modserve_avx512_linear_int4_available() { return 1; }
 
+// int8 codes with a scale per group of inputs (group_int8_panels.h: GGUF Q8_0, GPTQ 8-bit; N a
+// multiple of 16, K and the group multiples of 32), bias float32 or null: each thread widens its
+// panels four at a time into a scratch of its own and runs the blocks above on them.
+void modserve_avx512_linear_group_int8(const uint16_t* x, int64_t x_stride, int64_t M, const int8_t* codes, const float* scales, int64_t N,
+                      int K, int group, const float* bias, uint16_t* y, int64_t y_stride, int threads) {
+    const int64_t panel = static_cast<int64_t>(K / 32) * 512;  // elements of one widened panel
+    modserve::for_panel_ranges(N, threads, [&](int64_t p0, int64_t p1) {
+        const auto widen = [&](int64_t p, int np, uint16_t* out) { modserve::widen_group_int8_bf16(codes, scales, K, group, p, p + np, out); };
+        modserve::bf16_panels::widened_part(x, x_stride, M, widen, panel, N, K, bias, y, y_stride, p0, p1);
+    });
+}
+
+int modserve_avx512_linear_group_int8_available() { return 1; }
+
 }  // extern "C"
 
 MODSERVE_PACKED(modserve_avx512_linear) {
@@ -134,10 +149,18 @@ MODSERVE_PACKED(modserve_avx512_linear_int4) {
     return 0;
 }
 
+MODSERVE_PACKED(modserve_avx512_linear_group_int8) {
+    using modserve::packed::ptr;
+    modserve_avx512_linear_group_int8(ptr<const uint16_t*>(a[0]), a[1], a[2], ptr<const int8_t*>(a[3]), ptr<const float*>(a[4]), a[5], a[6], a[7],
+                     ptr<const float*>(a[8]), ptr<uint16_t*>(a[9]), a[10], a[11]);
+    return 0;
+}
+
 #else  // no AVX512_BF16: the loader refuses the kernel
 
 extern "C" int modserve_avx512_linear_available() { return 0; }
 extern "C" int modserve_avx512_linear_int8_available() { return 0; }
 extern "C" int modserve_avx512_linear_int4_available() { return 0; }
+extern "C" int modserve_avx512_linear_group_int8_available() { return 0; }
 
 #endif

@@ -253,6 +253,31 @@ def test_kept_engine_matches_the_dequantized_engine(files, reference, file, dtyp
         assert _sequences(llm, reference.config.vocab_size) == sequences
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_kept_q8_0_file_replays_its_decode_steps_where_its_layers_are_on_the_panels(files, reference, dtype):
+    """Q8_0 layers on the panel kernels (Int8GroupLinear.use_panels, where the platform's float
+    linears of this dtype are ours) are native calls, so decode steps replay as call lists with
+    the eager engine's greedy tokens; elsewhere they run eagerly."""
+    def run(graphs: bool):
+        llm = LLM(model={"path": files["q8_0"], "dtype": dtype}, kv_cache={"plugin": "paged", "num_blocks": 64},
+                  device={"plugin": "cpu", "quantization": "gguf", "decode_graphs": graphs, **({"graph_max_batch": 4} if graphs else {})})
+        rng = np.random.default_rng(5)
+        ps = [rng.integers(4, reference.config.vocab_size, size=n).tolist() for n in (5, 17, 9, 30)]
+        params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (6, 12, 20, 24)]
+        return llm, [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], params)]
+
+    llm, got = run(True)
+    layers = [m for m in llm.engine.c.runner.model.layers.modules() if isinstance(m, Int8GroupLinear)]
+    on_panels = all(m.records for m in layers)
+    from test_cpu_experts import HAS_AVX2, TAKES_KERNEL  # where this dtype's float linears are our panel kernels
+
+    assert layers and on_panels == (TAKES_KERNEL if dtype == "bfloat16" else HAS_AVX2)
+    graphs = llm.engine.c.runner.graphs
+    if on_panels:
+        assert graphs is not None and all(graphs.replays[s] > 0 for s in graphs.sizes), graphs and graphs.replays
+    assert run(False)[1] == got
+
+
 def test_default_head_stays_float_and_none_is_the_dequantized_model(files, reference):
     """Without quantize_lm_head the head is the float (dequantized) layer; with quantization
     none every layer is the file's dequantized values, as read_gguf gives them."""

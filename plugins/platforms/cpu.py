@@ -32,12 +32,12 @@ from modserve.plugins.platforms import cpu_amx_linear as amx_linear
 from modserve.plugins.platforms import cpu_avx2_linear as avx2_linear
 from modserve.plugins.platforms import cpu_avx512_linear as avx512_linear
 from modserve.plugins.platforms import cpu_experts, cpu_int8_experts
-from modserve.plugins.platforms.cpu_int8_panel_linear import Int8PanelLinear
+from modserve.plugins.platforms.cpu_int8_panel_linear import Int8PanelLinear, group_int8_kernel
 from modserve.plugins.platforms.cpu_linear import PackedLinear, can_pack
 from modserve.plugins.platforms.cpu_memory import keep_freed_memory
 from modserve.plugins.platforms.cpu_panel_linear import PanelLinear
 from modserve.plugins.platforms.cpu_prequantized import CHECKPOINT_SCHEMES, checkpoint_linear
-from modserve.plugins.platforms.cpu_quant import Int4WeightOnlyLinear, gguf_linear, quantize_linear
+from modserve.plugins.platforms.cpu_quant import Int4WeightOnlyLinear, Int8GroupLinear, gguf_linear, quantize_linear
 
 MODSERVE_CONTRACT = "2.8"  # DeviceInfo.kernels; its AMX linears are GatedLinear; decode graphs as native call lists; experts
 log = logging.getLogger("modserve.platform")
@@ -176,8 +176,9 @@ class CPUPlatform(Platform):
         if module is not layer:
             if isinstance(module, Int4WeightOnlyLinear):
                 module.amx = self.amx_linears  # many rows: widened to bfloat16 tiles on AMX
-                bf16 = module.scales_and_zeros.dtype == torch.bfloat16  # ... or one native call on our panel kernels:
-                module.panels = self.float_kernel == "avx512bf16" if bf16 else self.float32_kernel == "avx2"
+                module.panels = self._panels_for(module.scales_and_zeros.dtype)  # ... or one native call on our panel kernels
+            if isinstance(module, Int8GroupLinear) and self._panels_for(layer.dtype):  # a kept layer: GGUF Q8_0, GPTQ 8-bit
+                module.use_panels(group_int8_kernel(layer.dtype), layer.dtype)
             return module
         if not self.config.pack_weights:
             return layer
@@ -216,14 +217,17 @@ class CPUPlatform(Platform):
             return quantize_linear(self.config.quantization, name, layer, self.config.int4_group_size or 128, amx)
         return gguf_linear(name, layer)  # the layer itself where the file stores it as floats
 
+    def _panels_for(self, dtype: torch.dtype) -> bool:
+        """Whether this dtype's float linears run on our panel kernels without AMX (bfloat16 on
+        AVX512_BF16, float32 on AVX2): then quantized layers take those kernels' entries too."""
+        return self.float_kernel == "avx512bf16" if dtype == torch.bfloat16 else dtype == torch.float32 and self.float32_kernel == "avx2"
+
     def _int8_panel_kernel(self, dtype: torch.dtype) -> NativeFunction | None:
-        """The panel kernel's int8 entry where this dtype's float linears run on our panel
-        kernels without AMX (AMX CPUs widen int8 codes to tiles instead), else None."""
-        if dtype == torch.bfloat16 and self.float_kernel == "avx512bf16":
-            return avx512_linear.load_codes()
-        if dtype == torch.float32 and self.float32_kernel == "avx2":
-            return avx2_linear.load_codes()
-        return None
+        """The panel kernel's int8 entry where :meth:`_panels_for` (AMX CPUs widen int8 codes
+        to tiles instead), else None."""
+        if not self._panels_for(dtype):
+            return None
+        return avx512_linear.load_codes() if dtype == torch.bfloat16 else avx2_linear.load_codes()
 
     def experts(self, name: str, moe: ExpertMLP) -> ExpertMLP:
         """One native call per mixture of experts (:mod:`cpu_experts`) where the model's linears
@@ -273,7 +277,7 @@ class CPUPlatform(Platform):
 
 def _records(module: nn.Module) -> bool:
     """Whether a linear layer computes through native calls only (a call list can replay it)."""
-    return isinstance(module, PanelLinear) or (isinstance(module, Int4WeightOnlyLinear) and module.records)
+    return isinstance(module, PanelLinear) or (isinstance(module, (Int4WeightOnlyLinear, Int8GroupLinear)) and module.records)
 
 
 def _quantized_kernels(scheme: str, amx: bool, amx_int8: bool) -> str:

@@ -1,6 +1,7 @@
 """int8 weight-only linear layers (``device.quantization: int8``) on the panel kernels: the codes
 held in the panels' layout and widened in registers, the channel scales applied to the float32
-sums, ``y = (x @ q.T) * scale + b`` rounded once to the model's dtype.
+sums, ``y = (x @ q.T) * scale + b`` rounded once to the model's dtype. Also the kernels' entries
+for codes with a scale per group of inputs (GGUF Q8_0, GPTQ 8-bit: :func:`group_int8_kernel`).
 
 Why: on CPUs whose float linears run on our panel kernels (AVX512_BF16 without AMX, and float32
 on AVX2 / AVX-512), the ``int8`` scheme ran torch's products (:class:`~modserve.plugins.platforms.cpu_quant.Int8WeightOnlyLinear`:
@@ -13,21 +14,39 @@ bytes of bfloat16 panels, recordable as the float layers are, and gated on reque
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from modserve.core.contract import NativeFunction
+from modserve.native.build import SOURCES
 from modserve.plugins.platforms.cpu_panel_linear import PANEL_ARGS, TILE_N, PanelLinear, gated_pairs, load_kernel, pack_tiles
 from modserve.plugins.platforms.cpu_quant import quantize_per_channel_int8
 
 INT8_ARGS = [*PANEL_ARGS, ctypes.c_void_p]  # a panel linear's, then the codes' channel scales
+# x, x_stride, M, codes, scales, N, K, group, bias, y, y_stride, threads (the int4 entries' shape too)
+GROUP_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+              ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+GROUP_BUILDS = {  # the model's dtype: the source, symbol and instructions of its group-scaled int8 entry
+    torch.bfloat16: ("cpu_avx512_linear.cpp", "modserve_avx512_linear_group_int8", "AVX512_BF16"),
+    torch.float32: ("cpu_avx2_linear.cpp", "modserve_avx2_linear_group_int8", "AVX2 and FMA"),
+}
 
 
 def load_int8(source, what: str, symbol: str, instructions: str, extra_flags: tuple[str, ...] = ()) -> NativeFunction:
     """A panel kernel's int8 entry (``symbol``, in ``source`` beside the float one)."""
     return load_kernel(source, what, symbol, instructions, extra_flags, INT8_ARGS)
+
+
+@functools.cache
+def group_int8_kernel(dtype: torch.dtype, extra_flags: tuple[str, ...] = ()) -> NativeFunction:
+    """The panel kernel's entry for int8 codes with group-wise scales, for a model of ``dtype``:
+    each thread widens four panels at a time (``q d`` in float32; bfloat16: rounded once) into a
+    scratch and runs the panel blocks on them (``native/group_int8_panels.h``)."""
+    source, symbol, instructions = GROUP_BUILDS[dtype]
+    return load_kernel(SOURCES / source, "the panel linear kernel", symbol, instructions, extra_flags, GROUP_ARGS)
 
 
 class Int8PanelLinear(PanelLinear):

@@ -1,0 +1,76 @@
+// int8 codes with a scale per group of inputs of each output (GGUF's Q8_0: groups of 32, GPTQ's
+// 8-bit groups), held as the panel kernels hold codes (cpu_panel_linear.py's pack_tiles: a
+// panel of 16 outputs is [K/2][16][2] int8) with float32 scales [N/16][K/group][16], widened per
+// call to the panels our products read: bfloat16 (cpu_avx512_linear.cpp) or float32
+// (cpu_avx2_linear.cpp), a thread's four panels at a time into a scratch of its own
+// (avx512_bf16_panels.h's and float32_panels.h's widened_part).
+//
+// Why: torch has no int8 product with group-wise scales, so Int8GroupLinear widened the whole
+// weight in torch per call and ran F.linear on it: SmolLM2's 576 -> 1536 layer 171 us at one
+// row against 14 us for its bfloat16 panels, and no decode call list could record it. Each
+// weight is q d computed in float32 (exact: 8 by 11 bits) and, for bfloat16, rounded once:
+// the very weight Int8GroupLinear.weight_as gives.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+
+namespace modserve {
+
+// Panels [panel0, panel1) of `codes` (each `panel` codes) as bfloat16 panels at `out`.
+inline void widen_group_int8_bf16(const int8_t* codes, const float* scales, int K, int group, int64_t panel0, int64_t panel1,
+                                  uint16_t* out) {
+    const int64_t panel = static_cast<int64_t>(K / 32) * 512;
+    const int groups = K / group;
+    const __m512i first = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);  // a pair step's lanes: outputs
+    const __m512i second = _mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
+    for (int64_t p = panel0; p < panel1; ++p)
+        for (int g = 0; g < groups; ++g) {
+            const __m512 d = _mm512_loadu_ps(scales + (p * groups + g) * 16);
+            const __m512 d_lo = _mm512_permutexvar_ps(first, d), d_hi = _mm512_permutexvar_ps(second, d);
+            for (int64_t i = static_cast<int64_t>(g) * group * 16; i < static_cast<int64_t>(g + 1) * group * 16; i += 32) {
+                const __m128i* src = reinterpret_cast<const __m128i*>(codes + p * panel + i);
+                const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src))), d_lo);
+                const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src + 1))), d_hi);
+                _mm512_storeu_si512(out + (p - panel0) * panel + i, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+            }
+        }
+}
+
+}  // namespace modserve
+
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+namespace modserve {
+
+// Panels [panel0, panel1) of `codes` as float32 panels ([K][16] each: float32_panels.h's) at `out`.
+inline void widen_group_int8_f32(const int8_t* codes, const float* scales, int K, int group, int64_t panel0, int64_t panel1,
+                                 float* out) {
+    const int64_t panel = static_cast<int64_t>(K / 32) * 512;
+    const int groups = K / group;
+    for (int64_t p = panel0; p < panel1; ++p) {
+        float* dst = out + (p - panel0) * static_cast<int64_t>(K) * 16;
+        for (int g = 0; g < groups; ++g) {
+            const float* d = scales + (p * groups + g) * 16;
+            for (int k2 = g * group / 2; k2 < (g + 1) * group / 2; ++k2)
+                for (int h = 0; h < 2; ++h) {  // outputs 8 h .. 8 h + 7: their (input 2 k2, 2 k2 + 1) code pairs
+                    const __m128i* src = reinterpret_cast<const __m128i*>(codes + p * panel + static_cast<int64_t>(k2) * 32 + 16 * h);
+                    const __m256i pairs = _mm256_cvtepi16_epi32(_mm_loadu_si128(src));
+                    const __m256 even = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(pairs, 24), 24));
+                    const __m256 odd = _mm256_cvtepi32_ps(_mm256_srai_epi32(pairs, 8));
+                    const __m256 dh = _mm256_loadu_ps(d + 8 * h);
+                    _mm256_storeu_ps(dst + (2 * k2) * 16 + 8 * h, _mm256_mul_ps(even, dh));
+                    _mm256_storeu_ps(dst + (2 * k2 + 1) * 16 + 8 * h, _mm256_mul_ps(odd, dh));
+                }
+        }
+    }
+}
+
+}  // namespace modserve
+
+#endif
