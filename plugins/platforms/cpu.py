@@ -114,7 +114,8 @@ class CPUPlatform(Platform):
             if panels and self.config.quantization == "int8":
                 quantized = f"panel kernels over int8 codes in {' and '.join(panels)}, else {quantized}"
             elif panels and self.config.quantization not in ("none", "w8a8"):
-                quantized = f"int4 layers: one native call on the panel kernels in {' and '.join(panels)} (out_features a multiple of 64); {quantized}"
+                quantized = (f"int4 and group-scaled int8 (Q8_0) layers: one native call on the panel kernels in {' and '.join(panels)} "
+                             f"where their shapes fit; {quantized}")
             kernels.append(f"quantized linears ({self.config.quantization}): {quantized}")
         calls = ["AVX512_BF16 in bfloat16"] if self.float_kernel == "avx512bf16" else []
         calls += ["float32 FMAs over bfloat16-held experts where exact"] if self.float32_kernel == "avx2" else []
