@@ -36,6 +36,7 @@ from safetensors.torch import save_file
 from modserve import LLM, SamplingParams
 from modserve.core.config import ConfigError
 from modserve.core.models.prequantized import read_format
+from modserve.plugins.platforms import cpu
 from modserve.plugins.platforms.cpu_int8_panel_linear import Int8PanelLinear
 from modserve.plugins.platforms.cpu_quant import Int4WeightOnlyLinear, Int8GroupLinear, Int8WeightOnlyLinear, W8A8Linear
 from tiny_models import build_model, hf_greedy, prompts, teacher_forced
@@ -222,6 +223,8 @@ def test_kept_checkpoint_serves_the_oracles_tokens(built, case):
     kept = engine(path, scheme)
     model = kept.engine.runner.model
     kinds = module if isinstance(module, tuple) else (module,)  # int8: on the panel kernels where they run, else in torch
+    if Int8PanelLinear in kinds and cpu.avx2_unavailable() is None:  # float32 engines: the AVX2 panels' int8 entry
+        kinds = (Int8PanelLinear,)
     assert type(model.layers[0].self_attn.qkv_proj) in kinds and type(model.layers[1].mlp.down_proj) in kinds
     ps = prompts(oracle.config.vocab_size, count=4, seed=2)
     outs = [o.outputs[0].token_ids for o in kept.generate([{"prompt_token_ids": p} for p in ps], GREEDY)]
