@@ -111,6 +111,7 @@ def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 DEQUANTIZE_FROM_ROWS = 16  # int8 weight-only: from this many rows on (always in float32), widen the weights per call
 AMX_INT4_FROM_ROWS = 8  # int4 on AMX CPUs: from this many bfloat16 rows on, widen to bfloat16 tiles per call
+PANEL_DTYPES = (torch.bfloat16, torch.float32)  # the panel kernels' rows: bfloat16 (AVX512_BF16) or float32 (AVX2)
 
 
 class QuantizedLinear(nn.Module):
@@ -346,7 +347,7 @@ class Int4WeightOnlyLinear(QuantizedLinear):
             from modserve.plugins.platforms.cpu_amx_linear import int4_product
 
             return self.with_bias(int4_product(rows, self.packed, sz, self.group_size))
-        if self.panels and rows.dtype == self.scales_and_zeros.dtype and self.out_features % 64 == 0:
+        if self.panels and rows.dtype == self.scales_and_zeros.dtype in PANEL_DTYPES and self.out_features % 64 == 0:
             from modserve.plugins.platforms import cpu_avx2_linear, cpu_avx512_linear
 
             kernels = cpu_avx512_linear if rows.dtype == torch.bfloat16 else cpu_avx2_linear
@@ -357,7 +358,7 @@ class Int4WeightOnlyLinear(QuantizedLinear):
     def records(self) -> bool:
         """Whether a call is one native call for any row count (no torch operator): a decode
         step through it can be recorded as a call list."""
-        return self.panels and self.out_features % 64 == 0 and self.input_order is None
+        return self.panels and self.out_features % 64 == 0 and self.input_order is None and self.scales_and_zeros.dtype in PANEL_DTYPES
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, group_size={self.group_size}"
