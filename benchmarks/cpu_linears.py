@@ -10,7 +10,8 @@ F.linear from 16 rows), ``int8-amx`` (int8 codes widened to bfloat16 tiles per c
 (oneDNN's int8 product), ``w8a8-amx`` (the AMX-INT8 kernel), ``int8-panels`` (Int8PanelLinear: int8
 codes on the AVX512_BF16 panels, bfloat16 rows) and ``int8-panels-fp32`` (the same on the float32
 panels, float32 rows), ``int4-panels`` (the int4 layers in one native call on AVX512_BF16: their
-nibbles multiplied directly below 8 rows, widened to bfloat16 panels from 8). Prints ms per pass and each kernel's ratio to the
+nibbles multiplied directly below 8 rows, widened to bfloat16 panels from 8), ``q8_0-panels`` (random
+GGUF Q8_0-like codes, groups of 32, in one native call: directly up to 8 rows, widened beyond). Prints ms per pass and each kernel's ratio to the
 first one named, all measured in this run. Run it on a quiet machine; it prints the CPU.
 
     python benchmarks/cpu_linears.py --kernels amx,int4,int4-amx --rows 1,8,16,64,256,1024
@@ -30,16 +31,16 @@ from modserve.plugins.platforms.cpu_avx2_linear import Avx2Linear
 from modserve.plugins.platforms.cpu_avx2_linear import load_codes as avx2_linear_codes
 from modserve.plugins.platforms.cpu_avx512_linear import Avx512Linear
 from modserve.plugins.platforms.cpu_avx512_linear import load_codes as avx512_linear_codes
-from modserve.plugins.platforms.cpu_int8_panel_linear import Int8PanelLinear
+from modserve.plugins.platforms.cpu_int8_panel_linear import Int8PanelLinear, group_int8_kernel
 from modserve.plugins.platforms.cpu_linear import PackedLinear
 from modserve.plugins.platforms.cpu_memory import keep_freed_memory
-from modserve.plugins.platforms.cpu_quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear, W8A8Linear
+from modserve.plugins.platforms.cpu_quant import Int4WeightOnlyLinear, Int8GroupLinear, Int8WeightOnlyLinear, W8A8Linear
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}  # (out, in)
 LAYERS = 30
 FLOAT32_KERNELS = ("onednn-fp32", "avx2", "int8-panels-fp32")  # take float32 rows
 KINDS = ("onednn", "onednn-fp32", "avx2", "amx", "avx512bf16", "w8a8", "w8a8-amx", "int8", "int8-amx", "int8-panels",
-         "int8-panels-fp32", "int4", "int4-amx", "int4-panels")
+         "int8-panels-fp32", "int4", "int4-amx", "int4-panels", "q8_0-panels")
 
 
 def build(kind: str) -> dict[str, list[nn.Module]]:
@@ -63,6 +64,11 @@ def build(kind: str) -> dict[str, list[nn.Module]]:
                 layers.append(Int8PanelLinear(lin, avx512_linear_codes(), torch.bfloat16))
             elif kind == "int8-panels-fp32":
                 layers.append(Int8PanelLinear(lin.float(), avx2_linear_codes(), torch.float32))
+            elif kind == "q8_0-panels":  # GGUF Q8_0-like codes (random, groups of 32) on the panel kernel
+                codes = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+                module = Int8GroupLinear(lin, codes, torch.rand(n, k // 32).mul_(0.01).half(), 32)
+                module.use_panels(group_int8_kernel(torch.bfloat16), torch.bfloat16)
+                layers.append(module)
             elif kind.startswith("w8a8"):
                 layers.append(W8A8Linear(lin, amx=kind == "w8a8-amx"))
             elif kind.startswith("int8"):

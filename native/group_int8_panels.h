@@ -3,7 +3,8 @@
 // panel of 16 outputs is [K/2][16][2] int8) with float32 scales [N/16][K/group][16], widened per
 // call to the panels our products read: bfloat16 (cpu_avx512_linear.cpp) or float32
 // (cpu_avx2_linear.cpp), a thread's four panels at a time into a scratch of its own
-// (avx512_bf16_panels.h's and float32_panels.h's widened_part).
+// (avx512_bf16_panels.h's and float32_panels.h's widened_part); and, for few bfloat16 rows,
+// multiplied directly group by group (group_int8_direct).
 //
 // Why: torch has no int8 product with group-wise scales, so Int8GroupLinear widened the whole
 // weight in torch per call and ran F.linear on it: SmolLM2's 576 -> 1536 layer 171 us at one
@@ -17,7 +18,83 @@
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
+#include <cstring>
+
+#include "avx512.h"
+#include "avx512_bf16_panels.h"
+#include "prefetch.h"
+
 namespace modserve {
+
+// Rows [0, R) of x times panels [0, P) of group-scaled codes (`codes` and `scales` at the first
+// panel; `panel` codes a panel, scales [panel][groups][16]) without widening to memory, for the
+// few-row calls where a widened scratch would be read too few times: each group's input pairs
+// summed by VDPBF16PS over the codes widened in registers, then times the group's scales into
+// sums kept in memory (R x P group sums fill the registers); then the bias, rounded once. The
+// weights are q d unrounded (the widened path rounds each to bfloat16).
+template <int R, int P>
+void group_int8_block(const uint16_t* x, int64_t x_stride, const int8_t* codes, int64_t panel, const float* scales, int groups,
+                      int group, const float* bias, int64_t n0, int64_t N, uint16_t* y, int64_t y_stride, const int8_t* ahead) {
+    alignas(64) float acc[R][P][16] = {};
+    for (int g = 0; g < groups; ++g) {
+        __m512 sums[R][P];
+        for (int r = 0; r < R; ++r)
+            for (int p = 0; p < P; ++p) sums[r][p] = _mm512_setzero_ps();
+        for (int k = g * group / 2; k < (g + 1) * group / 2; ++k) {  // input pairs
+            if (ahead != nullptr) {  // two lines of the next four panels per input pair: all of them by the end
+                prefetch_line(ahead + static_cast<int64_t>(k) * 128);
+                prefetch_line(ahead + static_cast<int64_t>(k) * 128 + 64);
+            }
+            __m512bh w[P];
+            for (int p = 0; p < P; ++p) w[p] = bf16_panels::pair_weights(codes + p * panel + static_cast<int64_t>(k) * 32);
+            for (int r = 0; r < R; ++r) {
+                int32_t pair;
+                std::memcpy(&pair, x + r * x_stride + 2 * k, sizeof pair);
+                const __m512bh xb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+                for (int p = 0; p < P; ++p) sums[r][p] = _mm512_dpbf16_ps(sums[r][p], xb, w[p]);
+            }
+        }
+        for (int p = 0; p < P; ++p) {
+            const __m512 d = _mm512_loadu_ps(scales + (static_cast<int64_t>(p) * groups + g) * 16);
+            for (int r = 0; r < R; ++r) _mm512_store_ps(acc[r][p], _mm512_fmadd_ps(d, sums[r][p], _mm512_load_ps(acc[r][p])));
+        }
+    }
+    for (int p = 0; p < P; ++p) {
+        const __mmask16 mask = cols_mask(N - n0 - 16 * p);
+        const __m512 b = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + n0 + 16 * p) : _mm512_setzero_ps();
+        for (int r = 0; r < R; ++r)
+            _mm256_mask_storeu_epi16(y + r * y_stride + n0 + 16 * p, mask,
+                                     reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(acc[r][p]), b))));
+    }
+}
+
+using GroupBlock = void (*)(const uint16_t*, int64_t, const int8_t*, int64_t, const float*, int, int, const float*, int64_t, int64_t,
+                            uint16_t*, int64_t, const int8_t*);
+
+template <int R>
+GroupBlock group_block_of_panels(int p) {
+    return p == 1 ? group_int8_block<R, 1> : p == 2 ? group_int8_block<R, 2> : p == 3 ? group_int8_block<R, 3> : group_int8_block<R, 4>;
+}
+
+// One thread's panels [p0, p1) for every row (few rows), four panels and up to four rows a block;
+// the first block of a group asks for the next group's codes ahead (as the int8 panels do: a
+// row's widening keeps the core busy between loads).
+inline void group_int8_direct(const uint16_t* x, int64_t x_stride, int64_t M, const int8_t* codes, const float* scales, int64_t N,
+                              int K, int group, const float* bias, uint16_t* y, int64_t y_stride, int64_t p0, int64_t p1) {
+    const int64_t panel = static_cast<int64_t>(K / 32) * 512;
+    const int groups = K / group;
+    for (int64_t p = p0; p < p1; p += 4) {
+        const int np = p1 - p < 4 ? static_cast<int>(p1 - p) : 4;
+        for (int64_t m = 0; m < M; m += 4) {
+            const int64_t rows = M - m < 4 ? M - m : 4;
+            const GroupBlock run = rows == 1 ? group_block_of_panels<1>(np) : rows == 2 ? group_block_of_panels<2>(np)
+                                   : rows == 3 ? group_block_of_panels<3>(np) : group_block_of_panels<4>(np);
+            const int8_t* ahead = m == 0 && p + 4 + 4 <= p1 ? codes + (p + 4) * panel : nullptr;  // a whole next group only
+            run(x + m * x_stride, x_stride, codes + p * panel, panel, scales + p * groups * 16, groups, group, bias, p * 16, N,
+                y + m * y_stride, y_stride, ahead);
+        }
+    }
+}
 
 // Panels [panel0, panel1) of `codes` (each `panel` codes) as bfloat16 panels at `out`.
 inline void widen_group_int8_bf16(const int8_t* codes, const float* scales, int K, int group, int64_t panel0, int64_t panel1,

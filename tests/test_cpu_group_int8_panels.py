@@ -1,6 +1,7 @@
 """int8 codes with a scale per group of inputs (GGUF Q8_0, GPTQ 8-bit: ``Int8GroupLinear``) on
-the panel kernels (``native/group_int8_panels.h``; ``use_panels``): widened per call to bfloat16
-or float32 panels a thread's group at a time, instead of the whole weight in torch.
+the panel kernels (``native/group_int8_panels.h``; ``use_panels``): in bfloat16 up to 8 rows
+multiplied directly group by group, beyond widened per call to bfloat16 panels a thread's group
+at a time; in float32 widened to float32 panels; instead of the whole weight widened in torch.
 
 What could go wrong, and is checked here: a code or a group's scale put on the wrong output or
 input (the panels' pair order, groups of 32 and 128), the bfloat16 weight rounded differently from
@@ -28,10 +29,11 @@ def group_layer(k: int, n: int, group: int, dtype: torch.dtype, bias: bool, seed
 
 @pytest.mark.skipif(not NATIVE, reason="this CPU has no AVX512_BF16 (or no compiler targets it)")
 @pytest.mark.parametrize("threads", [1, 3])
-@pytest.mark.parametrize("k,n,rows,group", [(576, 192, 1, 32), (256, 64, 37, 32), (1536, 128, 300, 128), (512, 320, 5, 64)])
+@pytest.mark.parametrize("k,n,rows,group", [(576, 192, 9, 32), (256, 64, 37, 32), (1536, 128, 300, 128), (512, 320, 13, 64)])
 def test_bfloat16_panels_equal_the_bfloat16_kernel_on_the_widened_weights(k, n, rows, group, threads):
-    """Bit for bit: each weight widened to bf16(q d) (weight_as's value), then the bfloat16 panel
-    kernel's own blocks; and within rounding of torch's path (F.linear on weight_as)."""
+    """More than 8 rows, bit for bit: each weight widened to bf16(q d) (weight_as's value), then
+    the bfloat16 panel kernel's own blocks; and within rounding of torch's path (F.linear on
+    weight_as)."""
     from modserve.plugins.platforms.cpu_avx512_linear import Avx512Linear
 
     torch_path, module = group_layer(k, n, group, torch.bfloat16, False, seed=k + rows)
@@ -44,6 +46,22 @@ def test_bfloat16_panels_equal_the_bfloat16_kernel_on_the_widened_weights(k, n, 
         got = module(x)
     assert torch.equal(got, Avx512Linear(reference)(x))
     torch.testing.assert_close(got, torch_path(x), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(not NATIVE, reason="this CPU has no AVX512_BF16 (or no compiler targets it)")
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8])
+@pytest.mark.parametrize("k,n,group,bias", [(576, 208, 32, True), (1536, 128, 128, False), (256, 64, 64, True)])
+def test_bfloat16_direct_product_is_the_exact_product_rounded_once(k, n, group, bias, rows):
+    """Up to 8 rows the codes are multiplied directly (the weights q d never rounded): within one
+    bfloat16 step of the float64 product, with 13 panels (a group of one left) and a bias."""
+    torch_path, module = group_layer(k, n, group, torch.bfloat16, bias, seed=k + rows)
+    assert module.use_panels(group_int8_kernel(torch.bfloat16), torch.bfloat16)
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    exact = x.double() @ torch_path.weight_as(torch.float32).double().T
+    if bias:
+        exact += torch_path.bias.double()
+    got = module(x).double()
+    assert ((got - exact).abs() <= exact.abs() * 2**-8 + 1e-6 * exact.abs().max()).all()
 
 
 @needs_avx2
