@@ -37,7 +37,7 @@ from modserve.plugins.platforms.cpu_linear import PackedLinear, can_pack
 from modserve.plugins.platforms.cpu_memory import keep_freed_memory
 from modserve.plugins.platforms.cpu_panel_linear import PanelLinear
 from modserve.plugins.platforms.cpu_prequantized import CHECKPOINT_SCHEMES, checkpoint_linear
-from modserve.plugins.platforms.cpu_quant import Int4WeightOnlyLinear, Int8GroupLinear, gguf_linear, quantize_linear
+from modserve.plugins.platforms.cpu_quant import Int4WeightOnlyLinear, Int8GroupLinear, QuantizedLinear, gguf_linear, quantize_linear
 
 MODSERVE_CONTRACT = "2.8"  # DeviceInfo.kernels; its AMX linears are GatedLinear; decode graphs as native call lists; experts
 log = logging.getLogger("modserve.platform")
@@ -110,7 +110,7 @@ class CPUPlatform(Platform):
         kernels = [f"linears: {linears if self.config.pack_weights else 'plain nn.Linear'}"]
         if self.config.quantization != "none":
             quantized = _quantized_kernels(self.config.quantization, self.amx_linears, self.amx_int8)
-            panels = [d for d, k in (("bfloat16", self.float_kernel == "avx512bf16"), ("float32", self.float32_kernel == "avx2")) if k]
+            panels = [str(d).removeprefix("torch.") for d in (torch.bfloat16, torch.float32) if self._panels_for(d)]
             if panels and self.config.quantization == "int8":
                 quantized = f"panel kernels over int8 codes in {' and '.join(panels)}, else {quantized}"
             elif panels and self.config.quantization not in ("none", "w8a8"):
@@ -278,7 +278,7 @@ class CPUPlatform(Platform):
 
 def _records(module: nn.Module) -> bool:
     """Whether a linear layer computes through native calls only (a call list can replay it)."""
-    return isinstance(module, PanelLinear) or (isinstance(module, (Int4WeightOnlyLinear, Int8GroupLinear)) and module.records)
+    return isinstance(module, PanelLinear) or (isinstance(module, QuantizedLinear) and module.records)
 
 
 def _quantized_kernels(scheme: str, amx: bool, amx_int8: bool) -> str:

@@ -16,7 +16,6 @@ would change the model.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 
 import torch
@@ -25,7 +24,7 @@ from torch import nn
 from modserve.core.contract import NativeFunction
 from modserve.native.build import SOURCES
 from modserve.plugins.platforms.cpu_int8_panel_linear import load_int8
-from modserve.plugins.platforms.cpu_panel_linear import PanelLinear, load_kernel, tile_rows
+from modserve.plugins.platforms.cpu_panel_linear import WIDENED_ARGS, PanelLinear, load_kernel, widened_product
 
 SOURCE = SOURCES / "cpu_avx2_linear.cpp"
 
@@ -43,9 +42,7 @@ def load(extra_flags: tuple[str, ...] = ()) -> NativeFunction:
 def load_int4(extra_flags: tuple[str, ...] = ()) -> NativeFunction:
     """The same kernel's entry over int4 weights as torch's int4 kernel holds them, widened to
     float32 panels per call (:func:`int4_product`)."""
-    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    args = [ptr, i64, i64, ptr, ptr, i64, i32, i32, ptr, ptr, i64, i32]
-    return load_kernel(SOURCE, "the AVX2 linear kernel", "modserve_avx2_linear_int4", "AVX2 and FMA", extra_flags, args)
+    return load_kernel(SOURCE, "the AVX2 linear kernel", "modserve_avx2_linear_int4", "AVX2 and FMA", extra_flags, WIDENED_ARGS)
 
 
 def int4_product(rows: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int,
@@ -58,13 +55,7 @@ def int4_product(rows: torch.Tensor, packed: torch.Tensor, scales_and_zeros: tor
     slow path with float32 rows (SmolLM2's 576 -> 1536 layer: 648 us at one row, 40 ms at 64,
     against 22 us and 245 us for the bfloat16-held float32 layer). ``rows`` ``[M, K]`` float32."""
     n, k = packed.shape[0], packed.shape[1] * 2
-    rows = tile_rows(rows)
-    out = torch.empty(rows.shape[0], n, dtype=torch.float32)
-    load_int4(extra_flags)(
-        rows.data_ptr(), rows.stride(0), rows.shape[0], packed.data_ptr(), scales_and_zeros.data_ptr(), n, k, group,
-        None if bias is None else bias.data_ptr(), out.data_ptr(), n, torch.get_num_threads(),
-    )  # fmt: skip
-    return out
+    return widened_product(load_int4(extra_flags), rows, packed, scales_and_zeros, n, k, group, bias)
 
 
 @functools.cache

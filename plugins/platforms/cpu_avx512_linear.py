@@ -17,7 +17,6 @@ same bytes as oneDNN's copy. Results equal ``F.linear`` up to float32 summation 
 
 from __future__ import annotations
 
-import ctypes
 import functools
 
 import torch
@@ -26,7 +25,7 @@ from torch import nn
 from modserve.core.contract import NativeFunction
 from modserve.native.build import SOURCES
 from modserve.plugins.platforms.cpu_int8_panel_linear import load_int8
-from modserve.plugins.platforms.cpu_panel_linear import PanelLinear, load_kernel, tile_rows
+from modserve.plugins.platforms.cpu_panel_linear import WIDENED_ARGS, PanelLinear, load_kernel, widened_product
 
 SOURCE = SOURCES / "cpu_avx512_linear.cpp"
 
@@ -42,9 +41,7 @@ def load() -> NativeFunction:
 def load_int4() -> NativeFunction:
     """The same kernel's entry over int4 weights as torch's int4 kernel holds them, widened to
     bfloat16 panels per call (:func:`int4_product`)."""
-    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    args = [ptr, i64, i64, ptr, ptr, i64, i32, i32, ptr, ptr, i64, i32]
-    return load_kernel(SOURCE, "the AVX512_BF16 linear kernel", "modserve_avx512_linear_int4", "AVX512_BF16", argtypes=args)
+    return load_kernel(SOURCE, "the AVX512_BF16 linear kernel", "modserve_avx512_linear_int4", "AVX512_BF16", argtypes=WIDENED_ARGS)
 
 
 def int4_product(rows: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int,
@@ -57,14 +54,7 @@ def int4_product(rows: torch.Tensor, packed: torch.Tensor, scales_and_zeros: tor
     from 8 rows on it widens four of its panels at a time to bfloat16 (``q s + (z - 8 s)``,
     rounded once, as the AMX tiles' widening) in a scratch that stays in its cache and
     multiplies them with VDPBF16PS. ``rows`` ``[M, K]`` bfloat16."""
-    n, k = packed.shape[0], packed.shape[1] * 2
-    rows = tile_rows(rows)
-    out = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
-    load_int4()(
-        rows.data_ptr(), rows.stride(0), rows.shape[0], packed.data_ptr(), scales_and_zeros.data_ptr(), n, k, group,
-        None if bias is None else bias.data_ptr(), out.data_ptr(), n, torch.get_num_threads(),
-    )  # fmt: skip
-    return out
+    return widened_product(load_int4(), rows, packed, scales_and_zeros, packed.shape[0], packed.shape[1] * 2, group, bias)
 
 
 @functools.cache

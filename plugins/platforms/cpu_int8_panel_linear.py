@@ -22,13 +22,10 @@ from torch import nn
 
 from modserve.core.contract import NativeFunction
 from modserve.native.build import SOURCES
-from modserve.plugins.platforms.cpu_panel_linear import PANEL_ARGS, TILE_N, PanelLinear, gated_pairs, load_kernel, pack_tiles
+from modserve.plugins.platforms.cpu_panel_linear import PANEL_ARGS, TILE_N, WIDENED_ARGS, PanelLinear, gated_pairs, load_kernel, pack_tiles
 from modserve.plugins.platforms.cpu_quant import quantize_per_channel_int8
 
 INT8_ARGS = [*PANEL_ARGS, ctypes.c_void_p]  # a panel linear's, then the codes' channel scales
-# x, x_stride, M, codes, scales, N, K, group, bias, y, y_stride, threads (the int4 entries' shape too)
-GROUP_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
-              ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
 GROUP_BUILDS = {  # the model's dtype: the source, symbol and instructions of its group-scaled int8 entry
     torch.bfloat16: ("cpu_avx512_linear.cpp", "modserve_avx512_linear_group_int8", "AVX512_BF16"),
     torch.float32: ("cpu_avx2_linear.cpp", "modserve_avx2_linear_group_int8", "AVX2 and FMA"),
@@ -46,7 +43,7 @@ def group_int8_kernel(dtype: torch.dtype, extra_flags: tuple[str, ...] = ()) -> 
     each thread widens four panels at a time (``q d`` in float32; bfloat16: rounded once) into a
     scratch and runs the panel blocks on them (``native/group_int8_panels.h``)."""
     source, symbol, instructions = GROUP_BUILDS[dtype]
-    return load_kernel(SOURCES / source, "the panel linear kernel", symbol, instructions, extra_flags, GROUP_ARGS)
+    return load_kernel(SOURCES / source, "the panel linear kernel", symbol, instructions, extra_flags, WIDENED_ARGS)
 
 
 class Int8PanelLinear(PanelLinear):

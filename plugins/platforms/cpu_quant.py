@@ -120,6 +120,8 @@ class QuantizedLinear(nn.Module):
     ``input_order``: the order the stored weight's inputs are in, where it is not the layer's
     (a GPTQ act-order checkpoint's groups): each call gathers the activations in it."""
 
+    records = False  # every call one native call (no torch operator): a decode call list can replay it
+
     def __init__(self, layer: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = layer.in_features, layer.out_features
@@ -425,17 +427,11 @@ class Int8GroupLinear(QuantizedLinear):
     def _panel_product(self, rows: torch.Tensor) -> torch.Tensor:
         if rows.dtype != self._dtype:
             raise TypeError(f"Int8GroupLinear on the panel kernels takes {str(self._dtype).removeprefix('torch.')} rows, got {rows.dtype}")
-        from modserve.plugins.platforms.cpu_panel_linear import tile_rows
+        from modserve.plugins.platforms.cpu_panel_linear import widened_product
 
-        rows = tile_rows(rows)
-        out = torch.empty(rows.shape[0], self.out_features, dtype=rows.dtype)
-        bias = self._buffers["_bias32"]
-        self._panels(
-            rows.data_ptr(), rows.stride(0), rows.shape[0], self._buffers["codes"].data_ptr(), self._buffers["panel_scales"].data_ptr(),
-            self.out_features, self.in_features, self.group, None if bias is None else bias.data_ptr(), out.data_ptr(),
-            self.out_features, torch.get_num_threads(),
-        )  # fmt: skip
-        return out
+        buffers = self._buffers
+        return widened_product(self._panels, rows, buffers["codes"], buffers["panel_scales"], self.out_features, self.in_features,
+                               self.group, buffers["_bias32"])
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, group={self.group}" + (", panels" if self._panels is not None else "")
