@@ -327,6 +327,7 @@ def test_a_quantization_scheme_leaves_experts_and_routers_in_floats_and_says_so(
         ("cpu_experts", ["--impls", "kernel,bar"], "--impls: unknown bar; expected some of kernel, kernel-int8, grouped, looped"),
         ("moe", ["--impls", "kernel,foo"], "--impls: unknown foo; expected some of kernel, kernel-int8, kernel-eager, grouped, looped"),
         ("moe", ["--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
+        ("cpu_linears", ["--kernels", "avx2,nope"], "--kernels: unknown nope; expected some of onednn, onednn-fp32, avx2,"),
     ],
 )
 def test_the_benchmarks_refuse_a_bad_argument_by_name(monkeypatch, capsys, script, argv, message):
