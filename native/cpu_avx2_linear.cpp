@@ -82,13 +82,16 @@ void modserve_avx2_linear_int4(const float* x, int64_t x_stride, int64_t M, cons
 
 int modserve_avx2_linear_int4_available() { return 1; }
 
-// int8 codes with a scale per group of inputs (group_int8_panels.h: GGUF Q8_0, GPTQ 8-bit; N a
-// multiple of 16, K and the group multiples of 32), bias float32 or null: each thread widens its
+// int8 codes with a scale, and a zero unless `zeros` is null, per group of inputs
+// (group_int8_panels.h: GGUF Q8_0, Q6_K, Q5_x and mixed K-quant layers, GPTQ 8-bit; N a multiple
+// of 16, K a multiple of 32, the group of 16), bias float32 or null: each thread widens its
 // panels four at a time into a scratch of its own and runs the blocks above on them.
 void modserve_avx2_linear_group_int8(const float* x, int64_t x_stride, int64_t M, const int8_t* codes, const float* scales, int64_t N,
-                      int K, int group, const float* bias, float* y, int64_t y_stride, int threads) {
+                      int K, int group, const float* bias, float* y, int64_t y_stride, int threads, const float* zeros) {
     modserve::for_panel_ranges(N, threads, [&](int64_t p0, int64_t p1) {
-        const auto widen = [&](int64_t p, int np, float* out) { modserve::widen_group_int8_f32(codes, scales, K, group, p, p + np, out); };
+        const auto widen = [&](int64_t p, int np, float* out) {
+            modserve::widen_group_int8_f32(codes, scales, zeros, K, group, p, p + np, out);
+        };
         modserve::float32_panels::widened_part(x, x_stride, M, widen, K, bias, N, y, y_stride, p0, p1);
     });
 }
@@ -121,7 +124,7 @@ MODSERVE_PACKED(modserve_avx2_linear_int4) {
 MODSERVE_PACKED(modserve_avx2_linear_group_int8) {
     using modserve::packed::ptr;
     modserve_avx2_linear_group_int8(ptr<const float*>(a[0]), a[1], a[2], ptr<const int8_t*>(a[3]), ptr<const float*>(a[4]), a[5], a[6], a[7],
-                     ptr<const float*>(a[8]), ptr<float*>(a[9]), a[10], a[11]);
+                     ptr<const float*>(a[8]), ptr<float*>(a[9]), a[10], a[11], ptr<const float*>(a[12]));
     return 0;
 }
 

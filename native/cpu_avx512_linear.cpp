@@ -112,21 +112,26 @@ void modserve_avx512_linear_int4(const uint16_t* x, int64_t x_stride, int64_t M,
 
 int modserve_avx512_linear_int4_available() { return 1; }
 
-// int8 codes with a scale per group of inputs (group_int8_panels.h: GGUF Q8_0, GPTQ 8-bit; N a
-// multiple of 16, K and the group multiples of 32), bias float32 or null: up to kGroupDirectRows
-// rows each thread multiplies its panels' codes directly, group by group; with more it widens
-// its panels four at a time into a scratch of its own and runs the blocks above on them.
+// int8 codes with a scale, and a zero unless `zeros` is null, per group of inputs
+// (group_int8_panels.h: GGUF Q8_0, Q6_K, Q5_x and mixed K-quant layers, GPTQ 8-bit; N a multiple
+// of 16, K a multiple of 32, the group of 16), bias float32 or null: up to kGroupDirectRows rows
+// each thread multiplies its panels' codes directly, group by group; with more it widens its
+// panels four at a time into a scratch of its own and runs the blocks above on them.
 constexpr int64_t kGroupDirectRows = 8;
 
 void modserve_avx512_linear_group_int8(const uint16_t* x, int64_t x_stride, int64_t M, const int8_t* codes, const float* scales, int64_t N,
-                      int K, int group, const float* bias, uint16_t* y, int64_t y_stride, int threads) {
+                      int K, int group, const float* bias, uint16_t* y, int64_t y_stride, int threads, const float* zeros) {
     const int64_t panel = static_cast<int64_t>(K / 32) * 512;  // elements of one widened panel
+    std::vector<float> xsum(zeros != nullptr && M <= kGroupDirectRows ? M * (K / group) : 0);  // what the zeros multiply
+    if (!xsum.empty()) modserve::group_input_sums(x, x_stride, M, K, group, xsum.data());
     modserve::for_panel_ranges(N, threads, [&](int64_t p0, int64_t p1) {
         if (M <= kGroupDirectRows) {  // few rows: the codes multiplied directly
-            modserve::group_int8_direct(x, x_stride, M, codes, scales, N, K, group, bias, y, y_stride, p0, p1);
+            modserve::group_int8_direct(x, x_stride, M, codes, scales, zeros, xsum.data(), N, K, group, bias, y, y_stride, p0, p1);
             return;
         }
-        const auto widen = [&](int64_t p, int np, uint16_t* out) { modserve::widen_group_int8_bf16(codes, scales, K, group, p, p + np, out); };
+        const auto widen = [&](int64_t p, int np, uint16_t* out) {
+            modserve::widen_group_int8_bf16(codes, scales, zeros, K, group, p, p + np, out);
+        };
         modserve::bf16_panels::widened_part(x, x_stride, M, widen, panel, N, K, bias, y, y_stride, p0, p1);
     });
 }
@@ -159,7 +164,7 @@ MODSERVE_PACKED(modserve_avx512_linear_int4) {
 MODSERVE_PACKED(modserve_avx512_linear_group_int8) {
     using modserve::packed::ptr;
     modserve_avx512_linear_group_int8(ptr<const uint16_t*>(a[0]), a[1], a[2], ptr<const int8_t*>(a[3]), ptr<const float*>(a[4]), a[5], a[6], a[7],
-                     ptr<const float*>(a[8]), ptr<uint16_t*>(a[9]), a[10], a[11]);
+                     ptr<const float*>(a[8]), ptr<uint16_t*>(a[9]), a[10], a[11], ptr<const float*>(a[12]));
     return 0;
 }
 

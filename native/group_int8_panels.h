@@ -1,6 +1,8 @@
-// int8 codes with a scale per group of inputs of each output (GGUF's Q8_0: groups of 32, GPTQ's
-// 8-bit groups), held as the panel kernels hold codes (cpu_panel_linear.py's pack_tiles: a
-// panel of 16 outputs is [K/2][16][2] int8) with float32 scales [N/16][K/group][16], widened per
+// int8 codes with a scale, and optionally a zero, per group of inputs of each output: GGUF's Q8_0
+// (groups of 32), Q6_K (codes q - 32, groups of 16), the 5-bit formats and the K-quants' two-level
+// scales resolved to one float32 scale and zero per group (gguf_quantized.py), GPTQ's 8-bit
+// groups. Held as the panel kernels hold codes (cpu_panel_linear.py's pack_tiles: a panel of 16
+// outputs is [K/2][16][2] int8) with float32 scales and zeros [N/16][K/group][16], widened per
 // call to the panels our products read: bfloat16 (cpu_avx512_linear.cpp) or float32
 // (cpu_avx2_linear.cpp), a thread's four panels at a time into a scratch of its own
 // (avx512_bf16_panels.h's and float32_panels.h's widened_part); and, for few bfloat16 rows,
@@ -9,8 +11,8 @@
 // Why: torch has no int8 product with group-wise scales, so Int8GroupLinear widened the whole
 // weight in torch per call and ran F.linear on it: SmolLM2's 576 -> 1536 layer 171 us at one
 // row against 14 us for its bfloat16 panels, and no decode call list could record it. Each
-// weight is q d computed in float32 (exact: 8 by 11 bits) and, for bfloat16, rounded once:
-// the very weight Int8GroupLinear.weight_as gives.
+// weight is q d + z computed in float32 (q d exact: 8 by 11 bits, 19 for the K-quants' scales)
+// and, for bfloat16, rounded once: the very weight Int8GroupLinear.weight_as gives.
 #pragma once
 
 #include <cstdint>
@@ -26,15 +28,31 @@
 
 namespace modserve {
 
-// Rows [0, R) of x times panels [0, P) of group-scaled codes (`codes` and `scales` at the first
-// panel; `panel` codes a panel, scales [panel][groups][16]) without widening to memory, for the
+// Each group's inputs summed, [row][group] float32 (a zero z adds z times that sum): M x K
+// bfloat16 inputs, the group a multiple of 16.
+inline void group_input_sums(const uint16_t* x, int64_t x_stride, int64_t M, int K, int group, float* sums) {
+    const int groups = K / group;
+    for (int64_t r = 0; r < M; ++r)
+        for (int g = 0; g < groups; ++g) {
+            __m512 t = _mm512_setzero_ps();
+            for (int k = g * group; k < (g + 1) * group; k += 16)
+                t = _mm512_add_ps(t, load16(x + r * x_stride + k));
+            sums[r * groups + g] = _mm512_reduce_add_ps(t);
+        }
+}
+
+// Rows [0, R) of x times panels [0, P) of group-scaled codes (`codes`, `scales` and `zeros` at
+// the first panel; `panel` codes a panel, scales and zeros [panel][groups][16]; `zeros` null for
+// symmetric codes, else `xsum` the rows' group_input_sums) without widening to memory, for the
 // few-row calls where a widened scratch would be read too few times: each group's input pairs
-// summed by VDPBF16PS over the codes widened in registers, then times the group's scales into
-// sums kept in memory (R x P group sums fill the registers); then the bias, rounded once. The
-// weights are q d unrounded (the widened path rounds each to bfloat16).
+// summed by VDPBF16PS over the codes widened in registers, then times the group's scales (plus
+// its zeros times the inputs' sum) into sums kept in memory (R x P group sums fill the
+// registers); then the bias, rounded once. The weights are q d + z unrounded (the widened path
+// rounds each to bfloat16).
 template <int R, int P>
-void group_int8_block(const uint16_t* x, int64_t x_stride, const int8_t* codes, int64_t panel, const float* scales, int groups,
-                      int group, const float* bias, int64_t n0, int64_t N, uint16_t* y, int64_t y_stride, const int8_t* ahead) {
+void group_int8_block(const uint16_t* x, int64_t x_stride, const int8_t* codes, int64_t panel, const float* scales,
+                      const float* zeros, const float* xsum, int groups, int group, const float* bias, int64_t n0, int64_t N,
+                      uint16_t* y, int64_t y_stride, const int8_t* ahead) {
     alignas(64) float acc[R][P][16] = {};
     for (int g = 0; g < groups; ++g) {
         __m512 sums[R][P];
@@ -55,8 +73,13 @@ void group_int8_block(const uint16_t* x, int64_t x_stride, const int8_t* codes, 
             }
         }
         for (int p = 0; p < P; ++p) {
-            const __m512 d = _mm512_loadu_ps(scales + (static_cast<int64_t>(p) * groups + g) * 16);
-            for (int r = 0; r < R; ++r) _mm512_store_ps(acc[r][p], _mm512_fmadd_ps(d, sums[r][p], _mm512_load_ps(acc[r][p])));
+            const int64_t at = (static_cast<int64_t>(p) * groups + g) * 16;
+            const __m512 d = _mm512_loadu_ps(scales + at);
+            for (int r = 0; r < R; ++r) {
+                __m512 a = _mm512_fmadd_ps(d, sums[r][p], _mm512_load_ps(acc[r][p]));
+                if (zeros != nullptr) a = _mm512_fmadd_ps(_mm512_loadu_ps(zeros + at), _mm512_set1_ps(xsum[r * groups + g]), a);
+                _mm512_store_ps(acc[r][p], a);
+            }
         }
     }
     for (int p = 0; p < P; ++p) {
@@ -68,8 +91,8 @@ void group_int8_block(const uint16_t* x, int64_t x_stride, const int8_t* codes, 
     }
 }
 
-using GroupBlock = void (*)(const uint16_t*, int64_t, const int8_t*, int64_t, const float*, int, int, const float*, int64_t, int64_t,
-                            uint16_t*, int64_t, const int8_t*);
+using GroupBlock = void (*)(const uint16_t*, int64_t, const int8_t*, int64_t, const float*, const float*, const float*, int, int,
+                            const float*, int64_t, int64_t, uint16_t*, int64_t, const int8_t*);
 
 template <int R>
 GroupBlock group_block_of_panels(int p) {
@@ -79,8 +102,9 @@ GroupBlock group_block_of_panels(int p) {
 // One thread's panels [p0, p1) for every row (few rows), four panels and up to four rows a block;
 // the first block of a group asks for the next group's codes ahead (as the int8 panels do: a
 // row's widening keeps the core busy between loads).
-inline void group_int8_direct(const uint16_t* x, int64_t x_stride, int64_t M, const int8_t* codes, const float* scales, int64_t N,
-                              int K, int group, const float* bias, uint16_t* y, int64_t y_stride, int64_t p0, int64_t p1) {
+inline void group_int8_direct(const uint16_t* x, int64_t x_stride, int64_t M, const int8_t* codes, const float* scales,
+                              const float* zeros, const float* xsum, int64_t N, int K, int group, const float* bias, uint16_t* y,
+                              int64_t y_stride, int64_t p0, int64_t p1) {
     const int64_t panel = static_cast<int64_t>(K / 32) * 512;
     const int groups = K / group;
     for (int64_t p = p0; p < p1; p += 4) {
@@ -90,15 +114,17 @@ inline void group_int8_direct(const uint16_t* x, int64_t x_stride, int64_t M, co
             const GroupBlock run = rows == 1 ? group_block_of_panels<1>(np) : rows == 2 ? group_block_of_panels<2>(np)
                                    : rows == 3 ? group_block_of_panels<3>(np) : group_block_of_panels<4>(np);
             const int8_t* ahead = m == 0 && p + 4 + 4 <= p1 ? codes + (p + 4) * panel : nullptr;  // a whole next group only
-            run(x + m * x_stride, x_stride, codes + p * panel, panel, scales + p * groups * 16, groups, group, bias, p * 16, N,
-                y + m * y_stride, y_stride, ahead);
+            const bool zeroed = zeros != nullptr;
+            run(x + m * x_stride, x_stride, codes + p * panel, panel, scales + p * groups * 16, zeroed ? zeros + p * groups * 16 : nullptr,
+                zeroed ? xsum + m * groups : nullptr, groups, group, bias, p * 16, N, y + m * y_stride, y_stride, ahead);
         }
     }
 }
 
-// Panels [panel0, panel1) of `codes` (each `panel` codes) as bfloat16 panels at `out`.
-inline void widen_group_int8_bf16(const int8_t* codes, const float* scales, int K, int group, int64_t panel0, int64_t panel1,
-                                  uint16_t* out) {
+// Panels [panel0, panel1) of `codes` (each `panel` codes) as bfloat16 panels at `out`, each
+// weight q d + z (zeros null: q d) rounded once.
+inline void widen_group_int8_bf16(const int8_t* codes, const float* scales, const float* zeros, int K, int group, int64_t panel0,
+                                  int64_t panel1, uint16_t* out) {
     const int64_t panel = static_cast<int64_t>(K / 32) * 512;
     const int groups = K / group;
     const __m512i first = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);  // a pair step's lanes: outputs
@@ -107,10 +133,12 @@ inline void widen_group_int8_bf16(const int8_t* codes, const float* scales, int 
         for (int g = 0; g < groups; ++g) {
             const __m512 d = _mm512_loadu_ps(scales + (p * groups + g) * 16);
             const __m512 d_lo = _mm512_permutexvar_ps(first, d), d_hi = _mm512_permutexvar_ps(second, d);
+            const __m512 z = zeros != nullptr ? _mm512_loadu_ps(zeros + (p * groups + g) * 16) : _mm512_setzero_ps();
+            const __m512 z_lo = _mm512_permutexvar_ps(first, z), z_hi = _mm512_permutexvar_ps(second, z);
             for (int64_t i = static_cast<int64_t>(g) * group * 16; i < static_cast<int64_t>(g + 1) * group * 16; i += 32) {
                 const __m128i* src = reinterpret_cast<const __m128i*>(codes + p * panel + i);
-                const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src))), d_lo);
-                const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src + 1))), d_hi);
+                const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src))), d_lo, z_lo);
+                const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src + 1))), d_hi, z_hi);
                 _mm512_storeu_si512(out + (p - panel0) * panel + i, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
             }
         }
@@ -125,15 +153,17 @@ inline void widen_group_int8_bf16(const int8_t* codes, const float* scales, int 
 
 namespace modserve {
 
-// Panels [panel0, panel1) of `codes` as float32 panels ([K][16] each: float32_panels.h's) at `out`.
-inline void widen_group_int8_f32(const int8_t* codes, const float* scales, int K, int group, int64_t panel0, int64_t panel1,
-                                 float* out) {
+// Panels [panel0, panel1) of `codes` as float32 panels ([K][16] each: float32_panels.h's) at `out`,
+// each weight q d + z (zeros null: q d).
+inline void widen_group_int8_f32(const int8_t* codes, const float* scales, const float* zeros, int K, int group, int64_t panel0,
+                                 int64_t panel1, float* out) {
     const int64_t panel = static_cast<int64_t>(K / 32) * 512;
     const int groups = K / group;
     for (int64_t p = panel0; p < panel1; ++p) {
         float* dst = out + (p - panel0) * static_cast<int64_t>(K) * 16;
         for (int g = 0; g < groups; ++g) {
             const float* d = scales + (p * groups + g) * 16;
+            const float* z = zeros != nullptr ? zeros + (p * groups + g) * 16 : nullptr;
             for (int k2 = g * group / 2; k2 < (g + 1) * group / 2; ++k2)
                 for (int h = 0; h < 2; ++h) {  // outputs 8 h .. 8 h + 7: their (input 2 k2, 2 k2 + 1) code pairs
                     const __m128i* src = reinterpret_cast<const __m128i*>(codes + p * panel + static_cast<int64_t>(k2) * 32 + 16 * h);
@@ -141,8 +171,9 @@ inline void widen_group_int8_f32(const int8_t* codes, const float* scales, int K
                     const __m256 even = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(pairs, 24), 24));
                     const __m256 odd = _mm256_cvtepi32_ps(_mm256_srai_epi32(pairs, 8));
                     const __m256 dh = _mm256_loadu_ps(d + 8 * h);
-                    _mm256_storeu_ps(dst + (2 * k2) * 16 + 8 * h, _mm256_mul_ps(even, dh));
-                    _mm256_storeu_ps(dst + (2 * k2 + 1) * 16 + 8 * h, _mm256_mul_ps(odd, dh));
+                    const __m256 zh = z != nullptr ? _mm256_loadu_ps(z + 8 * h) : _mm256_setzero_ps();
+                    _mm256_storeu_ps(dst + (2 * k2) * 16 + 8 * h, _mm256_fmadd_ps(even, dh, zh));
+                    _mm256_storeu_ps(dst + (2 * k2 + 1) * 16 + 8 * h, _mm256_fmadd_ps(odd, dh, zh));
                 }
         }
     }

@@ -1,16 +1,19 @@
-"""``device: {plugin: cpu, quantization: gguf}``: a GGUF file's Q8_0 / Q4_0 / Q4_1 weights kept
-as they are (docs/quantization.md, "GGUF blocks kept as they are").
+"""``device: {plugin: cpu, quantization: gguf}``: a GGUF file's Q8_0 / Q6_K / Q5_K / Q5_0 / Q5_1 /
+Q4_K / Q4_0 / Q4_1 weights kept as they are (docs/quantization.md, "GGUF blocks kept as they are").
 
 Stated bounds, each against the same file loaded with ``quantization: none`` (the file's
 blocks dequantized to float at load, the reference):
 
-1. Block decoding: the codes and scales read from the blocks rebuild gguf's own dequantized
-   values exactly (float32 equality).
+1. Block decoding: the codes, scales and minima read from the blocks rebuild gguf's own
+   dequantized values exactly (float32 equality); centred to int8 codes with a zero per group,
+   exactly for the symmetric formats and within 1e-6 of the largest weight for the others (the
+   zero ``m + 2^(bits-1) d`` is rounded once). The K-quant blocks come from tests/gguf_k_quants.py
+   (gguf writes none), checked against gguf's dequantization too.
 2. Each module against ``F.linear`` on the dequantized weight, as a fraction of the output's
-   largest magnitude. float32: Q8_0 1e-6 (the same float32 products; measured 0), Q4_0 / Q4_1
-   1e-5 (torch's int4 kernel computes ``(q - 8) d + (m + 8 d)`` where gguf computes ``d q + m``:
-   a rounding of ``m + 8 d`` and the order of the float32 operations; measured <= 4.2e-7).
-   bfloat16: 1.5e-2 for all three (Q4: the kernel holds ``d`` and ``m + 8 d`` in bfloat16, 8
+   largest magnitude. float32: Q8_0 1e-6 (the same float32 products; measured 0), the others
+   1e-5 (the int4 kernel computes ``(q - 8) d + (m + 8 d)`` where gguf computes ``d q + m``; the
+   int8 codes ``(q - c) d + (m + c d)``: a rounding of the zero and the order of the float32
+   operations; measured <= 4.2e-7). bfloat16: 1.5e-2 for all (Q4: the kernel holds ``d`` and ``m + 8 d`` in bfloat16, 8
    bits each, where the reference rounds each weight to bfloat16; plus the output's own
    bfloat16 rounding; measured <= 4.4e-3).
 3. A whole engine, teacher-forced over the dequantized engine's own greedy text (prompt
@@ -43,27 +46,35 @@ from torch import nn
 from modserve import LLM, SamplingParams
 from modserve.core.config import ConfigError
 from modserve.core.engine_factory import resolve
-from modserve.core.models.gguf_quantized import GGUFTensor, q4_blocks, q8_0_blocks
+from modserve.core.models.gguf_quantized import GGUFTensor, group_codes
 from modserve.core.models.kept_weights import KeptLinear
 from modserve.plugins.platforms.cpu_panel_linear import PanelLinear
 from modserve.plugins.platforms.cpu_linear import PackedLinear
 from modserve.plugins.platforms.cpu_quant import Int4WeightOnlyLinear, Int8GroupLinear, gguf_linear
+from gguf_k_quants import encode_k
 from test_gguf_reader import TINY_SHAPE, _finish, _shape_writer, _value_type, gguf_tensor_name, llama_cpp_permute, tiny_metadata
 from tiny_models import teacher_forced
 
-KEPT = [T.Q8_0, T.Q4_0, T.Q4_1]
+KEPT = [T.Q8_0, T.Q6_K, T.Q5_K, T.Q5_1, T.Q5_0, T.Q4_K, T.Q4_1, T.Q4_0]
+K_QUANTS = {T.Q4_K, T.Q5_K, T.Q6_K}
+ON_INT4 = {T.Q4_0, T.Q4_1, T.Q4_K}  # the rest are int8 codes (Int8GroupLinear)
+SYMMETRIC = {T.Q8_0, T.Q6_K, T.Q5_0, T.Q4_0}
 DTYPES = [torch.float32, torch.bfloat16]
-MODULE_TOL = {(torch.float32, T.Q8_0): 1e-6, (torch.float32, T.Q4_0): 1e-5, (torch.float32, T.Q4_1): 1e-5,
-              (torch.bfloat16, T.Q8_0): 1.5e-2, (torch.bfloat16, T.Q4_0): 1.5e-2, (torch.bfloat16, T.Q4_1): 1.5e-2}
+MODULE_TOL = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2}
+Q8_0_F32_TOL = 1e-6
 BF16_AGREEMENT, BF16_MAX_NATS, BF16_MEAN_NATS = 0.90, 0.15, 0.03
 F32_MAX_NATS = 1e-4
 SMOLLM2_MAX_NATS = 1e-3
 
 
+def quantize(weight: np.ndarray, kind: T) -> np.ndarray:
+    """gguf's own quantizer, or tests/gguf_k_quants.py's for the K-quants (gguf has none)."""
+    return encode_k(weight, kind) if kind in K_QUANTS else gguf.quants.quantize(weight, kind)
+
+
 def gguf_tensor(weight: torch.Tensor, kind: T) -> GGUFTensor:
-    """``weight`` quantized by gguf's own quantizer, as the reader would hand it over."""
-    data = gguf.quants.quantize(weight.float().numpy(), kind)
-    return GGUFTensor(data, kind, tuple(weight.shape))
+    """``weight`` quantized, as the reader would hand it over."""
+    return GGUFTensor(quantize(weight.float().numpy(), kind), kind, tuple(weight.shape))
 
 
 def gguf_layer(parts: list[GGUFTensor], dtype: torch.dtype, bias: bool = True) -> KeptLinear:
@@ -81,20 +92,32 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 # ----------------------------------------------------------------------------- blocks and modules
 
 
+def test_k_quant_encoder_holds_the_weights():
+    """The test encoder's blocks, read by gguf, are the weights within round-to-nearest's error."""
+    torch.manual_seed(0)
+    w = torch.randn(32, 512) * 0.05 + 0.01
+    for kind, bound in ((T.Q4_K, 0.10), (T.Q5_K, 0.05), (T.Q6_K, 0.03)):  # rms error / std; measured 0.078, 0.038, 0.020
+        got = gguf_tensor(w, kind).dequantize()
+        assert ((got - w).pow(2).mean().sqrt() / w.std()).item() < bound, kind
+
+
 @pytest.mark.parametrize("kind", KEPT, ids=lambda k: k.name)
 def test_block_decoding_rebuilds_gguf_dequantize_exactly(kind):
     torch.manual_seed(0)
-    part = gguf_tensor(torch.randn(48, 128) * 0.1 + 0.02, kind)
+    part = gguf_tensor(torch.randn(48, 512) * 0.1 + 0.02, kind)
     want = part.dequantize()
-    if kind == T.Q8_0:
-        q, d = q8_0_blocks(part.data, part.shape)
-        assert q.dtype == torch.int8 and d.shape == (48, 4)
-        got = (q.float().view(48, 4, 32) * d[..., None]).view(48, 128)
-    else:
-        q, d, m = q4_blocks(part.data, kind, part.shape)
-        assert q.dtype == torch.int32 and 0 <= q.min() and q.max() <= 15 and q.max() > 7
-        got = (q.float().view(48, 4, 32) * d[..., None] + m[..., None]).view(48, 128)
+    c = group_codes(part)
+    groups = 512 // c.group
+    assert c.q.dtype == torch.uint8 and c.q.shape == (48, 512) and c.scale.shape == (48, groups)
+    assert (c.bits, c.group) == {T.Q8_0: (8, 32), T.Q6_K: (6, 16), T.Q5_K: (5, 32), T.Q5_1: (5, 32), T.Q5_0: (5, 32)}.get(kind, (4, 32))
+    assert int(c.q.max()) < 2**c.bits and int(c.q.max()) >= 2 ** (c.bits - 1)
+    assert (c.minimum is None) == (kind in SYMMETRIC)
+    got = (c.q.float().view(48, groups, c.group) * c.scale[..., None] + c.minimum_or_center()[..., None]).view(48, 512)
     assert torch.equal(got, want)
+    codes, scale, zero = c.signed(16)  # centred int8 codes in groups of 16 (a mixed layer's)
+    assert codes.dtype == torch.int8 and scale.shape == (48, 32) and (zero is None) == (kind in SYMMETRIC)
+    centred = (codes.float().view(48, 32, 16) * scale[..., None] + (0 if zero is None else zero[..., None])).view(48, 512)
+    assert torch.equal(centred, want) if zero is None else _rel_err(centred, want) <= 1e-6
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -104,18 +127,21 @@ def test_kept_module_is_within_bound_of_linear_on_dequantized_weights(kind, dtyp
     part = gguf_tensor(torch.randn(96, 256) * 0.05, kind)
     layer = gguf_layer([part], dtype)
     module = gguf_linear("layers.0.mlp.down_proj", layer)
-    assert type(module) is (Int8GroupLinear if kind == T.Q8_0 else Int4WeightOnlyLinear)
+    assert type(module) is (Int4WeightOnlyLinear if kind in ON_INT4 else Int8GroupLinear)
     assert "weight" not in layer._parameters  # the blocks went straight in: no float weight was made
     assert not any(t.is_floating_point() and t.numel() >= 96 * 256 for t in module.buffers())
-    if kind != T.Q8_0:
+    if kind in ON_INT4:
         assert module.group_size == 32
+    else:
+        assert module.group == (16 if kind == T.Q6_K else 32) and (module.zero is None) == (kind in SYMMETRIC)
+    tol = Q8_0_F32_TOL if (kind, dtype) == (T.Q8_0, torch.float32) else MODULE_TOL[dtype]
     w = part.dequantize().to(dtype)
     for rows in (1, 5, 40):
         x = torch.randn(rows, 256).to(dtype)
         want = F.linear(x.float(), w.float(), layer.bias.float())
         got = module(x)
         assert got.dtype == dtype and got.shape == (rows, 96)
-        assert _rel_err(got, want) <= MODULE_TOL[dtype, kind], (rows, _rel_err(got, want))
+        assert _rel_err(got, want) <= tol, (rows, _rel_err(got, want))
     assert module(torch.empty(0, 256, dtype=dtype)).shape == (0, 96)
 
 
@@ -128,10 +154,28 @@ def test_fused_parts_keep_their_rows_in_order(dtype):
     module = gguf_linear("layers.0.self_attn.qkv_proj", layer)
     w = torch.cat([p.dequantize() for p in parts])
     x = torch.randn(7, 64).to(dtype)
-    assert _rel_err(module(x), F.linear(x.float(), w.to(dtype).float())) <= MODULE_TOL[dtype, T.Q4_1]
+    assert _rel_err(module(x), F.linear(x.float(), w.to(dtype).float())) <= MODULE_TOL[dtype]
     q8 = gguf_layer([gguf_tensor(torch.randn(n, 64), T.Q8_0) for n in (16, 48)], dtype, bias=False)
     w8 = torch.cat([p.dequantize() for p in q8.parts])
-    assert _rel_err(gguf_linear("x", q8)(x), F.linear(x.float(), w8.to(dtype).float())) <= MODULE_TOL[dtype, T.Q8_0]
+    assert _rel_err(gguf_linear("x", q8)(x), F.linear(x.float(), w8.to(dtype).float())) <= MODULE_TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kinds", [(T.Q4_K, T.Q4_K, T.Q6_K), (T.Q8_0, T.Q4_1, T.Q4_1), (T.Q5_0, T.Q5_K, T.Q4_0)],
+                         ids=lambda ks: "+".join(k.name for k in ks))
+def test_a_layer_mixing_formats_is_held_as_int8_codes(kinds, dtype):
+    """q / k / v of different formats (llama.cpp's Q4_K_M stores v as Q6_K in some layers): one
+    int8 module, the group the finest part's (16 with Q6_K), a zero per group where any part
+    has a minimum (a symmetric part's zeros are exactly 0), each part's rows in order."""
+    torch.manual_seed(2)
+    parts = [gguf_tensor(torch.randn(n, 256) * 0.05, kind) for n, kind in zip((64, 32, 32), kinds)]
+    module = gguf_linear("layers.0.self_attn.qkv_proj", gguf_layer(parts, dtype, bias=False))
+    assert type(module) is Int8GroupLinear and module.group == (16 if T.Q6_K in kinds else 32)
+    assert module.zero is not None and module.zero[64:96].abs().max() == (0 if kinds[1] in SYMMETRIC else module.zero[64:96].abs().max())
+    w = torch.cat([p.dequantize() for p in parts])
+    for rows in (1, 6, 30):
+        x = torch.randn(rows, 256).to(dtype)
+        assert _rel_err(module(x), F.linear(x.float(), w.to(dtype).float())) <= MODULE_TOL[dtype], rows
 
 
 def test_unkept_types_and_layers_are_refused_by_name():
@@ -140,17 +184,28 @@ def test_unkept_types_and_layers_are_refused_by_name():
     f16 = GGUFTensor(w.half().numpy(), T.F16, (32, 64))
     layer = gguf_layer([f16], torch.float32)
     assert gguf_linear("layers.1.mlp.up", layer) is layer  # stored as floats: the platform's float path
-    q6_k = GGUFTensor(np.zeros((32, 210), np.uint8), T.Q6_K, (32, 256))  # refused before its blocks are read
-    with pytest.raises(ConfigError, match=r"device.quantization: gguf keeps Q8_0, Q4_0, Q4_1.*'layers.1.mlp.up' is stored as Q6_K"):
-        gguf_linear("layers.1.mlp.up", gguf_layer([q6_k], torch.float32))
-    for parts, types in (([T.Q8_0, T.Q4_1], r"Q8_0\+Q4_1"), ([T.Q4_1, T.F16], r"Q4_1\+F16")):
-        mixed = gguf_layer([gguf_tensor(w, kind) if kind != T.F16 else f16 for kind in parts], torch.float32)
-        with pytest.raises(ConfigError, match=rf"'qkv' is stored as {types}"):
-            gguf_linear("qkv", mixed)
-    with pytest.raises(ConfigError, match=r"device.quantization: gguf .*multiple of 16; layer 'o' has 40"):
-        gguf_linear("o", gguf_layer([gguf_tensor(torch.randn(40, 64), T.Q4_0)], torch.float32))
+    q3_k = GGUFTensor(np.zeros((32, 110), np.uint8), T.Q3_K, (32, 256))  # refused before its blocks are read
+    with pytest.raises(ConfigError, match=r"device.quantization: gguf keeps Q8_0, Q6_K, Q5_K, Q5_1, Q5_0, Q4_K, Q4_1, Q4_0 "
+                                          r"weights; layer 'layers.1.mlp.up' is stored as Q3_K: use none"):
+        gguf_linear("layers.1.mlp.up", gguf_layer([q3_k], torch.float32))
+    mixed = gguf_layer([gguf_tensor(w, T.Q4_1), f16], torch.float32)
+    with pytest.raises(ConfigError, match=r"'qkv' is stored as Q4_1\+F16"):
+        gguf_linear("qkv", mixed)
     with pytest.raises(ConfigError, match=r"device.quantization: gguf .*layer 'lm_head' is not a GGUF tensor of its own"):
         gguf_linear("lm_head", nn.Linear(64, 32))
+
+
+def test_a_q4_layer_torch_cannot_pack_as_int4_is_held_as_int8_codes(caplog):
+    """out_features 40: not a multiple of 16, which torch's int4 packing needs; the blocks are
+    kept as int8 codes instead (a byte a weight, said in the log), not refused."""
+    torch.manual_seed(0)
+    part = gguf_tensor(torch.randn(40, 64), T.Q4_1)
+    with caplog.at_level("INFO", logger="modserve.platform"):
+        module = gguf_linear("o", gguf_layer([part], torch.float32, bias=False))
+    assert type(module) is Int8GroupLinear and module.zero is not None
+    assert "gguf: o has out_features 40, not a multiple of 16 for torch's int4 packing: its Q4_1 blocks held as int8 codes" in caplog.text
+    x = torch.randn(3, 64)
+    assert _rel_err(module(x), F.linear(x, part.dequantize())) <= MODULE_TOL[torch.float32]
 
 
 def test_weight_of_a_gguf_linear_is_dequantized_on_demand():
@@ -183,16 +238,28 @@ def write_quantized_gguf(path, model: transformers.PreTrainedModel, kind_of) -> 
         if kind == T.F32:
             writer.add_tensor(gguf_tensor_name(name), tensor.float().numpy())
         else:
-            writer.add_tensor(gguf_tensor_name(name), gguf.quants.quantize(tensor.float().numpy(), kind), raw_dtype=kind)
+            writer.add_tensor(gguf_tensor_name(name), quantize(tensor.float().numpy(), kind), raw_dtype=kind)
     return _finish(writer, path)
 
 
-FILES = {  # how each test file stores its projections (the embedding Q8_0 in all, the untied head Q8_0)
-    "q4_1": lambda name, t: T.Q4_1 if "proj" in name else T.Q8_0,
-    "q4_0": lambda name, t: T.Q4_0 if "proj" in name else T.Q8_0,
-    "q8_0": lambda name, t: T.Q8_0,
-    "mixed": lambda name, t: T.Q4_0 if ("q_proj" in name or "gate" in name) else T.Q4_1 if "proj" in name else T.Q8_0,
+def q4_k_m(name: str, tensor: torch.Tensor) -> T:
+    """llama.cpp's Q4_K_M mix, on a model 256 wide (K-quant rows hold 256 weights a block):
+    Q4_K, with v and down Q6_K (llama.cpp does so in some layers: here in all, so that every
+    qkv layer mixes formats), o Q5_K (a Q5_K_M layer), the head Q6_K, the embedding Q4_K."""
+    return T.Q6_K if ("v_proj" in name or "down" in name or "lm_head" in name) else T.Q5_K if "o_proj" in name else T.Q4_K
+
+
+FILES = {  # how each test file stores its projections (the embedding Q8_0 in all, the untied head Q8_0), and its modules
+    "q4_1": (lambda name, t: T.Q4_1 if "proj" in name else T.Q8_0, {Int4WeightOnlyLinear}),
+    "q4_0": (lambda name, t: T.Q4_0 if "proj" in name else T.Q8_0, {Int4WeightOnlyLinear}),
+    "q8_0": (lambda name, t: T.Q8_0, {Int8GroupLinear}),
+    "mixed": (lambda name, t: T.Q4_0 if ("q_proj" in name or "gate" in name) else T.Q4_1 if "proj" in name else T.Q8_0,
+              {Int4WeightOnlyLinear}),
+    "q5": (lambda name, t: T.Q5_0 if ("q_proj" in name or "gate" in name or "down" in name) else T.Q5_1 if "proj" in name else T.Q8_0,
+           {Int8GroupLinear}),
+    "q4_k_m": (q4_k_m, {Int4WeightOnlyLinear, Int8GroupLinear}),  # gate_up Q4_K on int4; qkv mixed, o, down: int8 codes
 }
+WIDE = {"q4_k_m"}  # files of the model 256 wide
 
 
 @pytest.fixture(scope="module")
@@ -209,9 +276,24 @@ def reference():
 
 
 @pytest.fixture(scope="module")
-def files(reference, tmp_path_factory):
+def reference_wide():
+    """The same, 256 wide (intermediate 512), for the K-quants; weights at std 0.04 so that each
+    layer's gain is the 64-wide model's."""
+    torch.manual_seed(0)
+    shape = {**TINY_SHAPE, "hidden_size": 256, "intermediate_size": 512}
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape, tie_word_embeddings=False)).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.15 if "embed" in name or "lm_head" in name else 0.04)
+    return hf
+
+
+@pytest.fixture(scope="module")
+def files(reference, reference_wide, tmp_path_factory):
     directory = tmp_path_factory.mktemp("gguf_kept")
-    return {name: write_quantized_gguf(directory / f"{name}.gguf", reference, kind_of) for name, kind_of in FILES.items()}
+    return {name: write_quantized_gguf(directory / f"{name}.gguf", reference_wide if name in WIDE else reference, kind_of)
+            for name, (kind_of, _) in FILES.items()}
 
 
 def _llm(path: str, dtype: str = "float32", **device) -> LLM:
@@ -235,9 +317,9 @@ def test_kept_engine_matches_the_dequantized_engine(files, reference, file, dtyp
     want = teacher_forced(ref, sequences)
     llm = _llm(files[file], dtype, quantization="gguf", quantize_lm_head=True)
     model = llm.engine.c.runner.model
-    kind = Int8GroupLinear if file == "q8_0" else Int4WeightOnlyLinear
-    assert sum(type(m) is kind for m in model.layers.modules()) == 4 * len(model.layers)  # qkv, o, gate_up, down
-    assert type(model.lm_head) is Int8GroupLinear  # the untied head is Q8_0 in every file
+    kinds = [type(m) for m in model.layers.modules() if type(m) in (Int4WeightOnlyLinear, Int8GroupLinear)]
+    assert len(kinds) == 4 * len(model.layers) and set(kinds) == FILES[file][1]  # qkv, o, gate_up, down
+    assert type(model.lm_head) is Int8GroupLinear  # the untied head is Q8_0 (Q6_K) in every file
     assert not any(isinstance(m, (KeptLinear, nn.Linear, PackedLinear, PanelLinear)) for m in model.modules())
     got = teacher_forced(llm, sequences)
     assert len(got) == len(want)
@@ -254,12 +336,14 @@ def test_kept_engine_matches_the_dequantized_engine(files, reference, file, dtyp
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_kept_q8_0_file_replays_its_decode_steps_where_its_layers_are_on_the_panels(files, reference, dtype):
-    """Q8_0 layers on the panel kernels (Int8GroupLinear.use_panels, where the platform's float
-    linears of this dtype are ours) are native calls, so decode steps replay as call lists with
-    the eager engine's greedy tokens; elsewhere they run eagerly."""
+@pytest.mark.parametrize("file", ["q8_0", "q4_k_m"])
+def test_a_kept_file_replays_its_decode_steps_where_its_layers_are_on_the_panels(files, reference, dtype, file):
+    """Q8_0, Q6_K, Q5_K and mixed layers on the panel kernels (Int8GroupLinear.use_panels, where
+    the platform's float linears of this dtype are ours; Q4_K layers: Int4WeightOnlyLinear.panels)
+    are native calls, so decode steps replay as call lists with the eager engine's greedy tokens;
+    elsewhere they run eagerly."""
     def run(graphs: bool):
-        llm = LLM(model={"path": files["q8_0"], "dtype": dtype}, kv_cache={"plugin": "paged", "num_blocks": 64},
+        llm = LLM(model={"path": files[file], "dtype": dtype}, kv_cache={"plugin": "paged", "num_blocks": 64},
                   device={"plugin": "cpu", "quantization": "gguf", "decode_graphs": graphs, **({"graph_max_batch": 4} if graphs else {})})
         rng = np.random.default_rng(5)
         ps = [rng.integers(4, reference.config.vocab_size, size=n).tolist() for n in (5, 17, 9, 30)]
@@ -267,7 +351,7 @@ def test_a_kept_q8_0_file_replays_its_decode_steps_where_its_layers_are_on_the_p
         return llm, [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], params)]
 
     llm, got = run(True)
-    layers = [m for m in llm.engine.c.runner.model.layers.modules() if isinstance(m, Int8GroupLinear)]
+    layers = [m for m in llm.engine.c.runner.model.layers.modules() if isinstance(m, (Int8GroupLinear, Int4WeightOnlyLinear))]
     on_panels = all(m.records for m in layers)
     from test_cpu_experts import HAS_AVX2, TAKES_KERNEL  # where this dtype's float linears are our panel kernels
 
@@ -304,13 +388,13 @@ def test_gguf_needs_a_gguf_checkpoint(tiny_models):
 def test_a_tied_head_cannot_be_kept(reference, tmp_path):
     torch.manual_seed(0)
     tied = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_SHAPE, tie_word_embeddings=True)).eval()
-    path = write_quantized_gguf(tmp_path / "tied.gguf", tied, FILES["q4_1"])
+    path = write_quantized_gguf(tmp_path / "tied.gguf", tied, FILES["q4_1"][0])
     assert len(_llm(path, quantization="gguf").generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids) == 3
     with pytest.raises(ConfigError, match=r"layer 'lm_head' is not a GGUF tensor of its own"):
         _llm(path, quantization="gguf", quantize_lm_head=True)
 
 
-def test_float_layers_stay_float_and_mixed_layers_are_refused(files, reference, tmp_path):
+def test_float_layers_stay_float_and_mixed_layers_are_int8_codes(files, reference, tmp_path):
     path = write_quantized_gguf(tmp_path / "f16.gguf", reference, lambda name, t: T.F16 if "down_proj" in name else T.Q4_1)
     llm = _llm(path, quantization="gguf")
     layer = llm.engine.c.runner.model.layers[0]
@@ -319,8 +403,12 @@ def test_float_layers_stay_float_and_mixed_layers_are_refused(files, reference, 
     sequences = _sequences(_llm(path), reference.config.vocab_size)
     assert [w[0] for w in teacher_forced(llm, sequences)] == [w[0] for w in teacher_forced(_llm(path), sequences)]
     path = write_quantized_gguf(tmp_path / "mixed.gguf", reference, lambda name, t: T.Q8_0 if "q_proj" in name else T.Q4_1)
-    with pytest.raises(ConfigError, match=r"layer 'layers.0.self_attn.qkv_proj' is stored as Q8_0\+Q4_1\+Q4_1: use none"):
-        _llm(path, quantization="gguf")
+    llm = _llm(path, quantization="gguf")
+    qkv = llm.engine.c.runner.model.layers[0].self_attn.qkv_proj
+    assert type(qkv) is Int8GroupLinear and "zeros" in repr(qkv)  # Q8_0 + Q4_1: the Q4_1 rows' minima as zeros
+    sequences = _sequences(_llm(path), reference.config.vocab_size)
+    want, got = teacher_forced(_llm(path), sequences), teacher_forced(llm, sequences)
+    assert [w[0] for w in want] == [g[0] for g in got] and max(abs(w[1] - g[1]) for w, g in zip(want, got)) <= F32_MAX_NATS
 
 
 @pytest.mark.parametrize("device,message", [

@@ -51,7 +51,7 @@ class CPUConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     linear_kernel: Literal["auto", "amx", "avx512bf16", "avx2", "onednn"] = "auto"  # float weights' products: own AMX tiles (bfloat16, AMX-BF16 CPUs), own VDPBF16PS kernel (bfloat16, AVX512_BF16 CPUs), own AVX2/FMA kernel, AVX-512 wide where the CPU has it (float32 layers whose weights bfloat16 holds exactly, e.g. a bfloat16 checkpoint: held in bfloat16, half the bytes), oneDNN, or auto (bfloat16: amx, else avx512bf16; float32: avx2; where each runs); where amx runs, bfloat16 int8, w8a8 and int4 layers use tiles too
     fuse_ops: bool = True  # in float32 or bfloat16, run norms, SiLU·mul and RoPE as fused C++ kernels
     reuse_freed_memory: bool = True  # glibc: keep freed step memory in the process instead of faulting it in again every step
-    quantization: Literal["none", "int8", "w8a8", "int4", "gguf", "gptq", "awq", "compressed-tensors"] = "none"  # linear weights (int8: mixtures of experts' experts too): int8 weight-only, int8 weights and activations (per token), int4 weight-only groups, a GGUF file's Q8_0/Q4_0/Q4_1 blocks kept as they are, or a pre-quantized HF checkpoint's weights kept (docs/quantization.md)
+    quantization: Literal["none", "int8", "w8a8", "int4", "gguf", "gptq", "awq", "compressed-tensors"] = "none"  # linear weights (int8: mixtures of experts' experts too): int8 weight-only, int8 weights and activations (per token), int4 weight-only groups, a GGUF file's Q8_0/Q6_K/Q5_K/Q5_0/Q5_1/Q4_K/Q4_0/Q4_1 blocks kept as they are, or a pre-quantized HF checkpoint's weights kept (docs/quantization.md)
     int4_group_size: Literal[32, 64, 128, 256] | None = None  # quantization: int4 only (default 128): inputs per scale/zero group; a layer whose in_features it does not divide takes the largest smaller size that does
     quantize_lm_head: bool = False  # quantize the LM head too (a tied head gets its own quantized copy; the embedding stays as loaded)
     decode_graphs: bool = True  # replay decode steps of up to graph_max_batch requests as recorded kernel call lists (one C call a step; docs/cpu_decode_graphs.md); where the forward is not all recordable kernels, steps run eagerly and the log says why
@@ -114,7 +114,7 @@ class CPUPlatform(Platform):
             if panels and self.config.quantization == "int8":
                 quantized = f"panel kernels over int8 codes in {' and '.join(panels)}, else {quantized}"
             elif panels and self.config.quantization not in ("none", "w8a8"):
-                quantized = (f"int4 and group-scaled int8 (Q8_0) layers: one native call on the panel kernels in {' and '.join(panels)} "
+                quantized = (f"int4 and group-scaled int8 (Q8_0, Q6_K, Q5_x) layers: one native call on the panel kernels in {' and '.join(panels)} "
                              f"where their shapes fit; {quantized}")
             kernels.append(f"quantized linears ({self.config.quantization}): {quantized}")
         calls = ["AVX512_BF16 in bfloat16"] if self.float_kernel == "avx512bf16" else []
@@ -178,7 +178,7 @@ class CPUPlatform(Platform):
             if isinstance(module, Int4WeightOnlyLinear):
                 module.amx = self.amx_linears  # many rows: widened to bfloat16 tiles on AMX
                 module.panels = self._panels_for(module.scales_and_zeros.dtype)  # ... or one native call on our panel kernels
-            if isinstance(module, Int8GroupLinear) and self._panels_for(layer.dtype):  # a kept layer: GGUF Q8_0, GPTQ 8-bit
+            if isinstance(module, Int8GroupLinear) and self._panels_for(layer.dtype):  # a kept layer: GGUF Q8_0 / Q6_K / Q5_x, GPTQ 8-bit
                 module.use_panels(group_int8_kernel(layer.dtype), layer.dtype)
             return module
         if not self.config.pack_weights:
@@ -291,7 +291,7 @@ def _quantized_kernels(scheme: str, amx: bool, amx_int8: bool) -> str:
         "int8": int8,
         "w8a8": w8a8,
         "int4": int4,
-        "gguf": f"Q4: {int4}; Q8_0: widened per call",
+        "gguf": f"Q4_0/Q4_1/Q4_K: {int4}; Q8_0, Q6_K, Q5_x and mixed layers: int8 codes widened per call",
     }.get(scheme, f"int4 layers: {int4}; W8A8 layers: {w8a8}; int8 weight-only layers: {int8}")
 
 

@@ -1,7 +1,8 @@
 """int8 weight-only linear layers (``device.quantization: int8``) on the panel kernels: the codes
 held in the panels' layout and widened in registers, the channel scales applied to the float32
 sums, ``y = (x @ q.T) * scale + b`` rounded once to the model's dtype. Also the kernels' entries
-for codes with a scale per group of inputs (GGUF Q8_0, GPTQ 8-bit: :func:`group_int8_kernel`).
+for codes with a scale (and a zero) per group of inputs (GGUF Q8_0, Q6_K, Q5_x, K-quant mixes,
+GPTQ 8-bit: :func:`group_int8_kernel`).
 
 Why: on CPUs whose float linears run on our panel kernels (AVX512_BF16 without AMX, and float32
 on AVX2 / AVX-512), the ``int8`` scheme ran torch's products (:class:`~modserve.plugins.platforms.cpu_quant.Int8WeightOnlyLinear`:
@@ -22,7 +23,7 @@ from torch import nn
 
 from modserve.core.contract import NativeFunction
 from modserve.native.build import SOURCES
-from modserve.plugins.platforms.cpu_panel_linear import PANEL_ARGS, TILE_N, WIDENED_ARGS, PanelLinear, gated_pairs, load_kernel, pack_tiles
+from modserve.plugins.platforms.cpu_panel_linear import GROUP_INT8_ARGS, PANEL_ARGS, TILE_N, PanelLinear, gated_pairs, load_kernel, pack_tiles
 from modserve.plugins.platforms.cpu_quant import quantize_per_channel_int8
 
 INT8_ARGS = [*PANEL_ARGS, ctypes.c_void_p]  # a panel linear's, then the codes' channel scales
@@ -39,11 +40,12 @@ def load_int8(source, what: str, symbol: str, instructions: str, extra_flags: tu
 
 @functools.cache
 def group_int8_kernel(dtype: torch.dtype, extra_flags: tuple[str, ...] = ()) -> NativeFunction:
-    """The panel kernel's entry for int8 codes with group-wise scales, for a model of ``dtype``:
-    each thread widens four panels at a time (``q d`` in float32; bfloat16: rounded once) into a
-    scratch and runs the panel blocks on them (``native/group_int8_panels.h``)."""
+    """The panel kernel's entry for int8 codes with group-wise scales and optional zeros, for a
+    model of ``dtype``: each thread widens four panels at a time (``q d + z`` in float32;
+    bfloat16: rounded once) into a scratch and runs the panel blocks on them, or for few
+    bfloat16 rows multiplies the codes directly (``native/group_int8_panels.h``)."""
     source, symbol, instructions = GROUP_BUILDS[dtype]
-    return load_kernel(SOURCES / source, "the panel linear kernel", symbol, instructions, extra_flags, WIDENED_ARGS)
+    return load_kernel(SOURCES / source, "the panel linear kernel", symbol, instructions, extra_flags, GROUP_INT8_ARGS)
 
 
 class Int8PanelLinear(PanelLinear):

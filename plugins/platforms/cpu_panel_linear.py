@@ -26,9 +26,10 @@ TILE_N, TILE_K = 16, 32  # outputs and inputs per packed weight tile
 PANEL_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
               ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int]  # a panel linear's, below
 # The entries over weights widened per call (int4, group-scaled int8): x, x_stride, M, codes, scales, N, K, group, bias, y,
-# y_stride, threads (widened_product).
+# y_stride, threads (widened_product); the group-scaled int8 entries take the zeros (or null) last.
 WIDENED_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
                 ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+GROUP_INT8_ARGS = [*WIDENED_ARGS, ctypes.c_void_p]
 
 
 def load_kernel(source, what: str, symbol: str, instructions: str, extra_flags: tuple[str, ...] = (), argtypes: list = PANEL_ARGS,
@@ -74,14 +75,15 @@ def gated_pairs(packed: torch.Tensor) -> torch.Tensor:
 
 
 def widened_product(kernel: NativeFunction, rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int, k: int,
-                    group: int, bias: torch.Tensor | None) -> torch.Tensor:
+                    group: int, bias: torch.Tensor | None, *extra) -> torch.Tensor:
     """``rows [M, k]`` (the kernel's dtype) times ``n`` outputs' codes and group scales, plus
-    ``bias`` (``[n]`` float32 or None), by one call of an entry taking :data:`WIDENED_ARGS`."""
+    ``bias`` (``[n]`` float32 or None), by one call of an entry taking :data:`WIDENED_ARGS`
+    (``extra``: the arguments an entry takes after them, :data:`GROUP_INT8_ARGS`' zeros)."""
     rows = tile_rows(rows)
     out = torch.empty(rows.shape[0], n, dtype=rows.dtype)
     kernel(
         rows.data_ptr(), rows.stride(0), rows.shape[0], codes.data_ptr(), scales.data_ptr(), n, k, group,
-        None if bias is None else bias.data_ptr(), out.data_ptr(), n, torch.get_num_threads(),
+        None if bias is None else bias.data_ptr(), out.data_ptr(), n, torch.get_num_threads(), *extra,
     )  # fmt: skip
     return out
 

@@ -25,8 +25,8 @@ bfloat16 tiles per call and multiply on them (:mod:`cpu_amx_linear`), and ``w8a8
 run on AMX-INT8 tiles (:mod:`cpu_amx_int8`); the platform decides (``amx``).
 - ``gguf`` (:func:`gguf_linear`): a GGUF file's blocks kept as they are, built from the
   loader's :class:`~modserve.core.models.kept_weights.KeptLinear` without a float weight:
-  Q4_0 / Q4_1 as ``int4`` with groups of 32 (:meth:`Int4WeightOnlyLinear.from_codes`, exact),
-  Q8_0 as :class:`Int8GroupLinear` (exact; widened per call).
+  Q4_0 / Q4_1 / Q4_K as ``int4`` with groups of 32 (:meth:`Int4WeightOnlyLinear.from_codes`,
+  exact), Q8_0, Q6_K, the 5-bit formats and mixed layers as :class:`Int8GroupLinear`.
 
 Why these ops. Micro-timing, machine busy (torch 2.13 CPU wheel, 2 cores of a Xeon with
 AMX-INT8/AVX512-VNNI, other jobs running; best of 10-40 calls in one process: relative
@@ -367,9 +367,12 @@ class Int4WeightOnlyLinear(QuantizedLinear):
 
 
 class Int8GroupLinear(QuantizedLinear):
-    """``y = x @ W.T + b`` with ``W[n, k] = q[n, k] * scale[n, k // group]``: int8 weights with a
-    symmetric scale per group of ``group`` inputs of each output channel, GGUF's Q8_0 (groups
-    of 32, float16 scales) kept as it is.
+    """``y = x @ W.T + b`` with ``W[n, k] = q[n, k] * scale[n, k // group] (+ zero[n, k // group])``:
+    int8 weights with a scale, and optionally a zero, per group of ``group`` inputs of each
+    output channel. GGUF's Q8_0 (groups of 32, float16 scales) kept as it is; Q6_K (codes
+    ``q - 32``, groups of 16), the 5-bit formats (codes ``q - 16``, zeros for the asymmetric
+    ones) and fused layers mixing formats, with each group's scale and zero resolved to float32
+    (:func:`gguf_linear`).
 
     torch has no int8 kernel with group-wise scales (``_weight_int8pack_mm`` takes one scale
     per output channel), and re-quantizing Q8_0 per channel would lose up to half a step of
@@ -381,15 +384,19 @@ class Int8GroupLinear(QuantizedLinear):
     per output channel (a quarter of float32's, plus 6%)."""
 
     def __init__(self, layer: nn.Linear, q: torch.Tensor, scale: torch.Tensor, group: int = 32,
-                 scale_dtype: torch.dtype = torch.float16) -> None:
+                 scale_dtype: torch.dtype = torch.float16, zero: torch.Tensor | None = None) -> None:
         super().__init__(layer)
         self.group = group
         self.register_buffer("qweight", q.view(self.out_features, -1, group), False)  # [N, K/g, g] int8
         self.register_buffer("scale", scale.to(scale_dtype)[..., None], False)  # Q8_0's and GPTQ's float16 scales: exact
+        self.register_buffer("zero", None if zero is None else zero.float()[..., None], False)  # [N, K/g, 1] float32
 
     def weight_as(self, dtype: torch.dtype) -> torch.Tensor:
         """The dequantized weight ``[N, K]`` in ``dtype`` (computed in float32, then cast)."""
-        w = self.qweight.float().mul_(self.scale.float()).view(self.out_features, self.in_features)
+        w = self.qweight.float().mul_(self.scale.float())
+        if self.zero is not None:
+            w.add_(self.zero)
+        w = w.view(self.out_features, self.in_features)
         return w if dtype == torch.float32 else w.to(dtype)
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
@@ -400,22 +407,25 @@ class Int8GroupLinear(QuantizedLinear):
     _panels: NativeFunction | None = None  # the panel kernel's entry, once use_panels took it
 
     def use_panels(self, kernel: NativeFunction, dtype: torch.dtype) -> bool:
-        """Hold the codes as the panel kernels hold codes, with float32 scales ``[N/16][K/g][16]``,
-        and run every call of ``dtype`` rows on ``kernel``
+        """Hold the codes as the panel kernels hold codes, with float32 scales (and zeros)
+        ``[N/16][K/g][16]``, and run every call of ``dtype`` rows on ``kernel``
         (:func:`~modserve.plugins.platforms.cpu_int8_panel_linear.group_int8_kernel`): one
         native call, recordable, instead of the whole weight widened in torch per call (171 us
         against 14 us for bfloat16 panels at one row of a 576 -> 1536 layer). Needs N a multiple
-        of 16 and K and the group multiples of 32; returns whether it took it."""
+        of 16, K a multiple of 32 and the group of 16; returns whether it took it."""
         n, k = self.out_features, self.in_features
-        if n % 16 or k % 32 or self.group % 32 or self.input_order is not None:
+        if n % 16 or k % 32 or self.group % 16 or self.input_order is not None:
             return False
         from modserve.plugins.platforms.cpu_panel_linear import pack_tiles
 
+        def panel_order(per_group: torch.Tensor | None) -> torch.Tensor | None:  # [N, K/g, 1] as [N/16][K/g][16] float32
+            return None if per_group is None else per_group.float().view(n // 16, 16, k // self.group).transpose(1, 2).contiguous()
+
         self.register_buffer("codes", pack_tiles(self.qweight.view(n, k)), False)
-        scales = self.scale.float().view(n // 16, 16, k // self.group).transpose(1, 2).contiguous()
-        self.register_buffer("panel_scales", scales, False)
+        self.register_buffer("panel_scales", panel_order(self.scale), False)
+        self.register_buffer("panel_zeros", panel_order(self.zero), False)
         self.register_buffer("_bias32", None if self.bias is None else self.bias.detach().float().contiguous(), False)
-        self.qweight = self.scale = None  # the panels hold them now
+        self.qweight = self.scale = self.zero = None  # the panels hold them now
         self._panels, self._dtype = kernel, dtype
         return True
 
@@ -430,14 +440,17 @@ class Int8GroupLinear(QuantizedLinear):
         from modserve.plugins.platforms.cpu_panel_linear import widened_product
 
         buffers = self._buffers
+        zeros = buffers["panel_zeros"]
         return widened_product(self._panels, rows, buffers["codes"], buffers["panel_scales"], self.out_features, self.in_features,
-                               self.group, buffers["_bias32"])
+                               self.group, buffers["_bias32"], None if zeros is None else zeros.data_ptr())
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, group={self.group}" + (", panels" if self._panels is not None else "")
+        zeros = self._buffers.get("zero") is not None or self._buffers.get("panel_zeros") is not None
+        return f"{super().extra_repr()}, group={self.group}" + (", zeros" if zeros else "") + (", panels" if self._panels is not None else "")
 
 
-GGUF_KEPT = ("Q8_0", "Q4_0", "Q4_1")  # the GGUF quantized types ``quantization: gguf`` keeps
+GGUF_KEPT = ("Q8_0", "Q6_K", "Q5_K", "Q5_1", "Q5_0", "Q4_K", "Q4_1", "Q4_0")  # the GGUF types ``quantization: gguf`` keeps
+GGUF_INT4 = {"Q4_0", "Q4_1", "Q4_K"}  # those held as int4 when a layer has no other kind
 GGUF_FLOAT = ("F32", "F16", "BF16")  # stored unquantized: kept as a float layer
 
 
@@ -446,19 +459,26 @@ def gguf_linear(name: str, layer: nn.Module) -> nn.Module:
     ``layer`` itself where the file stores it unquantized (F32 / F16 / BF16: the router of a
     mixture of experts, which llama.cpp keeps in F32) for the platform's float path.
 
-    - Q4_0 / Q4_1 (mixed too): :class:`Int4WeightOnlyLinear` with groups of 32, exactly the
-      file's values (Q4_1 ``w = d q + m`` is torch's ``(q - 8) d + (m + 8 d)``; Q4_0 is
-      ``m = -8 d``); the only change is the scales' and zeros' rounding to the model dtype
-      (none in float32 but ``m + 8 d`` rounded once; bfloat16 keeps 8 bits of each).
-    - Q8_0: :class:`Int8GroupLinear`, exact.
+    Every kept format is read as codes with a float32 scale and minimum per group of inputs
+    (:func:`~modserve.core.models.gguf_quantized.group_codes`; the K-quants' two levels of
+    scales multiplied out, exact), then:
+
+    - Q4_0 / Q4_1 / Q4_K only: :class:`Int4WeightOnlyLinear` with groups of 32, the file's
+      values (``w = d q + m`` is torch's ``(q - 8) d + (m + 8 d)``); the only change is the
+      scales' and zeros' rounding to the model dtype (none in float32 but ``m + 8 d`` rounded
+      once; bfloat16 keeps 8 bits of each).
+    - anything else (Q8_0, Q6_K, Q5_0 / Q5_1 / Q5_K, a fused layer mixing formats, as
+      llama.cpp's Q4_K_M mixes Q4_K and Q6_K in q / k / v, or a Q4 layer whose out_features
+      torch's int4 packing cannot take): :class:`Int8GroupLinear`, the codes centred to int8
+      (``q - 2^(bits - 1)``) with the scales, and a zero per group where the format has a
+      minimum (``m + 2^(bits - 1) d``, rounded once), in groups of 16 where a Q6_K part is
+      present, else 32. Exact but for that zero's rounding; a 4- to 6-bit weight takes a byte.
 
     Anything else is refused, naming the layer and the types: an HF checkpoint or a layer
-    not stored as its own GGUF tensor (a head tied to the embedding), K-quant or other GGUF
-    tensors (Q6_K, Q4_K, Q5_0, ...: no torch kernel takes their two-level or 5-bit formats),
-    a fused layer mixing Q8_0 and Q4 parts or float and quantized parts, or an int4 layer
-    whose ``out_features`` torch cannot pack.
+    not stored as its own GGUF tensor (a head tied to the embedding), other GGUF formats
+    (Q2_K, Q3_K, the IQ types, ...) or a fused layer mixing float and quantized parts.
     The setting is never dropped silently: pick ``none``, ``int8`` or ``int4`` for such a file."""
-    from modserve.core.models.gguf_quantized import GGUFTensor, q4_blocks, q8_0_blocks
+    from modserve.core.models.gguf_quantized import GGUFTensor, group_codes
     from modserve.core.models.kept_weights import KeptLinear
 
     if not isinstance(layer, KeptLinear) or not all(isinstance(p, GGUFTensor) for p in layer.parts):
@@ -470,21 +490,23 @@ def gguf_linear(name: str, layer: nn.Module) -> nn.Module:
     types = set(layer.types)
     if types <= set(GGUF_FLOAT):
         return layer
-    if not types <= set(GGUF_KEPT) or (len(types) > 1 and "Q8_0" in types):
+    if not types <= set(GGUF_KEPT):
         raise ConfigError(
-            f"device.quantization: gguf keeps {', '.join(GGUF_KEPT)} weights (int4 groups of 32, int8 groups of 32); "
-            f"layer {name!r} is stored as {'+'.join(layer.types)}: use none (dequantize at load), int8 or int4"
+            f"device.quantization: gguf keeps {', '.join(GGUF_KEPT)} weights; layer {name!r} is stored as "
+            f"{'+'.join(layer.types)}: use none (dequantize at load), int8 or int4"
         )
-    if types == {"Q8_0"}:
-        q, d = (torch.cat(t) for t in zip(*(q8_0_blocks(p.data, p.shape) for p in layer.parts)))
-        return Int8GroupLinear(layer, q, d, 32)
-    if layer.out_features % INT4_N_MULTIPLE:
-        raise ConfigError(
-            f"device.quantization: gguf maps Q4 weights onto int4, which needs out_features to be a multiple of "
-            f"{INT4_N_MULTIPLE}; layer {name!r} has {layer.out_features}: use none or int8"
-        )
-    q, d, m = (torch.cat(t) for t in zip(*(q4_blocks(p.data, p.type, p.shape) for p in layer.parts)))
-    return Int4WeightOnlyLinear.from_codes(layer, q, d, m, 32, layer.dtype)
+    parts = [group_codes(p) for p in layer.parts]
+    if types <= GGUF_INT4 and layer.out_features % INT4_N_MULTIPLE == 0:
+        q, d, m = (torch.cat(t) for t in zip(*((c.q.to(torch.int32), c.scale, c.minimum_or_center()) for c in parts)))
+        return Int4WeightOnlyLinear.from_codes(layer, q, d, m, 32, layer.dtype)
+    if types <= GGUF_INT4:
+        log.info("gguf: %s has out_features %d, not a multiple of %d for torch's int4 packing: its %s blocks held as "
+                 "int8 codes", name, layer.out_features, INT4_N_MULTIPLE, "+".join(sorted(types)))
+    group = min(c.group for c in parts)
+    q, d, z = zip(*(c.signed(group) for c in parts))
+    zero = None if all(t is None for t in z) else torch.cat([t if t is not None else torch.zeros_like(s) for t, s in zip(z, d)])
+    scale_dtype = torch.float16 if types == {"Q8_0"} else torch.float32  # Q8_0's own scales; the others' products need float32
+    return Int8GroupLinear(layer, torch.cat(q), torch.cat(d), group, scale_dtype, zero)
 
 
 def quantize_linear(scheme: str, name: str, layer: nn.Linear, int4_group: int = 128, amx: bool = False) -> nn.Module:
