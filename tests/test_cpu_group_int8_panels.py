@@ -6,7 +6,7 @@ at a time; in float32 widened to float32 panels; instead of the whole weight wid
 
 What could go wrong, and is checked here: a code or a group's scale put on the wrong output or
 input (the panels' pair order, groups of 16, 32 and 128), a zero lost or applied to the wrong
-group (each case runs with and without zeros), the bfloat16 weight rounded differently from
+group (each case runs with symmetric codes, with zeros, and with unsigned codes below 128), the bfloat16 weight rounded differently from
 ``weight_as``, a bias lost, rows past one sweep, shapes the panels cannot take accepted."""
 
 from __future__ import annotations
@@ -21,33 +21,44 @@ from modserve.plugins.platforms.cpu_quant import Int8GroupLinear
 
 
 def group_layer(k: int, n: int, group: int, dtype: torch.dtype, bias: bool, seed: int,
-                zeros: bool = False) -> tuple[Int8GroupLinear, Int8GroupLinear]:
-    """The same random Q8_0-like layer twice (``zeros``: a float32 scale and zero per group, as
-    a Q5_1 or mixed K-quant layer): as built (torch's widening) and on the panels."""
+                codes: str = "symmetric") -> tuple[Int8GroupLinear, Int8GroupLinear]:
+    """The same random layer twice, as built (torch's widening) and for the panels: ``codes``
+    "symmetric" (Q8_0-like int8 codes, float16 scales), "zeros" (a float32 scale and zero per
+    group: a mixed layer with a Q8_0 part) or "below_128" (unsigned 6-bit codes with their
+    minima: Q6_K, Q5_x, Q4_K in a mixed layer)."""
     g = torch.Generator().manual_seed(seed)
     layer = nn.Linear(k, n, bias=bias).to(dtype)
-    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    if codes == "below_128":
+        q = torch.randint(0, 64, (n, k), generator=g, dtype=torch.int8)
+    else:
+        q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
     d = (torch.rand(n, k // group, generator=g) * 0.02).half()
-    z = (torch.rand(n, k // group, generator=g) - 0.5) * 0.5 if zeros else None
-    scale_dtype = torch.float32 if zeros else torch.float16
-    return tuple(Int8GroupLinear(layer, q, d, group, scale_dtype, z) for _ in range(2))
+    z = (torch.rand(n, k // group, generator=g) - 0.5) * 0.5 if codes != "symmetric" else None
+    scale_dtype = torch.float32 if z is not None else torch.float16
+    return tuple(Int8GroupLinear(layer, q, d, group, scale_dtype, z, codes == "below_128") for _ in range(2))
 
 
-ZEROS = pytest.mark.parametrize("zeros", [False, True], ids=["symmetric", "zeros"])
+def kernel_for(module: Int8GroupLinear, dtype: torch.dtype, build: tuple[str, ...] = ()):
+    return group_int8_kernel(dtype, build, below_128=module.below_128)
+
+
+CODES = pytest.mark.parametrize("codes", ["symmetric", "zeros", "below_128"])
 
 
 @pytest.mark.skipif(not NATIVE, reason="this CPU has no AVX512_BF16 (or no compiler targets it)")
-@ZEROS
+@CODES
 @pytest.mark.parametrize("threads", [1, 3])
-@pytest.mark.parametrize("k,n,rows,group", [(576, 192, 9, 32), (256, 64, 37, 16), (1536, 128, 300, 128), (512, 320, 13, 64)])
-def test_bfloat16_panels_equal_the_bfloat16_kernel_on_the_widened_weights(k, n, rows, group, threads, zeros):
-    """More than 8 rows, bit for bit: each weight widened to bf16(q d + z) (weight_as's value), then
-    the bfloat16 panel kernel's own blocks; and within rounding of torch's path (F.linear on
-    weight_as)."""
+@pytest.mark.parametrize("k,n,rows,group", [(576, 192, 9, 32), (256, 64, 37, 16), (1536, 128, 300, 128), (512, 320, 33, 64)])
+def test_bfloat16_panels_equal_the_bfloat16_kernel_on_the_widened_weights(k, n, rows, group, threads, codes):
+    """More than 8 rows (unsigned codes below 128: more than 32), bit for bit: each weight widened
+    to bf16(q d + z) (weight_as's value), then the bfloat16 panel kernel's own blocks; and within
+    rounding of torch's path (F.linear on weight_as)."""
+    if codes == "below_128" and rows <= 32:
+        rows += 32
     from modserve.plugins.platforms.cpu_avx512_linear import Avx512Linear
 
-    torch_path, module = group_layer(k, n, group, torch.bfloat16, False, seed=k + rows, zeros=zeros)
-    assert module.use_panels(group_int8_kernel(torch.bfloat16), torch.bfloat16) and module.records
+    torch_path, module = group_layer(k, n, group, torch.bfloat16, False, seed=k + rows, codes=codes)
+    assert module.use_panels(kernel_for(module, torch.bfloat16), torch.bfloat16) and module.records
     reference = nn.Linear(k, n, bias=False).to(torch.bfloat16)
     with torch.no_grad():
         reference.weight.copy_(torch_path.weight_as(torch.bfloat16))
@@ -59,15 +70,16 @@ def test_bfloat16_panels_equal_the_bfloat16_kernel_on_the_widened_weights(k, n, 
 
 
 @pytest.mark.skipif(not NATIVE, reason="this CPU has no AVX512_BF16 (or no compiler targets it)")
-@ZEROS
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8])
+@pytest.mark.parametrize("rows,codes", [(rows, codes) for codes in ("symmetric", "zeros", "below_128")
+                                        for rows in (1, 3, 4, 5, 8, *((9, 14, 32) if codes == "below_128" else ()))])
 @pytest.mark.parametrize("k,n,group,bias", [(576, 208, 32, True), (1536, 128, 128, False), (256, 64, 64, True), (512, 96, 16, False)])
-def test_bfloat16_direct_product_is_the_exact_product_rounded_once(k, n, group, bias, rows, zeros):
-    """Up to 8 rows the codes are multiplied directly (the weights q d + z never rounded; a zero
-    times its group's inputs' sum): within one bfloat16 step of the float64 product, with 13
-    panels (a group of one left) and a bias."""
-    torch_path, module = group_layer(k, n, group, torch.bfloat16, bias, seed=k + rows, zeros=zeros)
-    assert module.use_panels(group_int8_kernel(torch.bfloat16), torch.bfloat16)
+def test_bfloat16_direct_product_is_the_exact_product_rounded_once(k, n, group, bias, rows, codes):
+    """Up to 8 rows (unsigned codes below 128: 32, from 9 on as bfloat16 128 + q) the codes are
+    multiplied directly (the weights q d + z never rounded; a zero times its group's inputs'
+    sum): within one bfloat16 step of the float64 product, with 13 panels (a group of one
+    left) and a bias."""
+    torch_path, module = group_layer(k, n, group, torch.bfloat16, bias, seed=k + rows, codes=codes)
+    assert module.use_panels(kernel_for(module, torch.bfloat16), torch.bfloat16)
     x = torch.randn(rows, k).to(torch.bfloat16)
     exact = x.double() @ torch_path.weight_as(torch.float32).double().T
     if bias:
@@ -77,15 +89,15 @@ def test_bfloat16_direct_product_is_the_exact_product_rounded_once(k, n, group, 
 
 
 @needs_avx2
-@ZEROS
+@CODES
 @pytest.mark.parametrize("build", [(), ("-mno-avx512f",)], ids=["native", "avx2-width"])
 @pytest.mark.parametrize("k,n,rows,group", [(576, 192, 1, 32), (256, 64, 37, 16), (1536, 128, 300, 128)])
-def test_float32_panels_equal_torchs_product_with_the_bias(k, n, rows, group, build, zeros):
+def test_float32_panels_equal_torchs_product_with_the_bias(k, n, rows, group, build, codes):
     """float32: the weights q d + z as torch's path computes them, so torch's path to float32 summation order:
     within 1e-5 of the largest output (at K 1,536 the panels' running sums measured 2.0e-6 from
     the float64 product, oneDNN's 3.4e-7)."""
-    torch_path, module = group_layer(k, n, group, torch.float32, True, seed=k + rows, zeros=zeros)
-    assert module.use_panels(group_int8_kernel(torch.float32, build), torch.float32)
+    torch_path, module = group_layer(k, n, group, torch.float32, True, seed=k + rows, codes=codes)
+    assert module.use_panels(kernel_for(module, torch.float32, build), torch.float32)
     x = torch.randn(rows, k)
     got, want = module(x), torch_path(x)
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()

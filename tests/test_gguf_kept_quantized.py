@@ -133,7 +133,8 @@ def test_kept_module_is_within_bound_of_linear_on_dequantized_weights(kind, dtyp
     if kind in ON_INT4:
         assert module.group_size == 32
     else:
-        assert module.group == (16 if kind == T.Q6_K else 32) and (module.zero is None) == (kind in SYMMETRIC)
+        assert module.group == (16 if kind == T.Q6_K else 32)
+        assert module.below_128 == (kind != T.Q8_0) and (module.zero is None) == (kind == T.Q8_0)  # codes as stored, minima as zeros
     tol = Q8_0_F32_TOL if (kind, dtype) == (T.Q8_0, torch.float32) else MODULE_TOL[dtype]
     w = part.dequantize().to(dtype)
     for rows in (1, 5, 40):
@@ -165,13 +166,19 @@ def test_fused_parts_keep_their_rows_in_order(dtype):
                          ids=lambda ks: "+".join(k.name for k in ks))
 def test_a_layer_mixing_formats_is_held_as_int8_codes(kinds, dtype):
     """q / k / v of different formats (llama.cpp's Q4_K_M stores v as Q6_K in some layers): one
-    int8 module, the group the finest part's (16 with Q6_K), a zero per group where any part
-    has a minimum (a symmetric part's zeros are exactly 0), each part's rows in order."""
+    int8 module, the group the finest part's (16 with Q6_K), each part's rows in order. Without
+    a Q8_0 part the codes are as stored (below 128) with every group's minimum as its zero;
+    with one they are centred, a zero per group where any part has a minimum (a symmetric
+    part's zeros exactly 0)."""
     torch.manual_seed(2)
     parts = [gguf_tensor(torch.randn(n, 256) * 0.05, kind) for n, kind in zip((64, 32, 32), kinds)]
     module = gguf_linear("layers.0.self_attn.qkv_proj", gguf_layer(parts, dtype, bias=False))
     assert type(module) is Int8GroupLinear and module.group == (16 if T.Q6_K in kinds else 32)
-    assert module.zero is not None and module.zero[64:96].abs().max() == (0 if kinds[1] in SYMMETRIC else module.zero[64:96].abs().max())
+    assert module.zero is not None and module.below_128 == (T.Q8_0 not in kinds)
+    if T.Q8_0 in kinds:
+        assert module.zero[:64].abs().max() == 0 and module.zero[64:].abs().max() > 0
+    else:
+        assert module.qweight.min() >= 0 and int(module.qweight.max()) < 2 ** max(group_codes(p).bits for p in parts)
     w = torch.cat([p.dequantize() for p in parts])
     for rows in (1, 6, 30):
         x = torch.randn(rows, 256).to(dtype)
@@ -385,13 +392,26 @@ def test_gguf_needs_a_gguf_checkpoint(tiny_models):
         _llm(path, quantization="gguf")
 
 
-def test_a_tied_head_cannot_be_kept(reference, tmp_path):
+def test_a_tied_head_is_kept_from_the_embeddings_blocks(reference, tmp_path):
+    """A head tied to a Q8_0 embedding has no tensor of its own: with quantize_lm_head it is
+    built from the embedding's blocks (the values llama.cpp's output layer reads), the embedding
+    staying the float parameter it was; without, the head shares that parameter as before.
+    float32: the same top-1 tokens and logprobs within F32_MAX_NATS of the dequantized engine."""
     torch.manual_seed(0)
     tied = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_SHAPE, tie_word_embeddings=True)).eval()
     path = write_quantized_gguf(tmp_path / "tied.gguf", tied, FILES["q4_1"][0])
-    assert len(_llm(path, quantization="gguf").generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids) == 3
-    with pytest.raises(ConfigError, match=r"layer 'lm_head' is not a GGUF tensor of its own"):
-        _llm(path, quantization="gguf", quantize_lm_head=True)
+    plain = _llm(path, quantization="gguf")
+    model = plain.engine.c.runner.model
+    assert type(model.lm_head) is not Int8GroupLinear and not isinstance(model.lm_head, KeptLinear)
+    llm = _llm(path, quantization="gguf", quantize_lm_head=True)
+    model = llm.engine.c.runner.model
+    assert type(model.lm_head) is Int8GroupLinear and model.lm_head.group == 32
+    from modserve.core.models.gguf_reader import read_gguf
+
+    assert torch.equal(model.embed_tokens.weight, read_gguf(path).tensors["model.embed_tokens.weight"])
+    sequences = _sequences(_llm(path), TINY_SHAPE["vocab_size"])
+    want, got = teacher_forced(_llm(path), sequences), teacher_forced(llm, sequences)
+    assert [w[0] for w in want] == [g[0] for g in got] and max(abs(w[1] - g[1]) for w, g in zip(want, got)) <= F32_MAX_NATS
 
 
 def test_float_layers_stay_float_and_mixed_layers_are_int8_codes(files, reference, tmp_path):

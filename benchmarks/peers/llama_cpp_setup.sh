@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # llama.cpp's llama-server built from source (optional peer). The source comes from PyPI: the
 # llama-cpp-python sdist vendors the whole llama.cpp tree (no git clone needed). Also writes a
-# bf16 GGUF of the same HF directory the other systems serve, with llama.cpp's own converter.
+# bf16 GGUF of the same HF directory the other systems serve, with llama.cpp's own converter, and
+# with QUANTS (e.g. "Q4_K_M Q8_0") llama-quantize's files of it beside it: smollm2-135m-instruct-<type>.gguf.
 #
-#   benchmarks/peers/llama_cpp_setup.sh     # LLAMA_CPP_DIR=/tmp/llama-cpp MODEL_DIR=/tmp/smollm2-135m-instruct-hf
+#   benchmarks/peers/llama_cpp_setup.sh     # LLAMA_CPP_DIR=/tmp/llama-cpp MODEL_DIR=/tmp/smollm2-135m-instruct-hf QUANTS=""
 # Needs cmake and a C++ compiler (apt-get install cmake g++ if missing).
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -40,3 +41,11 @@ if [ ! -f "$GGUF" ]; then
     PYTHONPATH="$DIR/converter-deps" "$PY" "$SRC/convert_hf_to_gguf.py" "$MODEL_DIR" --outtype bf16 --outfile "$GGUF" >/dev/null
     echo "bf16 GGUF conversion took $(since "$t1") s ($GGUF)"
 fi
+
+for quant in ${QUANTS:-}; do
+    out="$DIR/smollm2-135m-instruct-$quant.gguf"
+    [ -f "$out" ] && continue
+    [ -x "$DIR/build/bin/llama-quantize" ] || cmake --build "$DIR/build" --target llama-quantize -j "$(nproc)" >/dev/null
+    "$DIR/build/bin/llama-quantize" "$GGUF" "$out" "$quant" >/dev/null
+    echo "llama-quantize: $out"
+done

@@ -71,6 +71,12 @@ class GroupCodes:
         """``minimum``, or the symmetric codes' ``-center * scale`` (exact: a power of two)."""
         return self.minimum if self.minimum is not None else self.scale * -self.center
 
+    def per_group(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(scale, minimum_or_center())`` per group of ``group`` inputs (a divisor of this
+        tensor's group: each repeated)."""
+        repeat = self.group // group
+        return self.scale.repeat_interleave(repeat, dim=1), self.minimum_or_center().repeat_interleave(repeat, dim=1)
+
     def signed(self, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(codes [N, K] int8 = q - center, scale, zero)`` per group of ``group`` (a divisor of
         this tensor's): ``w = scale * codes + zero``, ``zero = minimum + center * scale`` (rounded

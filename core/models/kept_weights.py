@@ -24,7 +24,10 @@ gate/up in one ``gate_up_proj``): each kept tensor is passed to ``load_weights``
 meta-device stand-in (:class:`_Slot`) of the right shape; the ``copy_`` that the model does
 into its parameter is intercepted, and its destination, a view of a meta linear weight, says
 which layer (by storage) and which rows (by storage offset). Copies into materialized
-parameters (the embedding, a tied head) dequantize the tensor then and there.
+parameters (the embedding) dequantize the tensor then and there; a linear layer whose weight
+is such a parameter (a head tied to the embedding) still comes out as a :class:`KeptLinear` of
+that tensor, its ``weight`` the shared parameter, so that a platform keeping the format can
+build the head from the file's blocks (``quantize_lm_head``) and any other sees the tie as before.
 """
 
 from __future__ import annotations
@@ -77,6 +80,9 @@ class KeptLinear(nn.Linear):
         self.in_features, self.out_features = layer.in_features, layer.out_features
         self.parts, self.device, self.dtype = parts, device, dtype
         self.bias = layer.bias
+        self.tied = not layer.weight.is_meta  # its weight is another module's parameter, loaded (a tied head)
+        if self.tied:
+            self._parameters["weight"] = layer.weight
 
     @property
     def types(self) -> tuple[str, ...]:
@@ -85,8 +91,9 @@ class KeptLinear(nn.Linear):
 
     @property
     def dequantized(self) -> bool:
-        """Whether :attr:`weight` was read (the platform did not keep the format)."""
-        return self._parameters.get("weight") is not None
+        """Whether :attr:`weight` was read (the platform did not keep the format); a tied layer's
+        weight is the parameter it shares, never a copy."""
+        return not self.tied and self._parameters.get("weight") is not None
 
     @property
     def weight(self) -> nn.Parameter:  # type: ignore[override]
@@ -128,6 +135,7 @@ class _KeptLoad:
         self.dtype = dtype
         self.layers: dict[int, tuple[str, nn.Linear]] = {}  # meta storage -> (qualified name, layer)
         self.parts: dict[str, list[tuple[int, KeptTensor]]] = {}
+        self.filled: dict[int, KeptTensor] = {}  # a materialized parameter's storage -> the one tensor that filled it
         for name, module in model.named_modules():
             if type(module) is nn.Linear:  # the weight stays meta; the bias is loaded as usual
                 if module.bias is not None:
@@ -138,6 +146,8 @@ class _KeptLoad:
 
     def copy(self, dest: torch.Tensor, part: KeptTensor) -> torch.Tensor:
         if not dest.is_meta:  # a materialized parameter (the embedding): dequantize it now
+            if tuple(dest.shape) == part.shape and dest.storage_offset() == 0:
+                self.filled[dest.untyped_storage()._cdata] = part
             return dest.copy_(part.dequantize().to(self.dtype))
         name, layer = self.layers[dest.untyped_storage()._cdata]
         self.parts.setdefault(name, []).append((dest.storage_offset() // layer.in_features, part))
@@ -148,7 +158,10 @@ class _KeptLoad:
         fill its layer's rows exactly."""
         out = {}
         for name, layer in self.layers.values():
-            if not layer.weight.is_meta:  # e.g. a head tied to the embedding after loading
+            if not layer.weight.is_meta:  # a head tied to the embedding after loading: kept as the embedding's tensor, if one filled it
+                part = self.filled.get(layer.weight.untyped_storage()._cdata)
+                if isinstance(part, KeptTensor) and not isinstance(part, FloatWeight) and part.shape == tuple(layer.weight.shape):
+                    out[name] = [part]
                 continue
             parts = sorted(self.parts.get(name, []), key=lambda p: p[0])
             row = 0

@@ -53,7 +53,7 @@ class CPUConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     reuse_freed_memory: bool = True  # glibc: keep freed step memory in the process instead of faulting it in again every step
     quantization: Literal["none", "int8", "w8a8", "int4", "gguf", "gptq", "awq", "compressed-tensors"] = "none"  # linear weights (int8: mixtures of experts' experts too): int8 weight-only, int8 weights and activations (per token), int4 weight-only groups, a GGUF file's Q8_0/Q6_K/Q5_K/Q5_0/Q5_1/Q4_K/Q4_0/Q4_1 blocks kept as they are, or a pre-quantized HF checkpoint's weights kept (docs/quantization.md)
     int4_group_size: Literal[32, 64, 128, 256] | None = None  # quantization: int4 only (default 128): inputs per scale/zero group; a layer whose in_features it does not divide takes the largest smaller size that does
-    quantize_lm_head: bool = False  # quantize the LM head too (a tied head gets its own quantized copy; the embedding stays as loaded)
+    quantize_lm_head: bool = False  # quantize the LM head too (a tied head gets its own quantized copy, with gguf the embedding's blocks; the embedding stays as loaded)
     decode_graphs: bool = True  # replay decode steps of up to graph_max_batch requests as recorded kernel call lists (one C call a step; docs/cpu_decode_graphs.md); where the forward is not all recordable kernels, steps run eagerly and the log says why
     graph_max_batch: Annotated[int, msgspec.Meta(ge=1, le=256)] | None = None  # decode_graphs only (default 16): the largest decode batch replayed; each size from 1 is recorded at a server's start-up (offline: the first time it runs)
 
@@ -179,7 +179,7 @@ class CPUPlatform(Platform):
                 module.amx = self.amx_linears  # many rows: widened to bfloat16 tiles on AMX
                 module.panels = self._panels_for(module.scales_and_zeros.dtype)  # ... or one native call on our panel kernels
             if isinstance(module, Int8GroupLinear) and self._panels_for(layer.dtype):  # a kept layer: GGUF Q8_0 / Q6_K / Q5_x, GPTQ 8-bit
-                module.use_panels(group_int8_kernel(layer.dtype), layer.dtype)
+                module.use_panels(group_int8_kernel(layer.dtype, below_128=module.below_128), layer.dtype)
             return module
         if not self.config.pack_weights:
             return layer

@@ -27,9 +27,11 @@ from modserve.plugins.platforms.cpu_panel_linear import GROUP_INT8_ARGS, PANEL_A
 from modserve.plugins.platforms.cpu_quant import quantize_per_channel_int8
 
 INT8_ARGS = [*PANEL_ARGS, ctypes.c_void_p]  # a panel linear's, then the codes' channel scales
-GROUP_BUILDS = {  # the model's dtype: the source, symbol and instructions of its group-scaled int8 entry
-    torch.bfloat16: ("cpu_avx512_linear.cpp", "modserve_avx512_linear_group_int8", "AVX512_BF16"),
-    torch.float32: ("cpu_avx2_linear.cpp", "modserve_avx2_linear_group_int8", "AVX2 and FMA"),
+GROUP_BUILDS = {  # (the model's dtype, codes below 128): the source, symbol and instructions of its group-scaled int8 entry
+    (torch.bfloat16, False): ("cpu_avx512_linear.cpp", "modserve_avx512_linear_group_int8", "AVX512_BF16"),
+    (torch.bfloat16, True): ("cpu_avx512_linear.cpp", "modserve_avx512_linear_group_u7", "AVX512_BF16"),
+    (torch.float32, False): ("cpu_avx2_linear.cpp", "modserve_avx2_linear_group_int8", "AVX2 and FMA"),
+    (torch.float32, True): ("cpu_avx2_linear.cpp", "modserve_avx2_linear_group_int8", "AVX2 and FMA"),  # widened: q d + m either way
 }
 
 
@@ -39,12 +41,14 @@ def load_int8(source, what: str, symbol: str, instructions: str, extra_flags: tu
 
 
 @functools.cache
-def group_int8_kernel(dtype: torch.dtype, extra_flags: tuple[str, ...] = ()) -> NativeFunction:
+def group_int8_kernel(dtype: torch.dtype, extra_flags: tuple[str, ...] = (), below_128: bool = False) -> NativeFunction:
     """The panel kernel's entry for int8 codes with group-wise scales and optional zeros, for a
     model of ``dtype``: each thread widens four panels at a time (``q d + z`` in float32;
     bfloat16: rounded once) into a scratch and runs the panel blocks on them, or for few
-    bfloat16 rows multiplies the codes directly (``native/group_int8_panels.h``)."""
-    source, symbol, instructions = GROUP_BUILDS[dtype]
+    bfloat16 rows multiplies the codes directly (``native/group_int8_panels.h``). ``below_128``:
+    unsigned codes below 128 with their minima as zeros, in bfloat16 multiplied directly at any
+    row count, each code widened to the bfloat16 ``128 + q`` by an OR."""
+    source, symbol, instructions = GROUP_BUILDS[dtype, below_128]
     return load_kernel(SOURCES / source, "the panel linear kernel", symbol, instructions, extra_flags, GROUP_INT8_ARGS)
 
 

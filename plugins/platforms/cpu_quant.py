@@ -372,7 +372,9 @@ class Int8GroupLinear(QuantizedLinear):
     output channel. GGUF's Q8_0 (groups of 32, float16 scales) kept as it is; Q6_K (codes
     ``q - 32``, groups of 16), the 5-bit formats (codes ``q - 16``, zeros for the asymmetric
     ones) and fused layers mixing formats, with each group's scale and zero resolved to float32
-    (:func:`gguf_linear`).
+    (:func:`gguf_linear`). ``below_128``: the codes are unsigned and below 128 (a 4- to 6-bit
+    format's ``q`` as stored, ``zero`` its minimum), which the bfloat16 panel kernel widens by
+    an OR (``native/group_int8_panels.h``'s ``magic_pair``) and multiplies directly at any row count.
 
     torch has no int8 kernel with group-wise scales (``_weight_int8pack_mm`` takes one scale
     per output channel), and re-quantizing Q8_0 per channel would lose up to half a step of
@@ -384,9 +386,11 @@ class Int8GroupLinear(QuantizedLinear):
     per output channel (a quarter of float32's, plus 6%)."""
 
     def __init__(self, layer: nn.Linear, q: torch.Tensor, scale: torch.Tensor, group: int = 32,
-                 scale_dtype: torch.dtype = torch.float16, zero: torch.Tensor | None = None) -> None:
+                 scale_dtype: torch.dtype = torch.float16, zero: torch.Tensor | None = None, below_128: bool = False) -> None:
         super().__init__(layer)
-        self.group = group
+        if below_128 and (zero is None or q.min() < 0):
+            raise ValueError("Int8GroupLinear: codes below 128 are unsigned, with their minima as zeros")
+        self.group, self.below_128 = group, below_128
         self.register_buffer("qweight", q.view(self.out_features, -1, group), False)  # [N, K/g, g] int8
         self.register_buffer("scale", scale.to(scale_dtype)[..., None], False)  # Q8_0's and GPTQ's float16 scales: exact
         self.register_buffer("zero", None if zero is None else zero.float()[..., None], False)  # [N, K/g, 1] float32
@@ -469,10 +473,11 @@ def gguf_linear(name: str, layer: nn.Module) -> nn.Module:
       once; bfloat16 keeps 8 bits of each).
     - anything else (Q8_0, Q6_K, Q5_0 / Q5_1 / Q5_K, a fused layer mixing formats, as
       llama.cpp's Q4_K_M mixes Q4_K and Q6_K in q / k / v, or a Q4 layer whose out_features
-      torch's int4 packing cannot take): :class:`Int8GroupLinear`, the codes centred to int8
-      (``q - 2^(bits - 1)``) with the scales, and a zero per group where the format has a
-      minimum (``m + 2^(bits - 1) d``, rounded once), in groups of 16 where a Q6_K part is
-      present, else 32. Exact but for that zero's rounding; a 4- to 6-bit weight takes a byte.
+      torch's int4 packing cannot take): :class:`Int8GroupLinear`, in groups of 16 where a
+      Q6_K part is present, else 32. Without a Q8_0 part, the codes as stored (below 128) with
+      each group's scale and minimum (``below_128``: exact); with one, the codes centred to
+      int8 (``q - 2^(bits - 1)``) with a zero per group where a part has a minimum
+      (``m + 2^(bits - 1) d``, rounded once). A 4- to 6-bit weight takes a byte.
 
     Anything else is refused, naming the layer and the types: an HF checkpoint or a layer
     not stored as its own GGUF tensor (a head tied to the embedding), other GGUF formats
@@ -503,6 +508,9 @@ def gguf_linear(name: str, layer: nn.Module) -> nn.Module:
         log.info("gguf: %s has out_features %d, not a multiple of %d for torch's int4 packing: its %s blocks held as "
                  "int8 codes", name, layer.out_features, INT4_N_MULTIPLE, "+".join(sorted(types)))
     group = min(c.group for c in parts)
+    if max(c.bits for c in parts) <= 7:  # the codes as stored, with their minima: exact
+        scale, minimum = (torch.cat(t) for t in zip(*(c.per_group(group) for c in parts)))
+        return Int8GroupLinear(layer, torch.cat([c.q for c in parts]).to(torch.int8), scale, group, torch.float32, minimum, below_128=True)
     q, d, z = zip(*(c.signed(group) for c in parts))
     zero = None if all(t is None for t in z) else torch.cat([t if t is not None else torch.zeros_like(s) for t, s in zip(z, d)])
     scale_dtype = torch.float16 if types == {"Q8_0"} else torch.float32  # Q8_0's own scales; the others' products need float32
