@@ -29,6 +29,7 @@
 // broadcast of x feeds two FMAs (one panel at a time lost 14-27% to oneDNN's 512-bit float32
 // product at 64-1,024 rows; two panels tie it); a gated pair is then one such block.
 #include <cstdint>
+#include <vector>
 
 #include "packed_call.h"
 #include "panel_threads.h"
@@ -84,11 +85,27 @@ int modserve_avx2_linear_int4_available() { return 1; }
 
 // int8 codes with a scale, and a zero unless `zeros` is null, per group of inputs
 // (group_int8_panels.h: GGUF Q8_0, Q6_K, Q5_x and mixed K-quant layers, GPTQ 8-bit; N a multiple
-// of 16, K a multiple of 32, the group of 16), bias float32 or null: each thread widens its
-// panels four at a time into a scratch of its own and runs the blocks above on them.
+// of 16, K a multiple of 32, the group of 16), bias float32 or null: up to kGroupF32DirectRows
+// rows each thread multiplies its panels' codes directly, group by group (group_f32_direct); with
+// more it widens its panels four at a time into a float32 scratch of its own and runs the blocks
+// above on them.
+constexpr int64_t kGroupF32DirectRows = 4;
+
 void modserve_avx2_linear_group_int8(const float* x, int64_t x_stride, int64_t M, const int8_t* codes, const float* scales, int64_t N,
                       int K, int group, const float* bias, float* y, int64_t y_stride, int threads, const float* zeros) {
+    const bool direct = M <= kGroupF32DirectRows;
+    std::vector<float> xsum(zeros != nullptr && direct ? M * (K / group) : 0);  // what the zeros multiply
+    for (int64_t r = 0; r < static_cast<int64_t>(xsum.size()) / (K / group); ++r)
+        for (int g = 0; g < K / group; ++g) {
+            float t = 0.f;
+            for (int k = g * group; k < (g + 1) * group; ++k) t += x[r * x_stride + k];
+            xsum[r * (K / group) + g] = t;
+        }
     modserve::for_panel_ranges(N, threads, [&](int64_t p0, int64_t p1) {
+        if (direct) {
+            modserve::group_f32_direct(x, x_stride, M, codes, scales, zeros, xsum.data(), N, K, group, bias, y, y_stride, p0, p1);
+            return;
+        }
         const auto widen = [&](int64_t p, int np, float* out) {
             modserve::widen_group_int8_f32(codes, scales, zeros, K, group, p, p + np, out);
         };

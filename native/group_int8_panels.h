@@ -172,7 +172,90 @@ inline void widen_group_int8_bf16(const int8_t* codes, const float* scales, cons
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
+#include "float32_panels.h"
+#include "prefetch.h"
+
 namespace modserve {
+
+// Rows [0, R) of float32 x times panels [0, P) of group-scaled codes, without widening to memory
+// (the few-row calls, where a float32 scratch, written and read once, cost twice the weights'
+// own reads): each group's pair steps summed by the float32 panel FMAs over codes widened in
+// registers (float32_panels.h's pair_step), then times the group's scales, plus its zeros times
+// the inputs' sum (`xsum`, [R][groups]; zeros null: none), into sums in memory; then the bias.
+template <int R, int P>
+void group_f32_block(const float* x, int64_t x_stride, const int8_t* codes, int64_t panel, const float* scales, const float* zeros,
+                     const float* xsum, int groups, int group, const float* bias, int64_t n0, int64_t N, float* y,
+                     int64_t y_stride, const int8_t* ahead) {
+    using float32_panels::Sums;
+    alignas(64) float acc[R][P][16] = {};
+    for (int g = 0; g < groups; ++g) {
+        Sums sums[R][P];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+            for (int q = 0; q < P; ++q) sums[r][q] = float32_panels::zero_sums();
+        for (int k = g * group / 2; k < (g + 1) * group / 2; ++k) {
+            if (ahead != nullptr) prefetch_line(ahead + static_cast<int64_t>(k) * 64);  // the next two panels' codes, a line a step
+            float32_panels::pair_step<R, P, true>(x, x_stride, codes, panel, k, sums, sums);
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+            for (int q = 0; q < P; ++q) {
+                alignas(64) float t[16];
+                float32_panels::store_sums(t, sums[r][q]);
+                const float* d = scales + (static_cast<int64_t>(q) * groups + g) * 16;
+                if (zeros != nullptr) {
+                    const float* z = zeros + (static_cast<int64_t>(q) * groups + g) * 16;
+                    const float xs = xsum[r * groups + g];
+#pragma omp simd
+                    for (int j = 0; j < 16; ++j) acc[r][q][j] += d[j] * t[j] + z[j] * xs;
+                } else {
+#pragma omp simd
+                    for (int j = 0; j < 16; ++j) acc[r][q][j] += d[j] * t[j];
+                }
+            }
+    }
+    for (int q = 0; q < P; ++q) {
+        const int64_t cols = N - n0 - 16 * q < 16 ? N - n0 - 16 * q : 16;
+        for (int r = 0; r < R; ++r)
+            for (int64_t j = 0; j < cols; ++j) y[r * y_stride + n0 + 16 * q + j] = acc[r][q][j] + (bias != nullptr ? bias[n0 + 16 * q + j] : 0.f);
+    }
+}
+
+#if defined(__AVX512F__)
+constexpr int kGroupF32Rows = 4;  // rows per block: 8 zmm sums of two panels
+#else
+constexpr int kGroupF32Rows = 2;  // 8 of the 16 ymm registers
+#endif
+
+using GroupF32Block = void (*)(const float*, int64_t, const int8_t*, int64_t, const float*, const float*, const float*, int, int,
+                               const float*, int64_t, int64_t, float*, int64_t, const int8_t*);
+
+template <int R>
+GroupF32Block group_f32_block_of(int panels) { return panels == 1 ? group_f32_block<R, 1> : group_f32_block<R, 2>; }
+
+// One thread's panels [p0, p1) for every row (few rows), two panels and kGroupF32Rows rows a block;
+// a pair of panels' first block asks for the next pair's codes ahead.
+inline void group_f32_direct(const float* x, int64_t x_stride, int64_t M, const int8_t* codes, const float* scales, const float* zeros,
+                             const float* xsum, int64_t N, int K, int group, const float* bias, float* y, int64_t y_stride,
+                             int64_t p0, int64_t p1) {
+    const int64_t panel = static_cast<int64_t>(K / 32) * 512;
+    const int groups = K / group;
+    for (int64_t p = p0; p < p1; p += 2) {
+        const int np = p1 - p < 2 ? 1 : 2;
+        for (int64_t m = 0; m < M; m += kGroupF32Rows) {
+            const int64_t rows = M - m < kGroupF32Rows ? M - m : kGroupF32Rows;
+            GroupF32Block run = group_f32_block_of<1>(np);
+            if constexpr (kGroupF32Rows >= 2) run = rows == 2 ? group_f32_block_of<2>(np) : run;
+            if constexpr (kGroupF32Rows >= 4) run = rows == 3 ? group_f32_block_of<3>(np) : rows == 4 ? group_f32_block_of<4>(np) : run;
+            const int8_t* ahead = m == 0 && p + 4 <= p1 ? codes + (p + 2) * panel : nullptr;
+            const bool zeroed = zeros != nullptr;
+            run(x + m * x_stride, x_stride, codes + p * panel, panel, scales + p * groups * 16, zeroed ? zeros + p * groups * 16 : nullptr,
+                zeroed ? xsum + m * groups : nullptr, groups, group, bias, p * 16, N, y + m * y_stride, y_stride, ahead);
+        }
+    }
+}
 
 // Panels [panel0, panel1) of `codes` as float32 panels ([K][16] each: float32_panels.h's) at `out`,
 // each weight q d + z (zeros null: q d).

@@ -91,9 +91,10 @@ def test_bfloat16_direct_product_is_the_exact_product_rounded_once(k, n, group, 
 @needs_avx2
 @CODES
 @pytest.mark.parametrize("build", [(), ("-mno-avx512f",)], ids=["native", "avx2-width"])
-@pytest.mark.parametrize("k,n,rows,group", [(576, 192, 1, 32), (256, 64, 37, 16), (1536, 128, 300, 128)])
+@pytest.mark.parametrize("k,n,rows,group", [(576, 192, 1, 32), (576, 208, 3, 32), (512, 96, 4, 16), (256, 64, 37, 16), (1536, 128, 300, 128)])
 def test_float32_panels_equal_torchs_product_with_the_bias(k, n, rows, group, build, codes):
-    """float32: the weights q d + z as torch's path computes them, so torch's path to float32 summation order:
+    """float32, up to 4 rows multiplied directly group by group, beyond widened to float32 panels
+    (13 panels: a pair's odd one left): the weights q d + z as torch's path computes them, so torch's path to float32 summation order:
     within 1e-5 of the largest output (at K 1,536 the panels' running sums measured 2.0e-6 from
     the float64 product, oneDNN's 3.4e-7)."""
     torch_path, module = group_layer(k, n, group, torch.float32, True, seed=k + rows, codes=codes)
