@@ -41,6 +41,11 @@ case $ONLINE_REPEATS in
 esac
 MODEL_DIR=${MODEL_DIR:-/tmp/smollm2-135m-instruct-hf}
 MODEL_PATH=${MODEL_PATH:-$MODEL_DIR}
+for var in MODEL_PATH LLAMA_GGUF; do   # given paths must exist (MODEL_DIR is converted below when missing)
+    if [ -n "${!var:-}" ] && [ "${!var}" != "$MODEL_DIR" ] && [ ! -e "${!var}" ]; then
+        echo "$var: no such file or directory: ${!var}" >&2; exit 2
+    fi
+done
 MODSERVE_CONFIG=${MODSERVE_CONFIG:-$ROOT/benchmarks/pipelines/smollm2-bf16.yaml}
 DTYPE=${DTYPE:-bfloat16}   # float32 on CPUs without AVX-512 BF16 / AMX, where bf16 is emulated and slow
 SETUP=${SETUP:-1}

@@ -463,3 +463,16 @@ def test_compare_script_rejects_a_bad_online_repeats_before_any_work(value, tmp_
     assert r.returncode == 2
     assert r.stderr.strip() == f"ONLINE_REPEATS: expected a whole number >= 1, got '{value}'"
     assert not (tmp_path / "out").exists()  # stopped before writing anything
+
+
+@pytest.mark.parametrize("var", ["MODEL_PATH", "LLAMA_GGUF"])
+def test_compare_script_rejects_a_missing_model_path_before_any_work(var, tmp_path):
+    import subprocess
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "compare.sh"
+    missing = str(tmp_path / "nowhere.gguf")
+    env = {"PATH": "/usr/bin:/bin", var: missing, "OUT": str(tmp_path / "out"), "PEERS": ""}
+    r = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"{var}: no such file or directory: {missing}"
+    assert not (tmp_path / "out").exists()  # stopped before writing anything
