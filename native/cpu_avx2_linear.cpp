@@ -70,11 +70,33 @@ void modserve_avx2_linear_int8(const float* x, int64_t x_stride, int64_t M, cons
 int modserve_avx2_linear_int8_available() { return 1; }
 
 // int4 weights as torch's CPU int4 kernel holds them, with a float32 model's scales_and_zeros
-// (int4_panels.h; N a multiple of 64, K and the group multiples of 32), bias float32 or null:
-// each thread widens its panels four at a time to float32 in a scratch of its own and runs the
-// FMA blocks above on them, for any row count (torch's int4 kernel takes a slow path in float32).
+// (int4_panels.h; N a multiple of 64, K and the group multiples of 32), bias float32 or null
+// (torch's int4 kernel takes a slow path in float32): up to kInt4F32DirectRows rows each thread
+// takes whole 64-output blocks and multiplies their nibbles directly, a row at a time
+// (int4_f32_block_row); with more it widens its panels four at a time to float32 in a scratch of
+// its own and runs the FMA blocks above on them.
+constexpr int64_t kInt4F32DirectRows = 2;
+
 void modserve_avx2_linear_int4(const float* x, int64_t x_stride, int64_t M, const uint8_t* q4, const float* sz, int64_t N, int K,
                                int group, const float* bias, float* y, int64_t y_stride, int threads) {
+    if (M <= kInt4F32DirectRows) {
+        const int groups = K / group;
+        std::vector<float> xsum(M * groups);  // [row][group]: each group's inputs summed
+        for (int64_t r = 0; r < M; ++r)
+            for (int g = 0; g < groups; ++g) {
+                float t = 0.f;
+                for (int k = g * group; k < (g + 1) * group; ++k) t += x[r * x_stride + k];
+                xsum[r * groups + g] = t;
+            }
+        const int64_t blocks = N / 64;
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t b = 0; b < blocks; ++b)
+            for (int64_t r = 0; r < M; ++r)
+                modserve::int4_f32_block_row(x + r * x_stride, xsum.data() + r * groups, groups, q4 + b * 32 * static_cast<int64_t>(K),
+                                             sz + b * 64 * 2, N, K, group, bias != nullptr ? bias + b * 64 : nullptr,
+                                             y + r * y_stride + b * 64);
+        return;
+    }
     modserve::for_panel_ranges(N, threads, [&](int64_t p0, int64_t p1) {
         const auto widen = [&](int64_t p, int np, float* out) { modserve::widen_int4_f32(q4, sz, N, K, group, p, p + np, out); };
         modserve::float32_panels::widened_part(x, x_stride, M, widen, K, bias, N, y, y_stride, p0, p1);

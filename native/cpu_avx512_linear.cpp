@@ -149,22 +149,22 @@ void modserve_avx512_linear_group_int8(const uint16_t* x, int64_t x_stride, int6
                       int K, int group, const float* bias, uint16_t* y, int64_t y_stride, int threads, const float* zeros) {
     using modserve::Codes;
     group_product<Codes::kInt8, Codes::kInt8>(x, x_stride, M, codes, scales, N, K, group, bias, y, y_stride, threads, zeros,
-                                                  kGroupDirectRows);
+                                              kGroupDirectRows);
 }
 
 // Unsigned codes below 128 (GGUF's 4- to 6-bit formats) with a scale and a minimum per group:
 // multiplied directly up to kMagicDirectRows rows, from 9 rows widened in registers to bfloat16
 // 128 + q by an OR (one to eight: through float32 as int8, measured faster there: 1.19x
-// bfloat16's speed at one row against 1.12-1.17x); beyond, widened to
-// bfloat16 q d + m in a scratch as above. Measured on a Zen 5 (SmolLM2's layers, groups of 32
-// with minima): 0.77-0.81x bfloat16's time at 16 rows directly against 0.65x widened; at 64, even.
+// bfloat16's speed at one row against 1.12-1.17x); beyond, widened to bfloat16 q d + m in a
+// scratch as above. Measured on a Zen 5 (SmolLM2's layers, groups of 32 with minima): 0.77-0.89x
+// bfloat16's speed at 16 rows directly against 0.65x widened; at 64, even.
 constexpr int64_t kMagicDirectRows = 32;
 
 void modserve_avx512_linear_group_u7(const uint16_t* x, int64_t x_stride, int64_t M, const int8_t* codes, const float* scales, int64_t N,
                       int K, int group, const float* bias, uint16_t* y, int64_t y_stride, int threads, const float* minima) {
     using modserve::Codes;
     group_product<Codes::kInt8, Codes::kMagic>(x, x_stride, M, codes, scales, N, K, group, bias, y, y_stride, threads, minima,
-                                                   kMagicDirectRows);
+                                               kMagicDirectRows);
 }
 
 int modserve_avx512_linear_group_u7_available() { return 1; }

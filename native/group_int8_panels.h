@@ -1,7 +1,7 @@
 // int8 codes with a scale, and optionally a zero, per group of inputs of each output: GGUF's Q8_0
-// (groups of 32), Q6_K (codes q - 32, groups of 16), the 5-bit formats and the K-quants' two-level
-// scales resolved to one float32 scale and zero per group (gguf_quantized.py), GPTQ's 8-bit
-// groups. Held as the panel kernels hold codes (cpu_panel_linear.py's pack_tiles: a panel of 16
+// (groups of 32); the 4- to 6-bit formats (Q6_K in groups of 16, Q5_x, Q4_K in a mixed layer) as
+// stored, codes below 128 with their minima as zeros, the K-quants' two-level scales resolved to
+// one float32 scale per group (gguf_quantized.py); GPTQ's 8-bit groups. Held as the panel kernels hold codes (cpu_panel_linear.py's pack_tiles: a panel of 16
 // outputs is [K/2][16][2] int8) with float32 scales and zeros [N/16][K/group][16], widened per
 // call to the panels our products read: bfloat16 (cpu_avx512_linear.cpp) or float32
 // (cpu_avx2_linear.cpp), a thread's four panels at a time into a scratch of its own
@@ -123,9 +123,9 @@ GroupBlock group_block_of_panels(int p) {
 // the first block of a group asks for the next group's codes ahead (as the int8 panels do: a
 // row's widening keeps the core busy between loads). C: how the codes are read (Codes).
 template <Codes C>
-void group_int8_direct(const uint16_t* x, int64_t x_stride, int64_t M, const int8_t* codes, const float* scales,
-                              const float* zeros, const float* xsum, int64_t N, int K, int group, const float* bias, uint16_t* y,
-                              int64_t y_stride, int64_t p0, int64_t p1) {
+void group_int8_direct(const uint16_t* x, int64_t x_stride, int64_t M, const int8_t* codes, const float* scales, const float* zeros,
+                       const float* xsum, int64_t N, int K, int group, const float* bias, uint16_t* y, int64_t y_stride, int64_t p0,
+                       int64_t p1) {
     const int64_t panel = static_cast<int64_t>(K / 32) * 512;
     const int groups = K / group;
     for (int64_t p = p0; p < p1; p += 4) {

@@ -170,6 +170,45 @@ inline void widen_int4_f32(const uint8_t* q4, const float* sz, int64_t N, int K,
     }
 }
 
+// One row of float32 x times one 64-output block of torch's int4 packing (`block`: [K][32] bytes,
+// byte j holding output j in its low nibble and output j + 32 in its high one; `sz` its outputs'
+// (scale, zero) float32 pairs at group 0, groups N pairs apart), without widening to memory: for
+// one or two rows, where the float32 scratch of widen_int4_f32, written and read once, cost more
+// than the product. Each input's 32 bytes become 64 float32 nibbles in registers, summed against
+// the input by FMAs per group (D = sum x q); the group then adds s D + (z - 8 s) X, X its inputs'
+// sum (`xsum`): sum x ((q - 8) s + z). y gets the sums plus the bias.
+inline void int4_f32_block_row(const float* x, const float* xsum, int groups, const uint8_t* block, const float* sz, int64_t N, int K,
+                               int group, const float* bias, float* y) {
+    const __m256i low_nibble = _mm256_set1_epi32(0xF);
+    alignas(32) float acc[64] = {};
+    for (int g = 0; g < groups; ++g) {
+        __m256 sums[8];  // outputs 8 i .. 8 i + 7 (i < 4: low nibbles), 32 + 8 (i - 4) .. (high nibbles)
+        for (int i = 0; i < 8; ++i) sums[i] = _mm256_setzero_ps();
+        for (int k = g * group; k < (g + 1) * group; ++k) {
+            const __m256 xb = _mm256_broadcast_ss(x + k);
+            for (int i = 0; i < 4; ++i) {
+                const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + static_cast<int64_t>(k) * 32 + 8 * i)));
+                sums[i] = _mm256_fmadd_ps(xb, _mm256_cvtepi32_ps(_mm256_and_si256(v, low_nibble)), sums[i]);
+                sums[4 + i] = _mm256_fmadd_ps(xb, _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), sums[4 + i]);
+            }
+        }
+        const __m256 xs = _mm256_set1_ps(xsum[g]);
+        for (int i = 0; i < 8; ++i) {  // (s, z) pairs of outputs 8 i .. 8 i + 7, split into s and z in order
+            const float* pairs = sz + (static_cast<int64_t>(g) * N + 8 * i) * 2;
+            const __m256 a = _mm256_loadu_ps(pairs), b = _mm256_loadu_ps(pairs + 8);
+            const __m256 s = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8));
+            const __m256 z = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
+            __m256 t = _mm256_fmadd_ps(s, sums[i], _mm256_load_ps(acc + 8 * i));
+            t = _mm256_fmadd_ps(_mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, z), xs, t);
+            _mm256_store_ps(acc + 8 * i, t);
+        }
+    }
+    for (int i = 0; i < 8; ++i) {
+        const __m256 b = bias != nullptr ? _mm256_loadu_ps(bias + 8 * i) : _mm256_setzero_ps();
+        _mm256_storeu_ps(y + 8 * i, _mm256_add_ps(_mm256_load_ps(acc + 8 * i), b));
+    }
+}
+
 }  // namespace modserve
 
 #endif

@@ -76,7 +76,7 @@ def test_the_direct_product_equals_the_exact_int4_product(k, n, group, rows):
 
 @needs_avx2
 @pytest.mark.parametrize("build", [(), ("-mno-avx512f",)], ids=["native", "avx2-width"])
-@pytest.mark.parametrize("k,n,rows,group", [(576, 192, 1, 32), (256, 64, 37, 64), (1536, 128, 300, 128), (512, 320, 5, 256)])
+@pytest.mark.parametrize("k,n,rows,group", [(576, 192, 1, 32), (576, 320, 2, 64), (256, 64, 37, 64), (1536, 128, 300, 128), (512, 320, 5, 256)])
 def test_the_float32_product_equals_torchs_int4_kernel(k, n, rows, group, build):
     """float32 rows (both widths): the weights widened to float32 panels give torch's own float32
     int4 product (the weights in float32, never rounded to bfloat16) to float32 summation order,

@@ -269,31 +269,30 @@ FILES = {  # how each test file stores its projections (the embedding Q8_0 in al
 WIDE = {"q4_k_m"}  # files of the model 256 wide
 
 
-@pytest.fixture(scope="module")
-def reference():
-    """A tiny random Llama (untied head) with projection weights at std 0.08 (as
-    tests/test_cpu_quantization.py's calm model: a 2-layer random model at 0.15 is chaotic)."""
+def calm_llama(std: float, **shape) -> transformers.LlamaForCausalLM:
+    """A tiny random Llama (untied head) with projection weights at ``std`` (embedding and head
+    at 0.15), ``shape`` over TINY_SHAPE."""
     torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_SHAPE, tie_word_embeddings=False)).eval()
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**TINY_SHAPE, **shape}, tie_word_embeddings=False)).eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if p.dim() > 1:
-                p.normal_(0, 0.15 if "embed" in name or "lm_head" in name else 0.08)
+                p.normal_(0, 0.15 if "embed" in name or "lm_head" in name else std)
     return hf
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Projection weights at std 0.08 (as tests/test_cpu_quantization.py's calm model: a 2-layer
+    random model at 0.15 is chaotic)."""
+    return calm_llama(0.08)
 
 
 @pytest.fixture(scope="module")
 def reference_wide():
-    """The same, 256 wide (intermediate 512), for the K-quants; weights at std 0.04 so that each
-    layer's gain is the 64-wide model's."""
-    torch.manual_seed(0)
-    shape = {**TINY_SHAPE, "hidden_size": 256, "intermediate_size": 512}
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape, tie_word_embeddings=False)).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.15 if "embed" in name or "lm_head" in name else 0.04)
-    return hf
+    """256 wide (intermediate 512), for the K-quants; weights at std 0.04 so that each layer's
+    gain is the 64-wide model's."""
+    return calm_llama(0.04, hidden_size=256, intermediate_size=512)
 
 
 @pytest.fixture(scope="module")

@@ -82,10 +82,8 @@ class GroupCodes:
         this tensor's): ``w = scale * codes + zero``, ``zero = minimum + center * scale`` (rounded
         once in float32), None for symmetric codes."""
         codes = (self.q.to(torch.int16) - self.center).to(torch.int8)
-        repeat = self.group // group
-        scale = self.scale.repeat_interleave(repeat, dim=1)
-        zero = None if self.minimum is None else (self.minimum + self.scale * self.center).repeat_interleave(repeat, dim=1)
-        return codes, scale, zero
+        scale, minimum = self.per_group(group)
+        return codes, scale, None if self.minimum is None else minimum + scale * self.center
 
 
 def group_codes(tensor: GGUFTensor) -> GroupCodes:
