@@ -369,12 +369,11 @@ class Int4WeightOnlyLinear(QuantizedLinear):
 class Int8GroupLinear(QuantizedLinear):
     """``y = x @ W.T + b`` with ``W[n, k] = q[n, k] * scale[n, k // group] (+ zero[n, k // group])``:
     int8 weights with a scale, and optionally a zero, per group of ``group`` inputs of each
-    output channel. GGUF's Q8_0 (groups of 32, float16 scales) kept as it is; Q6_K (codes
-    ``q - 32``, groups of 16), the 5-bit formats (codes ``q - 16``, zeros for the asymmetric
-    ones) and fused layers mixing formats, with each group's scale and zero resolved to float32
-    (:func:`gguf_linear`). ``below_128``: the codes are unsigned and below 128 (a 4- to 6-bit
-    format's ``q`` as stored, ``zero`` its minimum), which the bfloat16 panel kernel widens by
-    an OR (``native/group_int8_panels.h``'s ``magic_pair``) and multiplies directly at any row count.
+    output channel. GGUF's Q8_0 (groups of 32, float16 scales) kept as it is; the 4- to 6-bit
+    formats (Q6_K in groups of 16, Q5_x, Q4 parts of a mixed layer) with ``below_128``: the
+    codes unsigned, as stored, ``zero`` their minimum, which the bfloat16 panel kernel widens by
+    an OR (``native/group_int8_panels.h``'s ``magic_pair``) and multiplies directly up to 32
+    rows; a fused layer with a Q8_0 part as codes centred to int8 with zeros (:func:`gguf_linear`).
 
     torch has no int8 kernel with group-wise scales (``_weight_int8pack_mm`` takes one scale
     per output channel), and re-quantizing Q8_0 per channel would lose up to half a step of
@@ -479,8 +478,11 @@ def gguf_linear(name: str, layer: nn.Module) -> nn.Module:
       int8 (``q - 2^(bits - 1)``) with a zero per group where a part has a minimum
       (``m + 2^(bits - 1) d``, rounded once). A 4- to 6-bit weight takes a byte.
 
+    A head tied to the embedding is built from the embedding's tensor (the loader's tied
+    :class:`KeptLinear`), when ``quantize_lm_head`` asks for it.
+
     Anything else is refused, naming the layer and the types: an HF checkpoint or a layer
-    not stored as its own GGUF tensor (a head tied to the embedding), other GGUF formats
+    not stored as a GGUF tensor (tensor parallelism loads none kept), other GGUF formats
     (Q2_K, Q3_K, the IQ types, ...) or a fused layer mixing float and quantized parts.
     The setting is never dropped silently: pick ``none``, ``int8`` or ``int4`` for such a file."""
     from modserve.core.models.gguf_quantized import GGUFTensor, group_codes
