@@ -112,7 +112,7 @@ void modserve_avx512_linear_int4(const uint16_t* x, int64_t x_stride, int64_t M,
 
 int modserve_avx512_linear_int4_available() { return 1; }
 
-// int8 codes with a scale, and a zero unless `zeros` is null, per group of inputs
+// int8 codes with a scale, and a zero unless `zeros` is null (and `center` 0: modserve::GroupZeros), per group of inputs
 // (group_int8_panels.h: GGUF Q8_0, Q6_K, Q5_x and mixed K-quant layers, GPTQ 8-bit; N a multiple
 // of 16, K a multiple of 32, the group of 16), bias float32 or null: up to kGroupDirectRows rows
 // each thread multiplies its panels' codes directly, group by group; with more it widens its
@@ -126,14 +126,16 @@ constexpr int64_t kGroupDirectRows = 8;
 // panels at a time, and multiplied by the panel blocks above.
 template <modserve::Codes few, modserve::Codes many>
 void group_product(const uint16_t* x, int64_t x_stride, int64_t M, const int8_t* codes, const float* scales, int64_t N, int K,
-                   int group, const float* bias, uint16_t* y, int64_t y_stride, int threads, const float* zeros, int64_t direct_rows) {
+                   int group, const float* bias, uint16_t* y, int64_t y_stride, int threads, modserve::GroupZeros zeros,
+                   int64_t direct_rows) {
     const int64_t panel = static_cast<int64_t>(K / 32) * 512;  // elements of one widened panel
-    std::vector<float> xsum(zeros != nullptr && M <= direct_rows ? M * (K / group) : 0);  // what the zeros multiply
+    const bool sums = (zeros.any() || many == modserve::Codes::kMagic) && M <= direct_rows;
+    std::vector<float> xsum(sums ? M * (K / group) : 0);  // what the zeros multiply
     if (!xsum.empty()) modserve::group_input_sums(x, x_stride, M, K, group, xsum.data());
     modserve::for_panel_ranges(N, threads, [&](int64_t p0, int64_t p1) {
         if (M <= direct_rows) {
             const auto direct = M <= kGroupDirectRows ? modserve::group_int8_direct<few> : modserve::group_int8_direct<many>;
-            direct(x, x_stride, M, codes, scales, zeros, xsum.data(), N, K, group, bias, y, y_stride, p0, p1);
+            direct(x, x_stride, M, codes, scales, zeros, sums ? xsum.data() : nullptr, N, K, group, bias, y, y_stride, p0, p1);
             return;
         }
         const auto widen = [&](int64_t p, int np, uint16_t* out) {
@@ -146,13 +148,14 @@ void group_product(const uint16_t* x, int64_t x_stride, int64_t M, const int8_t*
 extern "C" {
 
 void modserve_avx512_linear_group_int8(const uint16_t* x, int64_t x_stride, int64_t M, const int8_t* codes, const float* scales, int64_t N,
-                      int K, int group, const float* bias, uint16_t* y, int64_t y_stride, int threads, const float* zeros) {
+                      int K, int group, const float* bias, uint16_t* y, int64_t y_stride, int threads, const float* zeros, float center) {
     using modserve::Codes;
-    group_product<Codes::kInt8, Codes::kInt8>(x, x_stride, M, codes, scales, N, K, group, bias, y, y_stride, threads, zeros,
+    group_product<Codes::kInt8, Codes::kInt8>(x, x_stride, M, codes, scales, N, K, group, bias, y, y_stride, threads, {zeros, center},
                                               kGroupDirectRows);
 }
 
-// Unsigned codes below 128 (GGUF's 4- to 6-bit formats) with a scale and a minimum per group:
+// Unsigned codes below 128 (GGUF's 4- to 6-bit formats) with a scale and a minimum per group
+// (or, symmetric formats, a center: w = d (q - center)):
 // multiplied directly up to kMagicDirectRows rows, from 9 rows widened in registers to bfloat16
 // 128 + q by an OR (one to eight: through float32 as int8, measured faster there: 1.19x
 // bfloat16's speed at one row against 1.12-1.17x); beyond, widened to bfloat16 q d + m in a
@@ -161,9 +164,9 @@ void modserve_avx512_linear_group_int8(const uint16_t* x, int64_t x_stride, int6
 constexpr int64_t kMagicDirectRows = 32;
 
 void modserve_avx512_linear_group_u7(const uint16_t* x, int64_t x_stride, int64_t M, const int8_t* codes, const float* scales, int64_t N,
-                      int K, int group, const float* bias, uint16_t* y, int64_t y_stride, int threads, const float* minima) {
+                      int K, int group, const float* bias, uint16_t* y, int64_t y_stride, int threads, const float* minima, float center) {
     using modserve::Codes;
-    group_product<Codes::kInt8, Codes::kMagic>(x, x_stride, M, codes, scales, N, K, group, bias, y, y_stride, threads, minima,
+    group_product<Codes::kInt8, Codes::kMagic>(x, x_stride, M, codes, scales, N, K, group, bias, y, y_stride, threads, {minima, center},
                                                kMagicDirectRows);
 }
 
@@ -197,14 +200,14 @@ MODSERVE_PACKED(modserve_avx512_linear_int4) {
 MODSERVE_PACKED(modserve_avx512_linear_group_int8) {
     using modserve::packed::ptr;
     modserve_avx512_linear_group_int8(ptr<const uint16_t*>(a[0]), a[1], a[2], ptr<const int8_t*>(a[3]), ptr<const float*>(a[4]), a[5], a[6], a[7],
-                     ptr<const float*>(a[8]), ptr<uint16_t*>(a[9]), a[10], a[11], ptr<const float*>(a[12]));
+                     ptr<const float*>(a[8]), ptr<uint16_t*>(a[9]), a[10], a[11], ptr<const float*>(a[12]), modserve::packed::f32(a[13]));
     return 0;
 }
 
 MODSERVE_PACKED(modserve_avx512_linear_group_u7) {
     using modserve::packed::ptr;
     modserve_avx512_linear_group_u7(ptr<const uint16_t*>(a[0]), a[1], a[2], ptr<const int8_t*>(a[3]), ptr<const float*>(a[4]), a[5], a[6], a[7],
-                     ptr<const float*>(a[8]), ptr<uint16_t*>(a[9]), a[10], a[11], ptr<const float*>(a[12]));
+                     ptr<const float*>(a[8]), ptr<uint16_t*>(a[9]), a[10], a[11], ptr<const float*>(a[12]), modserve::packed::f32(a[13]));
     return 0;
 }
 

@@ -17,6 +17,20 @@
 
 #include <cstdint>
 
+namespace modserve {
+
+// Each group's zero: stored (`zeros`, [panel][groups][16] float32 like the scales), or, for
+// symmetric codes kept as stored (q below 2^bits, w = d (q - center)), -center d computed from the
+// scale (no bytes for it); none where `zeros` is null and `center` 0.
+struct GroupZeros {
+    const float* zeros = nullptr;
+    float center = 0.f;
+    bool any() const { return zeros != nullptr || center != 0.f; }
+    GroupZeros from(int64_t offset) const { return {zeros != nullptr ? zeros + offset : nullptr, center}; }
+};
+
+}  // namespace modserve
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
@@ -66,8 +80,9 @@ enum class Codes { kInt8, kMagic };
 // rounds each to bfloat16). C: how the codes are read (Codes).
 template <int R, int P, Codes C>
 void group_int8_block(const uint16_t* x, int64_t x_stride, const int8_t* codes, int64_t panel, const float* scales,
-                      const float* zeros, const float* xsum, int groups, int group, const float* bias, int64_t n0, int64_t N,
+                      GroupZeros zeros, const float* xsum, int groups, int group, const float* bias, int64_t n0, int64_t N,
                       uint16_t* y, int64_t y_stride, const int8_t* ahead) {
+    const bool zeroed = zeros.any() || C == Codes::kMagic;  // whether the inputs' sums enter
     alignas(64) float acc[R][P][16] = {};
     for (int g = 0; g < groups; ++g) {
         __m512 sums[R][P];
@@ -93,11 +108,11 @@ void group_int8_block(const uint16_t* x, int64_t x_stride, const int8_t* codes, 
         for (int p = 0; p < P; ++p) {
             const int64_t at = (static_cast<int64_t>(p) * groups + g) * 16;
             const __m512 d = _mm512_loadu_ps(scales + at);
-            __m512 z = zeros != nullptr ? _mm512_loadu_ps(zeros + at) : _mm512_setzero_ps();
+            __m512 z = zeros.zeros != nullptr ? _mm512_loadu_ps(zeros.zeros + at) : _mm512_mul_ps(_mm512_set1_ps(-zeros.center), d);
             if (C == Codes::kMagic) z = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), d, z);  // the sums are of x (128 + q)
             for (int r = 0; r < R; ++r) {
                 __m512 a = _mm512_fmadd_ps(d, sums[r][p], _mm512_load_ps(acc[r][p]));
-                if (zeros != nullptr) a = _mm512_fmadd_ps(z, _mm512_set1_ps(xsum[r * groups + g]), a);
+                if (zeroed) a = _mm512_fmadd_ps(z, _mm512_set1_ps(xsum[r * groups + g]), a);
                 _mm512_store_ps(acc[r][p], a);
             }
         }
@@ -111,7 +126,7 @@ void group_int8_block(const uint16_t* x, int64_t x_stride, const int8_t* codes, 
     }
 }
 
-using GroupBlock = void (*)(const uint16_t*, int64_t, const int8_t*, int64_t, const float*, const float*, const float*, int, int,
+using GroupBlock = void (*)(const uint16_t*, int64_t, const int8_t*, int64_t, const float*, GroupZeros, const float*, int, int,
                             const float*, int64_t, int64_t, uint16_t*, int64_t, const int8_t*);
 
 template <int R, Codes C>
@@ -123,7 +138,7 @@ GroupBlock group_block_of_panels(int p) {
 // the first block of a group asks for the next group's codes ahead (as the int8 panels do: a
 // row's widening keeps the core busy between loads). C: how the codes are read (Codes).
 template <Codes C>
-void group_int8_direct(const uint16_t* x, int64_t x_stride, int64_t M, const int8_t* codes, const float* scales, const float* zeros,
+void group_int8_direct(const uint16_t* x, int64_t x_stride, int64_t M, const int8_t* codes, const float* scales, GroupZeros zeros,
                        const float* xsum, int64_t N, int K, int group, const float* bias, uint16_t* y, int64_t y_stride, int64_t p0,
                        int64_t p1) {
     const int64_t panel = static_cast<int64_t>(K / 32) * 512;
@@ -135,16 +150,15 @@ void group_int8_direct(const uint16_t* x, int64_t x_stride, int64_t M, const int
             const GroupBlock run = rows == 1 ? group_block_of_panels<1, C>(np) : rows == 2 ? group_block_of_panels<2, C>(np)
                                    : rows == 3 ? group_block_of_panels<3, C>(np) : group_block_of_panels<4, C>(np);
             const int8_t* ahead = m == 0 && p + 4 + 4 <= p1 ? codes + (p + 4) * panel : nullptr;  // a whole next group only
-            const bool zeroed = zeros != nullptr;
-            run(x + m * x_stride, x_stride, codes + p * panel, panel, scales + p * groups * 16, zeroed ? zeros + p * groups * 16 : nullptr,
-                zeroed ? xsum + m * groups : nullptr, groups, group, bias, p * 16, N, y + m * y_stride, y_stride, ahead);
+            run(x + m * x_stride, x_stride, codes + p * panel, panel, scales + p * groups * 16, zeros.from(p * groups * 16),
+                xsum != nullptr ? xsum + m * groups : nullptr, groups, group, bias, p * 16, N, y + m * y_stride, y_stride, ahead);
         }
     }
 }
 
 // Panels [panel0, panel1) of `codes` (each `panel` codes) as bfloat16 panels at `out`, each
-// weight q d + z (zeros null: q d) rounded once.
-inline void widen_group_int8_bf16(const int8_t* codes, const float* scales, const float* zeros, int K, int group, int64_t panel0,
+// weight q d + z (GroupZeros) rounded once.
+inline void widen_group_int8_bf16(const int8_t* codes, const float* scales, GroupZeros zeros, int K, int group, int64_t panel0,
                                   int64_t panel1, uint16_t* out) {
     const int64_t panel = static_cast<int64_t>(K / 32) * 512;
     const int groups = K / group;
@@ -154,7 +168,8 @@ inline void widen_group_int8_bf16(const int8_t* codes, const float* scales, cons
         for (int g = 0; g < groups; ++g) {
             const __m512 d = _mm512_loadu_ps(scales + (p * groups + g) * 16);
             const __m512 d_lo = _mm512_permutexvar_ps(first, d), d_hi = _mm512_permutexvar_ps(second, d);
-            const __m512 z = zeros != nullptr ? _mm512_loadu_ps(zeros + (p * groups + g) * 16) : _mm512_setzero_ps();
+            const __m512 z = zeros.zeros != nullptr ? _mm512_loadu_ps(zeros.zeros + (p * groups + g) * 16)
+                                                    : _mm512_mul_ps(_mm512_set1_ps(-zeros.center), d);
             const __m512 z_lo = _mm512_permutexvar_ps(first, z), z_hi = _mm512_permutexvar_ps(second, z);
             for (int64_t i = static_cast<int64_t>(g) * group * 16; i < static_cast<int64_t>(g + 1) * group * 16; i += 32) {
                 const __m128i* src = reinterpret_cast<const __m128i*>(codes + p * panel + i);
@@ -183,7 +198,7 @@ namespace modserve {
 // registers (float32_panels.h's pair_step), then times the group's scales, plus its zeros times
 // the inputs' sum (`xsum`, [R][groups]; zeros null: none), into sums in memory; then the bias.
 template <int R, int P>
-void group_f32_block(const float* x, int64_t x_stride, const int8_t* codes, int64_t panel, const float* scales, const float* zeros,
+void group_f32_block(const float* x, int64_t x_stride, const int8_t* codes, int64_t panel, const float* scales, GroupZeros zeros,
                      const float* xsum, int groups, int group, const float* bias, int64_t n0, int64_t N, float* y,
                      int64_t y_stride, const int8_t* ahead) {
     using float32_panels::Sums;
@@ -205,11 +220,15 @@ void group_f32_block(const float* x, int64_t x_stride, const int8_t* codes, int6
                 alignas(64) float t[16];
                 float32_panels::store_sums(t, sums[r][q]);
                 const float* d = scales + (static_cast<int64_t>(q) * groups + g) * 16;
-                if (zeros != nullptr) {
-                    const float* z = zeros + (static_cast<int64_t>(q) * groups + g) * 16;
+                if (zeros.zeros != nullptr) {
+                    const float* z = zeros.zeros + (static_cast<int64_t>(q) * groups + g) * 16;
                     const float xs = xsum[r * groups + g];
 #pragma omp simd
                     for (int j = 0; j < 16; ++j) acc[r][q][j] += d[j] * t[j] + z[j] * xs;
+                } else if (zeros.center != 0.f) {  // -center d times the inputs' sum
+                    const float xs = xsum[r * groups + g] * -zeros.center;
+#pragma omp simd
+                    for (int j = 0; j < 16; ++j) acc[r][q][j] += d[j] * t[j] + d[j] * xs;
                 } else {
 #pragma omp simd
                     for (int j = 0; j < 16; ++j) acc[r][q][j] += d[j] * t[j];
@@ -229,7 +248,7 @@ constexpr int kGroupF32Rows = 4;  // rows per block: 8 zmm sums of two panels
 constexpr int kGroupF32Rows = 2;  // 8 of the 16 ymm registers
 #endif
 
-using GroupF32Block = void (*)(const float*, int64_t, const int8_t*, int64_t, const float*, const float*, const float*, int, int,
+using GroupF32Block = void (*)(const float*, int64_t, const int8_t*, int64_t, const float*, GroupZeros, const float*, int, int,
                                const float*, int64_t, int64_t, float*, int64_t, const int8_t*);
 
 template <int R>
@@ -237,7 +256,7 @@ GroupF32Block group_f32_block_of(int panels) { return panels == 1 ? group_f32_bl
 
 // One thread's panels [p0, p1) for every row (few rows), two panels and kGroupF32Rows rows a block;
 // a pair of panels' first block asks for the next pair's codes ahead.
-inline void group_f32_direct(const float* x, int64_t x_stride, int64_t M, const int8_t* codes, const float* scales, const float* zeros,
+inline void group_f32_direct(const float* x, int64_t x_stride, int64_t M, const int8_t* codes, const float* scales, GroupZeros zeros,
                              const float* xsum, int64_t N, int K, int group, const float* bias, float* y, int64_t y_stride,
                              int64_t p0, int64_t p1) {
     const int64_t panel = static_cast<int64_t>(K / 32) * 512;
@@ -250,16 +269,15 @@ inline void group_f32_direct(const float* x, int64_t x_stride, int64_t M, const 
             if constexpr (kGroupF32Rows >= 2) run = rows == 2 ? group_f32_block_of<2>(np) : run;
             if constexpr (kGroupF32Rows >= 4) run = rows == 3 ? group_f32_block_of<3>(np) : rows == 4 ? group_f32_block_of<4>(np) : run;
             const int8_t* ahead = m == 0 && p + 4 <= p1 ? codes + (p + 2) * panel : nullptr;
-            const bool zeroed = zeros != nullptr;
-            run(x + m * x_stride, x_stride, codes + p * panel, panel, scales + p * groups * 16, zeroed ? zeros + p * groups * 16 : nullptr,
-                zeroed ? xsum + m * groups : nullptr, groups, group, bias, p * 16, N, y + m * y_stride, y_stride, ahead);
+            run(x + m * x_stride, x_stride, codes + p * panel, panel, scales + p * groups * 16, zeros.from(p * groups * 16),
+                xsum != nullptr ? xsum + m * groups : nullptr, groups, group, bias, p * 16, N, y + m * y_stride, y_stride, ahead);
         }
     }
 }
 
 // Panels [panel0, panel1) of `codes` as float32 panels ([K][16] each: float32_panels.h's) at `out`,
-// each weight q d + z (zeros null: q d).
-inline void widen_group_int8_f32(const int8_t* codes, const float* scales, const float* zeros, int K, int group, int64_t panel0,
+// each weight q d + z (GroupZeros).
+inline void widen_group_int8_f32(const int8_t* codes, const float* scales, GroupZeros zeros, int K, int group, int64_t panel0,
                                  int64_t panel1, float* out) {
     const int64_t panel = static_cast<int64_t>(K / 32) * 512;
     const int groups = K / group;
@@ -267,7 +285,12 @@ inline void widen_group_int8_f32(const int8_t* codes, const float* scales, const
         float* dst = out + (p - panel0) * static_cast<int64_t>(K) * 16;
         for (int g = 0; g < groups; ++g) {
             const float* d = scales + (p * groups + g) * 16;
-            const float* z = zeros != nullptr ? zeros + (p * groups + g) * 16 : nullptr;
+            const float* z = zeros.zeros != nullptr ? zeros.zeros + (p * groups + g) * 16 : nullptr;
+            alignas(32) float centred[16];  // -center d: symmetric codes kept as stored
+            if (z == nullptr && zeros.center != 0.f) {
+                for (int j = 0; j < 16; ++j) centred[j] = -zeros.center * d[j];
+                z = centred;
+            }
             for (int k2 = g * group / 2; k2 < (g + 1) * group / 2; ++k2)
                 for (int h = 0; h < 2; ++h) {  // outputs 8 h .. 8 h + 7: their (input 2 k2, 2 k2 + 1) code pairs
                     const __m128i* src = reinterpret_cast<const __m128i*>(codes + p * panel + static_cast<int64_t>(k2) * 32 + 16 * h);

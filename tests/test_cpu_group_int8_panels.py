@@ -6,7 +6,8 @@ at a time; in float32 widened to float32 panels; instead of the whole weight wid
 
 What could go wrong, and is checked here: a code or a group's scale put on the wrong output or
 input (the panels' pair order, groups of 16, 32 and 128), a zero lost or applied to the wrong
-group (each case runs with symmetric codes, with zeros, and with unsigned codes below 128), the bfloat16 weight rounded differently from
+group (each case runs with symmetric codes, with zeros, with unsigned codes below 128 and their
+minima, and with such codes around a center), the bfloat16 weight rounded differently from
 ``weight_as``, a bias lost, rows past one sweep, shapes the panels cannot take accepted."""
 
 from __future__ import annotations
@@ -24,25 +25,28 @@ def group_layer(k: int, n: int, group: int, dtype: torch.dtype, bias: bool, seed
                 codes: str = "symmetric") -> tuple[Int8GroupLinear, Int8GroupLinear]:
     """The same random layer twice, as built (torch's widening) and for the panels: ``codes``
     "symmetric" (Q8_0-like int8 codes, float16 scales), "zeros" (a float32 scale and zero per
-    group: a mixed layer with a Q8_0 part) or "below_128" (unsigned 6-bit codes with their
-    minima: Q6_K, Q5_x, Q4_K in a mixed layer)."""
+    group: a mixed layer with a Q8_0 part), "below_128" (unsigned 6-bit codes with their
+    minima: Q5_1, Q5_K, Q4_K in a mixed layer) or "centred" (unsigned 6-bit codes around 32, no
+    zeros: Q6_K)."""
     g = torch.Generator().manual_seed(seed)
     layer = nn.Linear(k, n, bias=bias).to(dtype)
-    if codes == "below_128":
+    below_128 = codes in ("below_128", "centred")
+    if below_128:
         q = torch.randint(0, 64, (n, k), generator=g, dtype=torch.int8)
     else:
         q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
     d = (torch.rand(n, k // group, generator=g) * 0.02).half()
-    z = (torch.rand(n, k // group, generator=g) - 0.5) * 0.5 if codes != "symmetric" else None
-    scale_dtype = torch.float32 if z is not None else torch.float16
-    return tuple(Int8GroupLinear(layer, q, d, group, scale_dtype, z, codes == "below_128") for _ in range(2))
+    z = (torch.rand(n, k // group, generator=g) - 0.5) * 0.5 if codes in ("zeros", "below_128") else None
+    scale_dtype = torch.float32 if codes != "symmetric" else torch.float16
+    center = 32 if codes == "centred" else 0
+    return tuple(Int8GroupLinear(layer, q, d, group, scale_dtype, z, below_128, center) for _ in range(2))
 
 
 def kernel_for(module: Int8GroupLinear, dtype: torch.dtype, build: tuple[str, ...] = ()):
     return group_int8_kernel(dtype, build, below_128=module.below_128)
 
 
-CODES = pytest.mark.parametrize("codes", ["symmetric", "zeros", "below_128"])
+CODES = pytest.mark.parametrize("codes", ["symmetric", "zeros", "below_128", "centred"])
 
 
 @pytest.mark.skipif(not NATIVE, reason="this CPU has no AVX512_BF16 (or no compiler targets it)")
@@ -53,7 +57,7 @@ def test_bfloat16_panels_equal_the_bfloat16_kernel_on_the_widened_weights(k, n, 
     """More than 8 rows (unsigned codes below 128: more than 32), bit for bit: each weight widened
     to bf16(q d + z) (weight_as's value), then the bfloat16 panel kernel's own blocks; and within
     rounding of torch's path (F.linear on weight_as)."""
-    if codes == "below_128" and rows <= 32:
+    if codes in ("below_128", "centred") and rows <= 32:
         rows += 32
     from modserve.plugins.platforms.cpu_avx512_linear import Avx512Linear
 
@@ -70,8 +74,8 @@ def test_bfloat16_panels_equal_the_bfloat16_kernel_on_the_widened_weights(k, n, 
 
 
 @pytest.mark.skipif(not NATIVE, reason="this CPU has no AVX512_BF16 (or no compiler targets it)")
-@pytest.mark.parametrize("rows,codes", [(rows, codes) for codes in ("symmetric", "zeros", "below_128")
-                                        for rows in (1, 3, 4, 5, 8, *((9, 14, 32) if codes == "below_128" else ()))])
+@pytest.mark.parametrize("rows,codes", [(rows, codes) for codes in ("symmetric", "zeros", "below_128", "centred")
+                                        for rows in (1, 3, 4, 5, 8, *((9, 14, 32) if codes in ("below_128", "centred") else ()))])
 @pytest.mark.parametrize("k,n,group,bias", [(576, 208, 32, True), (1536, 128, 128, False), (256, 64, 64, True), (512, 96, 16, False)])
 def test_bfloat16_direct_product_is_the_exact_product_rounded_once(k, n, group, bias, rows, codes):
     """Up to 8 rows (unsigned codes below 128: 32, from 9 on as bfloat16 128 + q) the codes are

@@ -134,7 +134,8 @@ def test_kept_module_is_within_bound_of_linear_on_dequantized_weights(kind, dtyp
         assert module.group_size == 32
     else:
         assert module.group == (16 if kind == T.Q6_K else 32)
-        assert module.below_128 == (kind != T.Q8_0) and (module.zero is None) == (kind == T.Q8_0)  # codes as stored, minima as zeros
+        assert module.below_128 == (kind != T.Q8_0)  # codes as stored: minima as zeros, or the symmetric formats' center
+        assert (module.zero is None) == (kind in SYMMETRIC) and module.center == {T.Q6_K: 32, T.Q5_0: 16}.get(kind, 0)
     tol = Q8_0_F32_TOL if (kind, dtype) == (T.Q8_0, torch.float32) else MODULE_TOL[dtype]
     w = part.dequantize().to(dtype)
     for rows in (1, 5, 40):
@@ -176,7 +177,7 @@ def test_a_layer_mixing_formats_is_held_as_int8_codes(kinds, dtype):
     assert type(module) is Int8GroupLinear and module.group == (16 if T.Q6_K in kinds else 32)
     assert module.zero is not None and module.below_128 == (T.Q8_0 not in kinds)
     if T.Q8_0 in kinds:
-        assert module.zero[:64].abs().max() == 0 and module.zero[64:].abs().max() > 0
+        assert module.zero[:64].abs().max() == 0 and module.zero[64:].abs().max() > 0 and module.center == 0
     else:
         assert module.qweight.min() >= 0 and int(module.qweight.max()) < 2 ** max(group_codes(p).bits for p in parts)
     w = torch.cat([p.dequantize() for p in parts])

@@ -26,10 +26,10 @@ TILE_N, TILE_K = 16, 32  # outputs and inputs per packed weight tile
 PANEL_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
               ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int]  # a panel linear's, below
 # The entries over weights widened per call (int4, group-scaled int8): x, x_stride, M, codes, scales, N, K, group, bias, y,
-# y_stride, threads (widened_product); the group-scaled int8 entries take the zeros (or null) last.
+# y_stride, threads (widened_product); the group-scaled int8 entries take the zeros (or null) and the codes' center last.
 WIDENED_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
                 ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
-GROUP_INT8_ARGS = [*WIDENED_ARGS, ctypes.c_void_p]
+GROUP_INT8_ARGS = [*WIDENED_ARGS, ctypes.c_void_p, ctypes.c_float]
 
 
 def load_kernel(source, what: str, symbol: str, instructions: str, extra_flags: tuple[str, ...] = (), argtypes: list = PANEL_ARGS,
@@ -78,7 +78,7 @@ def widened_product(kernel: NativeFunction, rows: torch.Tensor, codes: torch.Ten
                     group: int, bias: torch.Tensor | None, *extra) -> torch.Tensor:
     """``rows [M, k]`` (the kernel's dtype) times ``n`` outputs' codes and group scales, plus
     ``bias`` (``[n]`` float32 or None), by one call of an entry taking :data:`WIDENED_ARGS`
-    (``extra``: the arguments an entry takes after them, :data:`GROUP_INT8_ARGS`' zeros)."""
+    (``extra``: the arguments an entry takes after them, :data:`GROUP_INT8_ARGS`' zeros and center)."""
     rows = tile_rows(rows)
     out = torch.empty(rows.shape[0], n, dtype=rows.dtype)
     kernel(

@@ -371,7 +371,8 @@ class Int8GroupLinear(QuantizedLinear):
     int8 weights with a scale, and optionally a zero, per group of ``group`` inputs of each
     output channel. GGUF's Q8_0 (groups of 32, float16 scales) kept as it is; the 4- to 6-bit
     formats (Q6_K in groups of 16, Q5_x, Q4 parts of a mixed layer) with ``below_128``: the
-    codes unsigned, as stored, ``zero`` their minimum, which the bfloat16 panel kernel widens by
+    codes unsigned, as stored, ``zero`` their minimum, or for symmetric formats ``center`` (``W =
+    (q - center) * scale``: no bytes for a zero), which the bfloat16 panel kernel widens by
     an OR (``native/group_int8_panels.h``'s ``magic_pair``) and multiplies directly up to 32
     rows; a fused layer with a Q8_0 part as codes centred to int8 with zeros (:func:`gguf_linear`).
 
@@ -385,18 +386,22 @@ class Int8GroupLinear(QuantizedLinear):
     per output channel (a quarter of float32's, plus 6%)."""
 
     def __init__(self, layer: nn.Linear, q: torch.Tensor, scale: torch.Tensor, group: int = 32,
-                 scale_dtype: torch.dtype = torch.float16, zero: torch.Tensor | None = None, below_128: bool = False) -> None:
+                 scale_dtype: torch.dtype = torch.float16, zero: torch.Tensor | None = None, below_128: bool = False,
+                 center: int = 0) -> None:
         super().__init__(layer)
-        if below_128 and (zero is None or q.min() < 0):
-            raise ValueError("Int8GroupLinear: codes below 128 are unsigned, with their minima as zeros")
-        self.group, self.below_128 = group, below_128
+        if below_128 and ((zero is None) == (center == 0) or q.min() < 0):
+            raise ValueError("Int8GroupLinear: codes below 128 are unsigned, with their minima as zeros or a center (not both)")
+        self.group, self.below_128, self.center = group, below_128, center
         self.register_buffer("qweight", q.view(self.out_features, -1, group), False)  # [N, K/g, g] int8
         self.register_buffer("scale", scale.to(scale_dtype)[..., None], False)  # Q8_0's and GPTQ's float16 scales: exact
         self.register_buffer("zero", None if zero is None else zero.float()[..., None], False)  # [N, K/g, 1] float32
 
     def weight_as(self, dtype: torch.dtype) -> torch.Tensor:
         """The dequantized weight ``[N, K]`` in ``dtype`` (computed in float32, then cast)."""
-        w = self.qweight.float().mul_(self.scale.float())
+        w = self.qweight.float()
+        if self.center:
+            w.sub_(self.center)
+        w.mul_(self.scale.float())
         if self.zero is not None:
             w.add_(self.zero)
         w = w.view(self.out_features, self.in_features)
@@ -445,11 +450,12 @@ class Int8GroupLinear(QuantizedLinear):
         buffers = self._buffers
         zeros = buffers["panel_zeros"]
         return widened_product(self._panels, rows, buffers["codes"], buffers["panel_scales"], self.out_features, self.in_features,
-                               self.group, buffers["_bias32"], None if zeros is None else zeros.data_ptr())
+                               self.group, buffers["_bias32"], None if zeros is None else zeros.data_ptr(), float(self.center))
 
     def extra_repr(self) -> str:
         zeros = self._buffers.get("zero") is not None or self._buffers.get("panel_zeros") is not None
-        return f"{super().extra_repr()}, group={self.group}" + (", zeros" if zeros else "") + (", panels" if self._panels is not None else "")
+        return (f"{super().extra_repr()}, group={self.group}" + (", zeros" if zeros else "") + (f", center={self.center}" if self.center else "")
+                + (", panels" if self._panels is not None else ""))
 
 
 GGUF_KEPT = ("Q8_0", "Q6_K", "Q5_K", "Q5_1", "Q5_0", "Q4_K", "Q4_1", "Q4_0")  # the GGUF types ``quantization: gguf`` keeps
@@ -474,7 +480,9 @@ def gguf_linear(name: str, layer: nn.Module) -> nn.Module:
       llama.cpp's Q4_K_M mixes Q4_K and Q6_K in q / k / v, or a Q4 layer whose out_features
       torch's int4 packing cannot take): :class:`Int8GroupLinear`, in groups of 16 where a
       Q6_K part is present, else 32. Without a Q8_0 part, the codes as stored (below 128) with
-      each group's scale and minimum (``below_128``: exact); with one, the codes centred to
+      each group's scale and minimum (``below_128``: exact), or only the scales and the formats'
+      one center where every part is symmetric (Q6_K, Q5_0: 2 bits a weight fewer at groups of
+      16); with one, the codes centred to
       int8 (``q - 2^(bits - 1)``) with a zero per group where a part has a minimum
       (``m + 2^(bits - 1) d``, rounded once). A 4- to 6-bit weight takes a byte.
 
@@ -510,9 +518,12 @@ def gguf_linear(name: str, layer: nn.Module) -> nn.Module:
         log.info("gguf: %s has out_features %d, not a multiple of %d for torch's int4 packing: its %s blocks held as "
                  "int8 codes", name, layer.out_features, INT4_N_MULTIPLE, "+".join(sorted(types)))
     group = min(c.group for c in parts)
-    if max(c.bits for c in parts) <= 7:  # the codes as stored, with their minima: exact
+    if max(c.bits for c in parts) <= 7:  # the codes as stored, with their minima or their one center: exact
         scale, minimum = (torch.cat(t) for t in zip(*(c.per_group(group) for c in parts)))
-        return Int8GroupLinear(layer, torch.cat([c.q for c in parts]).to(torch.int8), scale, group, torch.float32, minimum, below_128=True)
+        q = torch.cat([c.q for c in parts]).to(torch.int8)
+        if all(c.minimum is None for c in parts) and len({c.center for c in parts}) == 1:  # symmetric: no zeros to hold
+            return Int8GroupLinear(layer, q, scale, group, torch.float32, below_128=True, center=parts[0].center)
+        return Int8GroupLinear(layer, q, scale, group, torch.float32, minimum, below_128=True)
     q, d, z = zip(*(c.signed(group) for c in parts))
     zero = None if all(t is None for t in z) else torch.cat([t if t is not None else torch.zeros_like(s) for t, s in zip(z, d)])
     scale_dtype = torch.float16 if types == {"Q8_0"} else torch.float32  # Q8_0's own scales; the others' products need float32
