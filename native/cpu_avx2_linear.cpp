@@ -82,12 +82,7 @@ void modserve_avx2_linear_int4(const float* x, int64_t x_stride, int64_t M, cons
     if (M <= kInt4F32DirectRows) {
         const int groups = K / group;
         std::vector<float> xsum(M * groups);  // [row][group]: each group's inputs summed
-        for (int64_t r = 0; r < M; ++r)
-            for (int g = 0; g < groups; ++g) {
-                float t = 0.f;
-                for (int k = g * group; k < (g + 1) * group; ++k) t += x[r * x_stride + k];
-                xsum[r * groups + g] = t;
-            }
+        modserve::group_input_sums(x, x_stride, M, K, group, xsum.data());
         const int64_t blocks = N / 64;
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t b = 0; b < blocks; ++b)
@@ -118,12 +113,7 @@ void modserve_avx2_linear_group_int8(const float* x, int64_t x_stride, int64_t M
     const modserve::GroupZeros zs{zeros, center};
     const bool direct = M <= kGroupF32DirectRows;
     std::vector<float> xsum(zs.any() && direct ? M * (K / group) : 0);  // what the zeros multiply
-    for (int64_t r = 0; r < static_cast<int64_t>(xsum.size()) / (K / group); ++r)
-        for (int g = 0; g < K / group; ++g) {
-            float t = 0.f;
-            for (int k = g * group; k < (g + 1) * group; ++k) t += x[r * x_stride + k];
-            xsum[r * (K / group) + g] = t;
-        }
+    if (!xsum.empty()) modserve::group_input_sums(x, x_stride, M, K, group, xsum.data());
     modserve::for_panel_ranges(N, threads, [&](int64_t p0, int64_t p1) {
         if (direct) {
             modserve::group_f32_direct(x, x_stride, M, codes, scales, zs, zs.any() ? xsum.data() : nullptr, N, K, group, bias, y, y_stride,

@@ -32,7 +32,6 @@
 #include <vector>
 
 #include "avx512_bf16_panels.h"
-#include "bf16.h"
 #include "group_int8_panels.h"
 #include "int4_panels.h"
 
@@ -78,16 +77,11 @@ void modserve_avx512_linear_int4(const uint16_t* x, int64_t x_stride, int64_t M,
     if (M < kInt4WidenFrom) {
         const int groups = K / group;
         const int64_t blocks = N / 64;
+        std::vector<float> xsum(M * groups);  // [row][group]: each group's inputs summed, once for every thread
+        modserve::group_input_sums(x, x_stride, M, K, group, xsum.data());
+        const float* sums = xsum.data();
 #pragma omp parallel num_threads(threads)
         {
-            std::vector<float> xsum(M * groups);  // [row][group]: each group's inputs summed
-            for (int64_t r = 0; r < M; ++r)
-                for (int g = 0; g < groups; ++g) {
-                    float t = 0.f;
-                    for (int k = g * group; k < (g + 1) * group; ++k) t += modserve::bf16_to_float(x[r * x_stride + k]);
-                    xsum[r * groups + g] = t;
-                }
-            const float* sums = xsum.data();
             const int t = omp_get_thread_num(), nt = omp_get_num_threads();
             for (int64_t b = blocks * t / nt; b < blocks * (t + 1) / nt; ++b) {
                 const uint8_t* block = q4 + b * 32 * static_cast<int64_t>(K);

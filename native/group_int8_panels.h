@@ -29,6 +29,28 @@ struct GroupZeros {
     GroupZeros from(int64_t offset) const { return {zeros != nullptr ? zeros + offset : nullptr, center}; }
 };
 
+// The direct paths' loop (group_int8_direct, group_f32_direct): one thread's panels [p0, p1) for
+// every row of a few-row call, in blocks of up to P panels and R rows, `block_for(rows, panels)`
+// giving the block function of that size; each column of blocks' first asks for the next P
+// panels' codes ahead (a whole next column only).
+template <int P, int R, typename X, typename Y, typename BlockFor>
+void group_direct_blocks(const X* x, int64_t x_stride, int64_t M, const int8_t* codes, const float* scales, GroupZeros zeros,
+                         const float* xsum, int64_t N, int K, int group, const float* bias, Y* y, int64_t y_stride, int64_t p0,
+                         int64_t p1, BlockFor block_for) {
+    const int64_t panel = static_cast<int64_t>(K / 32) * 512;
+    const int groups = K / group;
+    for (int64_t p = p0; p < p1; p += P) {
+        const int np = p1 - p < P ? static_cast<int>(p1 - p) : P;
+        for (int64_t m = 0; m < M; m += R) {
+            const int rows = M - m < R ? static_cast<int>(M - m) : R;
+            const int8_t* ahead = m == 0 && p + 2 * P <= p1 ? codes + (p + P) * panel : nullptr;
+            block_for(rows, np)(x + m * x_stride, x_stride, codes + p * panel, panel, scales + p * groups * 16, zeros.from(p * groups * 16),
+                                xsum != nullptr ? xsum + m * groups : nullptr, groups, group, bias, p * 16, N, y + m * y_stride, y_stride,
+                                ahead);
+        }
+    }
+}
+
 }  // namespace modserve
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -135,25 +157,16 @@ GroupBlock group_block_of_panels(int p) {
 }
 
 // One thread's panels [p0, p1) for every row (few rows), four panels and up to four rows a block;
-// the first block of a group asks for the next group's codes ahead (as the int8 panels do: a
-// row's widening keeps the core busy between loads). C: how the codes are read (Codes).
+// the first block of a column asks for the next four panels' codes ahead (as the int8 panels do:
+// a row's widening keeps the core busy between loads). C: how the codes are read (Codes).
 template <Codes C>
 void group_int8_direct(const uint16_t* x, int64_t x_stride, int64_t M, const int8_t* codes, const float* scales, GroupZeros zeros,
                        const float* xsum, int64_t N, int K, int group, const float* bias, uint16_t* y, int64_t y_stride, int64_t p0,
                        int64_t p1) {
-    const int64_t panel = static_cast<int64_t>(K / 32) * 512;
-    const int groups = K / group;
-    for (int64_t p = p0; p < p1; p += 4) {
-        const int np = p1 - p < 4 ? static_cast<int>(p1 - p) : 4;
-        for (int64_t m = 0; m < M; m += 4) {
-            const int64_t rows = M - m < 4 ? M - m : 4;
-            const GroupBlock run = rows == 1 ? group_block_of_panels<1, C>(np) : rows == 2 ? group_block_of_panels<2, C>(np)
-                                   : rows == 3 ? group_block_of_panels<3, C>(np) : group_block_of_panels<4, C>(np);
-            const int8_t* ahead = m == 0 && p + 4 + 4 <= p1 ? codes + (p + 4) * panel : nullptr;  // a whole next group only
-            run(x + m * x_stride, x_stride, codes + p * panel, panel, scales + p * groups * 16, zeros.from(p * groups * 16),
-                xsum != nullptr ? xsum + m * groups : nullptr, groups, group, bias, p * 16, N, y + m * y_stride, y_stride, ahead);
-        }
-    }
+    group_direct_blocks<4, 4>(x, x_stride, M, codes, scales, zeros, xsum, N, K, group, bias, y, y_stride, p0, p1, [](int rows, int np) {
+        return rows == 1 ? group_block_of_panels<1, C>(np) : rows == 2 ? group_block_of_panels<2, C>(np)
+               : rows == 3 ? group_block_of_panels<3, C>(np) : group_block_of_panels<4, C>(np);
+    });
 }
 
 // Panels [panel0, panel1) of `codes` (each `panel` codes) as bfloat16 panels at `out`, each
@@ -259,20 +272,25 @@ GroupF32Block group_f32_block_of(int panels) { return panels == 1 ? group_f32_bl
 inline void group_f32_direct(const float* x, int64_t x_stride, int64_t M, const int8_t* codes, const float* scales, GroupZeros zeros,
                              const float* xsum, int64_t N, int K, int group, const float* bias, float* y, int64_t y_stride,
                              int64_t p0, int64_t p1) {
-    const int64_t panel = static_cast<int64_t>(K / 32) * 512;
+    group_direct_blocks<2, kGroupF32Rows>(x, x_stride, M, codes, scales, zeros, xsum, N, K, group, bias, y, y_stride, p0, p1,
+                                          [](int rows, int np) {
+        GroupF32Block run = group_f32_block_of<1>(np);
+        if constexpr (kGroupF32Rows >= 2) run = rows == 2 ? group_f32_block_of<2>(np) : run;
+        if constexpr (kGroupF32Rows >= 4) run = rows == 3 ? group_f32_block_of<3>(np) : rows == 4 ? group_f32_block_of<4>(np) : run;
+        return run;
+    });
+}
+
+// Each group's inputs summed, [row][group] float32, for float32 inputs (the bfloat16 ones:
+// group_input_sums above): what a group's zero multiplies.
+inline void group_input_sums(const float* x, int64_t x_stride, int64_t M, int K, int group, float* sums) {
     const int groups = K / group;
-    for (int64_t p = p0; p < p1; p += 2) {
-        const int np = p1 - p < 2 ? 1 : 2;
-        for (int64_t m = 0; m < M; m += kGroupF32Rows) {
-            const int64_t rows = M - m < kGroupF32Rows ? M - m : kGroupF32Rows;
-            GroupF32Block run = group_f32_block_of<1>(np);
-            if constexpr (kGroupF32Rows >= 2) run = rows == 2 ? group_f32_block_of<2>(np) : run;
-            if constexpr (kGroupF32Rows >= 4) run = rows == 3 ? group_f32_block_of<3>(np) : rows == 4 ? group_f32_block_of<4>(np) : run;
-            const int8_t* ahead = m == 0 && p + 4 <= p1 ? codes + (p + 2) * panel : nullptr;
-            run(x + m * x_stride, x_stride, codes + p * panel, panel, scales + p * groups * 16, zeros.from(p * groups * 16),
-                xsum != nullptr ? xsum + m * groups : nullptr, groups, group, bias, p * 16, N, y + m * y_stride, y_stride, ahead);
+    for (int64_t r = 0; r < M; ++r)
+        for (int g = 0; g < groups; ++g) {
+            float t = 0.f;
+            for (int k = g * group; k < (g + 1) * group; ++k) t += x[r * x_stride + k];
+            sums[r * groups + g] = t;
         }
-    }
 }
 
 // Panels [panel0, panel1) of `codes` as float32 panels ([K][16] each: float32_panels.h's) at `out`,

@@ -135,7 +135,7 @@ class _KeptLoad:
         self.dtype = dtype
         self.layers: dict[int, tuple[str, nn.Linear]] = {}  # meta storage -> (qualified name, layer)
         self.parts: dict[str, list[tuple[int, KeptTensor]]] = {}
-        self.filled: dict[int, KeptTensor] = {}  # a materialized parameter's storage -> the one tensor that filled it
+        self.filled: dict[int, KeptTensor] = {}  # a materialized parameter's storage -> the one file tensor that filled it
         for name, module in model.named_modules():
             if type(module) is nn.Linear:  # the weight stays meta; the bias is loaded as usual
                 if module.bias is not None:
@@ -146,7 +146,7 @@ class _KeptLoad:
 
     def copy(self, dest: torch.Tensor, part: KeptTensor) -> torch.Tensor:
         if not dest.is_meta:  # a materialized parameter (the embedding): dequantize it now
-            if tuple(dest.shape) == part.shape and dest.storage_offset() == 0:
+            if tuple(dest.shape) == part.shape and dest.storage_offset() == 0 and not isinstance(part, FloatWeight):
                 self.filled[dest.untyped_storage()._cdata] = part
             return dest.copy_(part.dequantize().to(self.dtype))
         name, layer = self.layers[dest.untyped_storage()._cdata]
@@ -160,7 +160,7 @@ class _KeptLoad:
         for name, layer in self.layers.values():
             if not layer.weight.is_meta:  # a head tied to the embedding after loading: kept as the embedding's tensor, if one filled it
                 part = self.filled.get(layer.weight.untyped_storage()._cdata)
-                if isinstance(part, KeptTensor) and not isinstance(part, FloatWeight) and part.shape == tuple(layer.weight.shape):
+                if part is not None and part.shape == tuple(layer.weight.shape):
                     out[name] = [part]
                 continue
             parts = sorted(self.parts.get(name, []), key=lambda p: p[0])
