@@ -120,3 +120,14 @@ def test_shapes_the_panels_cannot_take_keep_torchs_path_and_wrong_rows_are_refus
     assert module.use_panels(kernel, torch.float32)
     with pytest.raises(TypeError, match="Int8GroupLinear on the panel kernels takes float32 rows"):
         module(torch.randn(2, 64).to(torch.bfloat16))
+
+
+def test_codes_below_128_need_unsigned_codes_and_either_minima_or_a_center():
+    layer = nn.Linear(64, 32, bias=False)
+    q = torch.randint(0, 64, (32, 64), dtype=torch.int8)
+    d, z = torch.rand(32, 2), torch.rand(32, 2)
+    message = "Int8GroupLinear: codes below 128 are unsigned, with their minima as zeros or a center"
+    for codes, zero, center in ((q, None, 0), (q, z, 32), (q - 40, z, 0)):  # neither; both; negative codes
+        with pytest.raises(ValueError, match=message):
+            Int8GroupLinear(layer, codes, d, 32, torch.float32, zero, True, center)
+    assert Int8GroupLinear(layer, q, d, 32, torch.float32, None, True, 32).center == 32
