@@ -10,9 +10,12 @@ F.linear from 16 rows), ``int8-amx`` (int8 codes widened to bfloat16 tiles per c
 (oneDNN's int8 product), ``w8a8-amx`` (the AMX-INT8 kernel), ``int8-panels`` (Int8PanelLinear: int8
 codes on the AVX512_BF16 panels, bfloat16 rows) and ``int8-panels-fp32`` (the same on the float32
 panels, float32 rows), ``int4-panels`` (the int4 layers in one native call on AVX512_BF16: their
-nibbles multiplied directly below 8 rows, widened to bfloat16 panels from 8), ``q8_0-panels`` (random
+nibbles multiplied directly below 8 rows, widened to bfloat16 panels from 8; ``int4-panels-fp32`` the
+same on the float32 panels, float32 rows), ``q8_0-panels`` (random
 GGUF Q8_0-like codes, groups of 32, in one native call: directly up to 8 rows, widened beyond). Prints ms per pass and each kernel's ratio to the
-first one named, all measured in this run. Run it on a quiet machine; it prints the CPU.
+first one named, all measured in this run, and at one row how fast each kernel reads the bytes
+it holds. ``--model llama-1b``: a Llama-3.2-1B-like model's 16 layers instead (dims multiples
+of 256). Run it on a quiet machine; it prints the CPU.
 
     python benchmarks/cpu_linears.py --kernels amx,int4,int4-amx --rows 1,8,16,64,256,1024
 """
@@ -20,6 +23,7 @@ first one named, all measured in this run. Run it on a quiet machine; it prints 
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 
 import torch
@@ -36,11 +40,14 @@ from modserve.plugins.platforms.cpu_linear import PackedLinear
 from modserve.plugins.platforms.cpu_memory import keep_freed_memory
 from modserve.plugins.platforms.cpu_quant import Int4WeightOnlyLinear, Int8GroupLinear, Int8WeightOnlyLinear, W8A8Linear
 
-SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}  # (out, in)
-LAYERS = 30
-FLOAT32_KERNELS = ("onednn-fp32", "avx2", "int8-panels-fp32")  # take float32 rows
+MODELS = {  # (out, in) of each layer, and the layers: SmolLM2-135M, and a Llama-3.2-1B-like model (dims multiples of 256)
+    "smollm2": ({"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}, 30),
+    "llama-1b": ({"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)}, 16),
+}
+SHAPES, LAYERS = MODELS["smollm2"]
+FLOAT32_KERNELS = ("onednn-fp32", "avx2", "int8-panels-fp32", "int4-panels-fp32")  # take float32 rows
 KINDS = ("onednn", "onednn-fp32", "avx2", "amx", "avx512bf16", "w8a8", "w8a8-amx", "int8", "int8-amx", "int8-panels",
-         "int8-panels-fp32", "int4", "int4-amx", "int4-panels", "q8_0-panels", "q6_k-panels", "q5_1-panels")
+         "int8-panels-fp32", "int4", "int4-amx", "int4-panels", "int4-panels-fp32", "q8_0-panels", "q6_k-panels", "q5_1-panels")
 GROUP_CODES = {"q8_0-panels": (32, None), "q6_k-panels": (16, 64), "q5_1-panels": (32, 32)}  # group, unsigned codes below (or int8)
 
 
@@ -77,12 +84,21 @@ def build(kind: str) -> dict[str, list[nn.Module]]:
             elif kind.startswith("int8"):
                 layers.append(Int8WeightOnlyLinear(lin, amx=kind == "int8-amx"))
             else:
-                module = Int4WeightOnlyLinear(lin, 32)
+                module = Int4WeightOnlyLinear(lin.float() if kind in FLOAT32_KERNELS else lin, 32)
                 module.amx = kind == "int4-amx"
-                module.panels = kind == "int4-panels"
+                module.panels = kind.startswith("int4-panels")
                 layers.append(module)
         out[name] = layers
     return out
+
+
+def held_bytes(layers: dict[str, list[nn.Module]]) -> int:
+    """Bytes of every tensor the layers hold (oneDNN's opaque packed weights by their size)."""
+    total = 0
+    for module in (m for group in layers.values() for layer in group for m in layer.modules()):
+        for t in itertools.chain(module.parameters(recurse=False), module.buffers(recurse=False)):
+            total += t.numel() * t.element_size()
+    return total
 
 
 def one_pass(layers: dict[str, list[nn.Module]], xs: dict[str, torch.Tensor]) -> float:
@@ -98,7 +114,10 @@ def main() -> None:
     ap.add_argument("--kernels", default="amx,int4,int4-amx")
     ap.add_argument("--rows", default="1,8,16,64,256,1024")
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--model", default="smollm2", choices=MODELS, help="whose layer shapes")
     args = ap.parse_args()
+    global SHAPES, LAYERS
+    SHAPES, LAYERS = MODELS[args.model]
     kernels = args.kernels.split(",")
     if unknown := [k for k in kernels if k not in KINDS]:
         ap.error(f"--kernels: unknown {', '.join(unknown)}; expected some of {', '.join(KINDS)}")
@@ -107,6 +126,8 @@ def main() -> None:
     print(f"{name} ({', '.join(f for f in ISA_FLAGS if f in flags)}), torch {torch.__version__}, {torch.get_num_threads()} threads")
     built = {k: build(k) for k in kernels}
     weights = sum(n * k for n, k in SHAPES.values()) * LAYERS
+    held = {k: held_bytes(built[k]) for k in kernels}
+    print("held MB: " + ", ".join(f"{k} {held[k] / 1e6:.0f}" for k in kernels))
     print(f"{'rows':>6} " + " ".join(f"{k + ' ms':>12}" for k in kernels) + " " + " ".join(f"{k + '/' + kernels[0]:>16}" for k in kernels[1:]))
     for rows in (int(r) for r in args.rows.split(",")):
         xs = {name: torch.randn(rows, k) for name, (_, k) in SHAPES.items()}
@@ -119,6 +140,8 @@ def main() -> None:
                 ms[k] = 1000 * sorted(one_pass(built[k], x) for _ in range(args.repeats))[args.repeats // 2]
         ratios = " ".join(f"{ms[kernels[0]] / ms[k]:>15.2f}x" for k in kernels[1:])
         print(f"{rows:>6} " + " ".join(f"{ms[k]:>12.2f}" for k in kernels) + " " + ratios)
+        if rows == 1:  # one row reads every weight once: how fast each kernel streams what it holds
+            print("       one row, held bytes read at: " + ", ".join(f"{k} {held[k] / ms[k] / 1e6:.1f} GB/s" for k in kernels))
     print(f"weights per pass: {weights / 1e6:.1f} M ({2 * weights / 1e6:.0f} MB in bfloat16)")
 
 
