@@ -50,7 +50,9 @@ from modserve.core.models.gguf_quantized import GGUFTensor, group_codes
 from modserve.core.models.kept_weights import KeptLinear
 from modserve.plugins.platforms.cpu_panel_linear import PanelLinear
 from modserve.plugins.platforms.cpu_linear import PackedLinear
+from modserve.plugins.platforms.cpu_int8_panel_linear import group_int8_kernel
 from modserve.plugins.platforms.cpu_quant import Int4WeightOnlyLinear, Int8GroupLinear, gguf_linear
+from modserve.plugins.platforms.cpu_split_linear import ColumnSplitLinear
 from gguf_k_quants import encode_k
 from test_gguf_reader import TINY_SHAPE, _finish, _shape_writer, _value_type, gguf_tensor_name, llama_cpp_permute, tiny_metadata
 from tiny_models import teacher_forced
@@ -162,28 +164,91 @@ def test_fused_parts_keep_their_rows_in_order(dtype):
     assert _rel_err(gguf_linear("x", q8)(x), F.linear(x.float(), w8.to(dtype).float())) <= MODULE_TOL[dtype]
 
 
+MIXES = {  # q / k / v kinds and widths: the pieces a layer mixing kinds is held as (int4, int8: Q8_0, codes: below 128)
+    "Q4_K+Q4_K+Q6_K": ((T.Q4_K, T.Q4_K, T.Q6_K), (64, 64, 32), [("int4", 128), ("codes", 32)]),  # llama.cpp's Q4_K_M
+    "Q5_0+Q5_0+Q8_0": ((T.Q5_0, T.Q5_0, T.Q8_0), (64, 32, 32), [("codes", 96), ("int8", 32)]),  # SmolLM2's Q4_K_M
+    "Q8_0+Q4_1+Q4_1": ((T.Q8_0, T.Q4_1, T.Q4_1), (64, 32, 32), [("int8", 64), ("int4", 64)]),
+    "Q4_K+Q4_K+Q6_K narrow": ((T.Q4_K, T.Q4_K, T.Q6_K), (64, 32, 32), [("codes", 128)]),  # 96 int4 outputs: not for the int4 panels
+    "Q5_0+Q5_K+Q4_0": ((T.Q5_0, T.Q5_K, T.Q4_0), (64, 32, 32), [("codes", 128)]),
+}
+
+
+def _piece_kind(module) -> str:
+    return "int4" if type(module) is Int4WeightOnlyLinear else "codes" if module.below_128 else "int8"
+
+
+def _on_panels(module, dtype: torch.dtype) -> None:
+    """What the cpu platform does to a kept module where this dtype's float linears are its panel kernels."""
+    for piece in module.pieces if isinstance(module, ColumnSplitLinear) else [module]:
+        if isinstance(piece, Int4WeightOnlyLinear):
+            piece.panels = True
+        else:
+            assert piece.use_panels(group_int8_kernel(dtype, below_128=piece.below_128), dtype)
+
+
+@pytest.mark.parametrize("panels", [False, True], ids=["torch", "panels"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("kinds", [(T.Q4_K, T.Q4_K, T.Q6_K), (T.Q8_0, T.Q4_1, T.Q4_1), (T.Q5_0, T.Q5_K, T.Q4_0)],
-                         ids=lambda ks: "+".join(k.name for k in ks))
-def test_a_layer_mixing_formats_is_held_as_int8_codes(kinds, dtype):
-    """q / k / v of different formats (llama.cpp's Q4_K_M stores v as Q6_K in some layers): one
-    int8 module, the group the finest part's (16 with Q6_K), each part's rows in order. Without
-    a Q8_0 part the codes are as stored (below 128) with every group's minimum as its zero;
-    with one they are centred, a zero per group where any part has a minimum (a symmetric
-    part's zeros exactly 0)."""
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_a_layer_mixing_kinds_is_held_as_pieces_of_one_kind(mix, dtype, panels):
+    """q / k / v of different kinds (llama.cpp's Q4_K_M stores v as Q6_K in some layers): one
+    module per run of parts of one kind (ColumnSplitLinear), each part's rows and bias in order;
+    an int4 run the int4 panels cannot take (not a multiple of 64 outputs) joins the codes below
+    128. On the panel kernels every piece writes its columns of one output (a call list records
+    them); through torch the pieces' outputs are concatenated."""
+    from test_cpu_experts import HAS_AVX2, TAKES_KERNEL
+
+    if panels and not (TAKES_KERNEL if dtype == torch.bfloat16 else HAS_AVX2):
+        pytest.skip("this dtype's panel kernels do not run on this CPU")
+    kinds, widths, want_pieces = MIXES[mix]
     torch.manual_seed(2)
-    parts = [gguf_tensor(torch.randn(n, 256) * 0.05, kind) for n, kind in zip((64, 32, 32), kinds)]
-    module = gguf_linear("layers.0.self_attn.qkv_proj", gguf_layer(parts, dtype, bias=False))
-    assert type(module) is Int8GroupLinear and module.group == (16 if T.Q6_K in kinds else 32)
-    assert module.zero is not None and module.below_128 == (T.Q8_0 not in kinds)
-    if T.Q8_0 in kinds:
-        assert module.zero[:64].abs().max() == 0 and module.zero[64:].abs().max() > 0 and module.center == 0
-    else:
-        assert module.qweight.min() >= 0 and int(module.qweight.max()) < 2 ** max(group_codes(p).bits for p in parts)
+    parts = [gguf_tensor(torch.randn(n, 256) * 0.05, kind) for n, kind in zip(widths, kinds)]
+    layer = gguf_layer(parts, dtype)
+    module = gguf_linear("layers.0.self_attn.qkv_proj", layer)
+    pieces = module.pieces if len(want_pieces) > 1 else [module]
+    assert (type(module) is ColumnSplitLinear) == (len(want_pieces) > 1)
+    assert [(_piece_kind(p), p.out_features) for p in pieces] == want_pieces
+    for piece in pieces:
+        if _piece_kind(piece) == "codes":  # as stored; Q6_K: groups of 16
+            assert piece.group == (16 if T.Q6_K in kinds else 32)
+    if panels:
+        _on_panels(module, dtype)
+    assert module.records == panels
     w = torch.cat([p.dequantize() for p in parts])
     for rows in (1, 6, 30):
         x = torch.randn(rows, 256).to(dtype)
-        assert _rel_err(module(x), F.linear(x.float(), w.to(dtype).float())) <= MODULE_TOL[dtype], rows
+        got = module(x)
+        assert got.dtype == dtype and got.shape == (rows, sum(widths))
+        assert _rel_err(got, F.linear(x.float(), w.to(dtype).float(), layer.bias.float())) <= MODULE_TOL[dtype], rows
+
+
+def test_writing_in_place_needs_the_panels_and_an_output_of_the_pieces_shape():
+    from test_cpu_experts import HAS_AVX2
+
+    torch.manual_seed(0)
+    module = gguf_linear("o", gguf_layer([gguf_tensor(torch.randn(32, 64), T.Q8_0)], torch.float32, bias=False))
+    x = torch.randn(2, 64)
+    with pytest.raises(TypeError, match="Int8GroupLinear writes in place only on the panel kernels"):
+        module.product_into(x, torch.empty(2, 32))
+    if not HAS_AVX2:
+        return
+    _on_panels(module, torch.float32)
+    wide = torch.zeros(2, 48)
+    module.product_into(x, wide[:, 8:40])  # columns of a wider output: the rest untouched
+    assert torch.equal(wide[:, 8:40], module(x)) and not wide[:, :8].any() and not wide[:, 40:].any()
+    with pytest.raises(ValueError, match=r"widened_product: out must be \[2, 32\] torch.float32 with unit column stride"):
+        module.product_into(x, torch.empty(2, 31))
+
+
+def test_a_lone_layer_mixing_q4_and_6_bit_parts_keeps_the_minima_as_zeros():
+    """One module for Q4_K + Q6_K (no int4 run the panels take): the codes as stored (below
+    128), every group's minimum its zero (Q6_K's -32 d), in groups of 16."""
+    torch.manual_seed(2)
+    parts = [gguf_tensor(torch.randn(n, 256) * 0.05, kind) for n, kind in zip((64, 32, 32), (T.Q4_K, T.Q4_K, T.Q6_K))]
+    module = gguf_linear("layers.0.self_attn.qkv_proj", gguf_layer(parts, torch.float32, bias=False))
+    assert type(module) is Int8GroupLinear and module.below_128 and module.zero is not None and module.center == 0
+    assert module.qweight.min() >= 0 and int(module.qweight.max()) < 64
+    d = group_codes(parts[2]).per_group(16)[0]
+    assert torch.equal(module.zero[96:, :, 0], -32 * d)
 
 
 def test_unkept_types_and_layers_are_refused_by_name():
@@ -265,7 +330,7 @@ FILES = {  # how each test file stores its projections (the embedding Q8_0 in al
               {Int4WeightOnlyLinear}),
     "q5": (lambda name, t: T.Q5_0 if ("q_proj" in name or "gate" in name or "down" in name) else T.Q5_1 if "proj" in name else T.Q8_0,
            {Int8GroupLinear}),
-    "q4_k_m": (q4_k_m, {Int4WeightOnlyLinear, Int8GroupLinear}),  # gate_up Q4_K on int4; qkv mixed, o, down: int8 codes
+    "q4_k_m": (q4_k_m, {Int4WeightOnlyLinear, Int8GroupLinear, ColumnSplitLinear}),  # gate_up Q4_K on int4; qkv: q / k int4, v codes
 }
 WIDE = {"q4_k_m"}  # files of the model 256 wide
 
@@ -324,7 +389,7 @@ def test_kept_engine_matches_the_dequantized_engine(files, reference, file, dtyp
     want = teacher_forced(ref, sequences)
     llm = _llm(files[file], dtype, quantization="gguf", quantize_lm_head=True)
     model = llm.engine.c.runner.model
-    kinds = [type(m) for m in model.layers.modules() if type(m) in (Int4WeightOnlyLinear, Int8GroupLinear)]
+    kinds = [type(m) for name, m in model.layers.named_modules() if name.endswith("_proj")]
     assert len(kinds) == 4 * len(model.layers) and set(kinds) == FILES[file][1]  # qkv, o, gate_up, down
     assert type(model.lm_head) is Int8GroupLinear  # the untied head is Q8_0 (Q6_K) in every file
     assert not any(isinstance(m, (KeptLinear, nn.Linear, PackedLinear, PanelLinear)) for m in model.modules())
@@ -360,6 +425,8 @@ def test_a_kept_file_replays_its_decode_steps_where_its_layers_are_on_the_panels
     llm, got = run(True)
     layers = [m for m in llm.engine.c.runner.model.layers.modules() if isinstance(m, (Int8GroupLinear, Int4WeightOnlyLinear))]
     on_panels = all(m.records for m in layers)
+    split = [m for m in llm.engine.c.runner.model.layers.modules() if isinstance(m, ColumnSplitLinear)]
+    assert len(split) == (2 if file == "q4_k_m" else 0) and all(m.records == on_panels for m in split)  # q / k int4, v Q6_K codes
     from test_cpu_experts import HAS_AVX2, TAKES_KERNEL  # where this dtype's float linears are our panel kernels
 
     assert layers and on_panels == (TAKES_KERNEL if dtype == "bfloat16" else HAS_AVX2)
@@ -414,7 +481,7 @@ def test_a_tied_head_is_kept_from_the_embeddings_blocks(reference, tmp_path):
     assert [w[0] for w in want] == [g[0] for g in got] and max(abs(w[1] - g[1]) for w, g in zip(want, got)) <= F32_MAX_NATS
 
 
-def test_float_layers_stay_float_and_mixed_layers_are_int8_codes(files, reference, tmp_path):
+def test_float_layers_stay_float_and_mixed_layers_are_split(files, reference, tmp_path):
     path = write_quantized_gguf(tmp_path / "f16.gguf", reference, lambda name, t: T.F16 if "down_proj" in name else T.Q4_1)
     llm = _llm(path, quantization="gguf")
     layer = llm.engine.c.runner.model.layers[0]
@@ -425,7 +492,7 @@ def test_float_layers_stay_float_and_mixed_layers_are_int8_codes(files, referenc
     path = write_quantized_gguf(tmp_path / "mixed.gguf", reference, lambda name, t: T.Q8_0 if "q_proj" in name else T.Q4_1)
     llm = _llm(path, quantization="gguf")
     qkv = llm.engine.c.runner.model.layers[0].self_attn.qkv_proj
-    assert type(qkv) is Int8GroupLinear and "zeros" in repr(qkv)  # Q8_0 + Q4_1: the Q4_1 rows' minima as zeros
+    assert type(qkv) is ColumnSplitLinear and [type(p) for p in qkv.pieces] == [Int8GroupLinear, Int4WeightOnlyLinear]  # Q8_0, Q4_1
     sequences = _sequences(_llm(path), reference.config.vocab_size)
     want, got = teacher_forced(_llm(path), sequences), teacher_forced(llm, sequences)
     assert [w[0] for w in want] == [g[0] for g in got] and max(abs(w[1] - g[1]) for w, g in zip(want, got)) <= F32_MAX_NATS

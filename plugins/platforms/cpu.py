@@ -38,6 +38,7 @@ from modserve.plugins.platforms.cpu_memory import keep_freed_memory
 from modserve.plugins.platforms.cpu_panel_linear import PanelLinear
 from modserve.plugins.platforms.cpu_prequantized import CHECKPOINT_SCHEMES, checkpoint_linear
 from modserve.plugins.platforms.cpu_quant import Int4WeightOnlyLinear, Int8GroupLinear, QuantizedLinear, gguf_linear, quantize_linear
+from modserve.plugins.platforms.cpu_split_linear import ColumnSplitLinear
 
 MODSERVE_CONTRACT = "2.8"  # DeviceInfo.kernels; its AMX linears are GatedLinear; decode graphs as native call lists; experts
 log = logging.getLogger("modserve.platform")
@@ -175,11 +176,12 @@ class CPUPlatform(Platform):
     def _linear(self, name: str, layer: nn.Linear) -> nn.Module:
         module = self._quantized(name, layer)
         if module is not layer:
-            if isinstance(module, Int4WeightOnlyLinear):
-                module.amx = self.amx_linears  # many rows: widened to bfloat16 tiles on AMX
-                module.panels = self._panels_for(module.scales_and_zeros.dtype)  # ... or one native call on our panel kernels
-            if isinstance(module, Int8GroupLinear) and self._panels_for(layer.dtype):  # a kept layer: GGUF Q8_0 / Q6_K / Q5_x, GPTQ 8-bit
-                module.use_panels(group_int8_kernel(layer.dtype, below_128=module.below_128), layer.dtype)
+            for piece in module.pieces if isinstance(module, ColumnSplitLinear) else [module]:  # a GGUF layer mixing kinds: each
+                if isinstance(piece, Int4WeightOnlyLinear):
+                    piece.amx = self.amx_linears  # many rows: widened to bfloat16 tiles on AMX
+                    piece.panels = self._panels_for(piece.scales_and_zeros.dtype)  # ... or one native call on our panel kernels
+                if isinstance(piece, Int8GroupLinear) and self._panels_for(layer.dtype):  # kept: GGUF Q8_0 / Q6_K / Q5_x, GPTQ 8-bit
+                    piece.use_panels(group_int8_kernel(layer.dtype, below_128=piece.below_128), layer.dtype)
             return module
         if not self.config.pack_weights:
             return layer

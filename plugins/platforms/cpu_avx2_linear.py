@@ -46,16 +46,17 @@ def load_int4(extra_flags: tuple[str, ...] = ()) -> NativeFunction:
 
 
 def int4_product(rows: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int,
-                 bias: torch.Tensor | None = None, extra_flags: tuple[str, ...] = ()) -> torch.Tensor:
+                 bias: torch.Tensor | None = None, extra_flags: tuple[str, ...] = (), out: torch.Tensor | None = None) -> torch.Tensor:
     """``rows @ W.T + bias`` in float32 for int4 ``W`` held as torch's CPU int4 kernel holds it
     (``packed`` ``[N, K/2]`` uint8, N a multiple of 64; ``scales_and_zeros`` ``[K/group, N, 2]``
     float32; K and the group multiples of 32; ``bias`` ``[N]`` float32 or None), one native
     call: each thread widens four of its panels at a time to float32 (``q s + (z - 8 s)``) in a
     scratch that stays in its cache and runs the FMA blocks on them. torch's int4 kernel takes a
     slow path with float32 rows (SmolLM2's 576 -> 1536 layer: 648 us at one row, 40 ms at 64,
-    against 22 us and 245 us for the bfloat16-held float32 layer). ``rows`` ``[M, K]`` float32."""
+    against 22 us and 245 us for the bfloat16-held float32 layer). ``rows`` ``[M, K]`` float32;
+    ``out``: where to write (widened_product)."""
     n, k = packed.shape[0], packed.shape[1] * 2
-    return widened_product(load_int4(extra_flags), rows, packed, scales_and_zeros, n, k, group, bias)
+    return widened_product(load_int4(extra_flags), rows, packed, scales_and_zeros, n, k, group, bias, out=out)
 
 
 @functools.cache

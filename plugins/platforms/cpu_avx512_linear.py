@@ -45,7 +45,7 @@ def load_int4() -> NativeFunction:
 
 
 def int4_product(rows: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
+                 bias: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``rows @ W.T + bias`` in bfloat16 for int4 ``W`` held as torch's CPU int4 kernel holds it
     (``packed`` from ``_convert_weight_to_int4pack_for_cpu``, ``[N, K/2]`` uint8, N a multiple
     of 64; ``scales_and_zeros`` ``[K/group, N, 2]`` bfloat16; K and the group multiples of 32;
@@ -53,8 +53,8 @@ def int4_product(rows: torch.Tensor, packed: torch.Tensor, scales_and_zeros: tor
     each thread multiplies its 64-output blocks' nibbles directly (the weights never rounded);
     from 8 rows on it widens four of its panels at a time to bfloat16 (``q s + (z - 8 s)``,
     rounded once, as the AMX tiles' widening) in a scratch that stays in its cache and
-    multiplies them with VDPBF16PS. ``rows`` ``[M, K]`` bfloat16."""
-    return widened_product(load_int4(), rows, packed, scales_and_zeros, packed.shape[0], packed.shape[1] * 2, group, bias)
+    multiplies them with VDPBF16PS. ``rows`` ``[M, K]`` bfloat16; ``out``: where to write (widened_product)."""
+    return widened_product(load_int4(), rows, packed, scales_and_zeros, packed.shape[0], packed.shape[1] * 2, group, bias, out=out)
 
 
 @functools.cache

@@ -75,15 +75,21 @@ def gated_pairs(packed: torch.Tensor) -> torch.Tensor:
 
 
 def widened_product(kernel: NativeFunction, rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int, k: int,
-                    group: int, bias: torch.Tensor | None, *extra) -> torch.Tensor:
+                    group: int, bias: torch.Tensor | None, *extra, out: torch.Tensor | None = None) -> torch.Tensor:
     """``rows [M, k]`` (the kernel's dtype) times ``n`` outputs' codes and group scales, plus
     ``bias`` (``[n]`` float32 or None), by one call of an entry taking :data:`WIDENED_ARGS`
-    (``extra``: the arguments an entry takes after them, :data:`GROUP_INT8_ARGS`' zeros and center)."""
+    (``extra``: the arguments an entry takes after them, :data:`GROUP_INT8_ARGS`' zeros and center).
+    ``out``: where to write ``[M, n]`` (unit stride along n, any row stride: a column slice of a
+    wider output), else a new tensor."""
     rows = tile_rows(rows)
-    out = torch.empty(rows.shape[0], n, dtype=rows.dtype)
+    if out is None:
+        out = torch.empty(rows.shape[0], n, dtype=rows.dtype)
+    elif out.shape != (rows.shape[0], n) or out.dtype != rows.dtype or out.stride(1) != 1:
+        raise ValueError(f"widened_product: out must be [{rows.shape[0]}, {n}] {rows.dtype} with unit column stride, "
+                         f"got {list(out.shape)} {out.dtype} stride {out.stride()}")
     kernel(
         rows.data_ptr(), rows.stride(0), rows.shape[0], codes.data_ptr(), scales.data_ptr(), n, k, group,
-        None if bias is None else bias.data_ptr(), out.data_ptr(), n, torch.get_num_threads(), *extra,
+        None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), torch.get_num_threads(), *extra,
     )  # fmt: skip
     return out
 

@@ -75,6 +75,7 @@ build nothing per shape and take the rows as they come.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 
 import torch
@@ -142,6 +143,11 @@ class QuantizedLinear(nn.Module):
 
     def with_bias(self, out: torch.Tensor) -> torch.Tensor:
         return out if self.bias is None else out.add_(self.bias)
+
+    def product_into(self, rows: torch.Tensor, out: torch.Tensor) -> None:
+        """:meth:`product` written into ``out`` (``[M, N]``, any row stride: columns of a wider
+        output) by the one native call of a module that :attr:`records`."""
+        raise TypeError(f"{type(self).__name__} writes no output in place")
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -356,6 +362,14 @@ class Int4WeightOnlyLinear(QuantizedLinear):
             return kernels.int4_product(rows, self.packed, sz, self.group_size, self._bias32)
         return self.with_bias(torch._weight_int4pack_mm_for_cpu(rows.contiguous(), self.packed, self.group_size, sz))
 
+    def product_into(self, rows: torch.Tensor, out: torch.Tensor) -> None:
+        if not self.records or rows.dtype != self.scales_and_zeros.dtype:
+            raise TypeError(f"Int4WeightOnlyLinear writes in place only on the panel kernels, with {self.scales_and_zeros.dtype} rows")
+        from modserve.plugins.platforms import cpu_avx2_linear, cpu_avx512_linear
+
+        kernels = cpu_avx512_linear if rows.dtype == torch.bfloat16 else cpu_avx2_linear
+        kernels.int4_product(rows, self.packed, self.scales_and_zeros, self.group_size, self._bias32, out=out)
+
     @property
     def records(self) -> bool:
         """Whether a call is one native call for any row count (no torch operator): a decode
@@ -442,7 +456,12 @@ class Int8GroupLinear(QuantizedLinear):
         """Whether a call is one native call (on the panels): recordable in a decode call list."""
         return self._panels is not None
 
-    def _panel_product(self, rows: torch.Tensor) -> torch.Tensor:
+    def product_into(self, rows: torch.Tensor, out: torch.Tensor) -> None:
+        if self._panels is None:
+            raise TypeError("Int8GroupLinear writes in place only on the panel kernels")
+        self._panel_product(rows, out)
+
+    def _panel_product(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if rows.dtype != self._dtype:
             raise TypeError(f"Int8GroupLinear on the panel kernels takes {str(self._dtype).removeprefix('torch.')} rows, got {rows.dtype}")
         from modserve.plugins.platforms.cpu_panel_linear import widened_product
@@ -450,7 +469,7 @@ class Int8GroupLinear(QuantizedLinear):
         buffers = self._buffers
         zeros = buffers["panel_zeros"]
         return widened_product(self._panels, rows, buffers["codes"], buffers["panel_scales"], self.out_features, self.in_features,
-                               self.group, buffers["_bias32"], None if zeros is None else zeros.data_ptr(), float(self.center))
+                               self.group, buffers["_bias32"], None if zeros is None else zeros.data_ptr(), float(self.center), out=out)
 
     def extra_repr(self) -> str:
         zeros = self._buffers.get("zero") is not None or self._buffers.get("panel_zeros") is not None
@@ -476,10 +495,14 @@ def gguf_linear(name: str, layer: nn.Module) -> nn.Module:
       values (``w = d q + m`` is torch's ``(q - 8) d + (m + 8 d)``); the only change is the
       scales' and zeros' rounding to the model dtype (none in float32 but ``m + 8 d`` rounded
       once; bfloat16 keeps 8 bits of each).
-    - anything else (Q8_0, Q6_K, Q5_0 / Q5_1 / Q5_K, a fused layer mixing formats, as
-      llama.cpp's Q4_K_M mixes Q4_K and Q6_K in q / k / v, or a Q4 layer whose out_features
-      torch's int4 packing cannot take): :class:`Int8GroupLinear`, in groups of 16 where a
-      Q6_K part is present, else 32. Without a Q8_0 part, the codes as stored (below 128) with
+    - a fused layer whose parts are of different kinds (int4: Q4_0 / Q4_1 / Q4_K in runs of
+      a multiple of 64 outputs; Q8_0; the other formats), as llama.cpp's Q4_K_M mixes Q4_K
+      q / k with a Q6_K v: one module per run of parts of one kind, side by side
+      (:class:`~modserve.plugins.platforms.cpu_split_linear.ColumnSplitLinear`), each built
+      by these rules.
+    - anything else (Q8_0, Q6_K, Q5_0 / Q5_1 / Q5_K, a fused layer mixing those, or a Q4 layer
+      whose out_features torch's int4 packing cannot take): :class:`Int8GroupLinear`, in
+      groups of 16 where a Q6_K part is present, else 32. Without a Q8_0 part, the codes as stored (below 128) with
       each group's scale and minimum (``below_128``: exact), or only the scales and the formats'
       one center where every part is symmetric (Q6_K, Q5_0: 2 bits a weight fewer at groups of
       16); with one, the codes centred to
@@ -510,6 +533,10 @@ def gguf_linear(name: str, layer: nn.Module) -> nn.Module:
             f"device.quantization: gguf keeps {', '.join(GGUF_KEPT)} weights; layer {name!r} is stored as "
             f"{'+'.join(layer.types)}: use none (dequantize at load), int8 or int4"
         )
+    if len(pieces := _pieces_of_one_kind(layer)) > 1:
+        from modserve.plugins.platforms.cpu_split_linear import ColumnSplitLinear
+
+        return ColumnSplitLinear(layer, [gguf_linear(name, piece) for piece in pieces])
     parts = [group_codes(p) for p in layer.parts]
     if types <= GGUF_INT4 and layer.out_features % INT4_N_MULTIPLE == 0:
         q, d, m = (torch.cat(t) for t in zip(*((c.q.to(torch.int32), c.scale, c.minimum_or_center()) for c in parts)))
@@ -528,6 +555,35 @@ def gguf_linear(name: str, layer: nn.Module) -> nn.Module:
     zero = None if all(t is None for t in z) else torch.cat([t if t is not None else torch.zeros_like(s) for t, s in zip(z, d)])
     scale_dtype = torch.float16 if types == {"Q8_0"} else torch.float32  # Q8_0's own scales; the others' products need float32
     return Int8GroupLinear(layer, torch.cat(q), torch.cat(d), group, scale_dtype, zero)
+
+
+def _pieces_of_one_kind(layer) -> list:
+    """``layer``'s parts (a GGUF-kept fused layer's) in runs of one kind, each as a layer of its
+    own (its rows of the bias): int4 (Q4_0 / Q4_1 / Q4_K, in a run of a multiple of 64 outputs,
+    what the int4 panel kernels take), Q8_0 (int8 codes) and the rest (codes below 128)."""
+    from modserve.core.models.kept_weights import KeptLinear
+
+    widths = [p.shape[0] for p in layer.parts]
+    kinds = ["int4" if t in GGUF_INT4 else "int8" if t == "Q8_0" else "codes" for t in layer.types]
+
+    def runs() -> list[list[int]]:  # consecutive parts of one kind
+        return [[i for i, _ in run] for _, run in itertools.groupby(enumerate(kinds), key=lambda ik: ik[1])]
+
+    for run in runs():  # an int4 run the int4 panels cannot take: codes below 128 (exact)
+        if kinds[run[0]] == "int4" and sum(widths[i] for i in run) % 64:
+            kinds[run[0] : run[-1] + 1] = ["codes"] * len(run)
+    if len(pieces := runs()) == 1:
+        return [layer]
+    out, start = [], 0
+    for piece in pieces:
+        n = sum(widths[i] for i in piece)
+        kept = KeptLinear(nn.Linear(layer.in_features, n, bias=False, device="meta"), [layer.parts[i] for i in piece], layer.device,
+                          layer.dtype)
+        if layer.bias is not None:
+            kept.bias = nn.Parameter(layer.bias.detach()[start : start + n], requires_grad=False)
+        out.append(kept)
+        start += n
+    return out
 
 
 def quantize_linear(scheme: str, name: str, layer: nn.Linear, int4_group: int = 128, amx: bool = False) -> nn.Module:
