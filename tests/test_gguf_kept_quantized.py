@@ -436,12 +436,15 @@ def test_a_kept_file_replays_its_decode_steps_where_its_layers_are_on_the_panels
     assert run(False)[1] == got
 
 
-def test_default_head_stays_float_and_none_is_the_dequantized_model(files, reference):
-    """Without quantize_lm_head the head is the float (dequantized) layer; with quantization
-    none every layer is the file's dequantized values, as read_gguf gives them."""
+def test_the_heads_own_blocks_are_kept_by_default_and_none_is_the_dequantized_model(files, reference):
+    """By default gguf keeps an untied head's own blocks (as llama.cpp and vLLM read it: they
+    replace the float weight, exactly); quantize_lm_head: false dequantizes it to a float layer;
+    with quantization none every layer is the file's dequantized values, as read_gguf gives them."""
     from modserve.core.models.gguf_reader import read_gguf
 
     model = _llm(files["q4_1"], quantization="gguf").engine.c.runner.model
+    assert type(model.lm_head) is Int8GroupLinear  # the file's Q8_0 head
+    model = _llm(files["q4_1"], quantization="gguf", quantize_lm_head=False).engine.c.runner.model
     assert isinstance(model.lm_head, (PackedLinear, PanelLinear, nn.Linear)) and type(model.lm_head) is not KeptLinear
     plain = _llm(files["q4_1"], pack_weights=False).engine.c.runner.model
     tensors = read_gguf(files["q4_1"]).tensors
@@ -462,7 +465,7 @@ def test_gguf_needs_a_gguf_checkpoint(tiny_models):
 def test_a_tied_head_is_kept_from_the_embeddings_blocks(reference, tmp_path):
     """A head tied to a Q8_0 embedding has no tensor of its own: with quantize_lm_head it is
     built from the embedding's blocks (the values llama.cpp's output layer reads), the embedding
-    staying the float parameter it was; without, the head shares that parameter as before.
+    staying the float parameter it was; by default, the head shares that parameter as before.
     float32: the same top-1 tokens and logprobs within F32_MAX_NATS of the dequantized engine."""
     torch.manual_seed(0)
     tied = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_SHAPE, tie_word_embeddings=True)).eval()

@@ -27,6 +27,7 @@ from modserve.core import native_calls
 from modserve.core.config import ConfigError
 from modserve.core.contract import DeviceInfo, NativeFunction, Platform, hookimpl
 from modserve.core.contract.experts import ExpertMLP
+from modserve.core.models.kept_weights import KeptLinear
 from modserve.native.build import KernelUnavailable
 from modserve.plugins.platforms import cpu_amx_linear as amx_linear
 from modserve.plugins.platforms import cpu_avx2_linear as avx2_linear
@@ -54,7 +55,7 @@ class CPUConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     reuse_freed_memory: bool = True  # glibc: keep freed step memory in the process instead of faulting it in again every step
     quantization: Literal["none", "int8", "w8a8", "int4", "gguf", "gptq", "awq", "compressed-tensors"] = "none"  # linear weights (int8: mixtures of experts' experts too): int8 weight-only, int8 weights and activations (per token), int4 weight-only groups, a GGUF file's Q8_0/Q6_K/Q5_K/Q5_0/Q5_1/Q4_K/Q4_0/Q4_1 blocks kept as they are, or a pre-quantized HF checkpoint's weights kept (docs/quantization.md)
     int4_group_size: Literal[32, 64, 128, 256] | None = None  # quantization: int4 only (default 128): inputs per scale/zero group; a layer whose in_features it does not divide takes the largest smaller size that does
-    quantize_lm_head: bool = False  # quantize the LM head too (a tied head gets its own quantized copy, with gguf the embedding's blocks; the embedding stays as loaded)
+    quantize_lm_head: bool | None = None  # quantize the LM head too (a tied head gets its own quantized copy, with gguf the embedding's blocks; the embedding stays as loaded); default: only gguf's own head tensor, kept as its blocks (as llama.cpp and vLLM read it), a head tied to the embedding stays the shared float weight
     decode_graphs: bool = True  # replay decode steps of up to graph_max_batch requests as recorded kernel call lists (one C call a step; docs/cpu_decode_graphs.md); where the forward is not all recordable kernels, steps run eagerly and the log says why
     graph_max_batch: Annotated[int, msgspec.Meta(ge=1, le=256)] | None = None  # decode_graphs only (default 16): the largest decode batch replayed; each size from 1 is recorded at a server's start-up (offline: the first time it runs)
 
@@ -209,7 +210,7 @@ class CPUPlatform(Platform):
             kept = checkpoint_linear(self.config.quantization, name, layer, self.amx_linears, self.amx_int8, self._int8_panel_kernel)
             self.kept_layers += kept is not layer
             return kept
-        if self.config.quantization == "none" or (name == "lm_head" and not self.config.quantize_lm_head):
+        if self.config.quantization == "none" or (name == "lm_head" and not self._quantizes_head(layer)):
             return layer
         if name in self.routers and self.config.quantization != "gguf":  # a GGUF file's router stays as stored
             return layer  # as vLLM and llama.cpp keep it: an expert's choice turns on small differences of its logits
@@ -219,6 +220,14 @@ class CPUPlatform(Platform):
             amx = self.amx_int8 if self.config.quantization == "w8a8" else self.amx_linears
             return quantize_linear(self.config.quantization, name, layer, self.config.int4_group_size or 128, amx)
         return gguf_linear(name, layer)  # the layer itself where the file stores it as floats
+
+    def _quantizes_head(self, head: nn.Linear) -> bool:
+        """``quantize_lm_head``, or by default whether the head is a GGUF file's own tensor under
+        ``gguf``: its blocks kept replace the float weight, exactly; a head tied to the embedding
+        would get a copy beside it (more memory, and slower than the float head from 16 rows)."""
+        if self.config.quantize_lm_head is not None:
+            return self.config.quantize_lm_head
+        return self.config.quantization == "gguf" and isinstance(head, KeptLinear) and not head.tied
 
     def _panels_for(self, dtype: torch.dtype) -> bool:
         """Whether this dtype's float linears run on our panel kernels without AMX (bfloat16 on
