@@ -2,7 +2,8 @@
 # llama.cpp's llama-server built from source (optional peer). The source comes from PyPI: the
 # llama-cpp-python sdist vendors the whole llama.cpp tree (no git clone needed). Also writes a
 # bf16 GGUF of the same HF directory the other systems serve, with llama.cpp's own converter, and
-# with QUANTS (e.g. "Q4_K_M Q8_0") llama-quantize's files of it beside it: smollm2-135m-instruct-<type>.gguf.
+# with QUANTS (e.g. "Q4_K_M Q8_0") llama-quantize's files of it beside it, the bf16 file's name with <type> for bf16:
+# smollm2-135m-instruct-<type>.gguf. Another model: MODEL_DIR=<HF dir> LLAMA_GGUF=<dir>/<name>-bf16.gguf.
 #
 #   benchmarks/peers/llama_cpp_setup.sh     # LLAMA_CPP_DIR=/tmp/llama-cpp MODEL_DIR=/tmp/smollm2-135m-instruct-hf QUANTS=""
 # Needs cmake and a C++ compiler (apt-get install cmake g++ if missing).
@@ -43,7 +44,7 @@ if [ ! -f "$GGUF" ]; then
 fi
 
 for quant in ${QUANTS:-}; do
-    out="$DIR/smollm2-135m-instruct-$quant.gguf"
+    out="${GGUF%-bf16.gguf}"; out="${out%.gguf}-$quant.gguf"   # beside the bf16 file: <name>-Q4_K_M.gguf
     [ -f "$out" ] && continue
     [ -x "$DIR/build/bin/llama-quantize" ] || cmake --build "$DIR/build" --target llama-quantize -j "$(nproc)" >/dev/null
     "$DIR/build/bin/llama-quantize" "$GGUF" "$out" "$quant" >/dev/null
