@@ -31,9 +31,8 @@ struct GroupZeros {
 
 // The direct paths' loop (group_int8_direct, group_f32_direct): one thread's panels [p0, p1) for
 // every row of a few-row call, in blocks of up to P panels and R rows, `block_for(rows, panels)`
-// giving the block function of that size; each column of blocks' first gets `ahead`, the next P
-// panels' codes (a whole next column only): the float32 blocks ask for those, the bfloat16 ones
-// for their own codes kCodesAhead on.
+// giving the block function of that size; each column of blocks' first asks for the next P
+// panels' codes ahead (a whole next column only).
 template <int P, int R, typename X, typename Y, typename BlockFor>
 void group_direct_blocks(const X* x, int64_t x_stride, int64_t M, const int8_t* codes, const float* scales, GroupZeros zeros,
                          const float* xsum, int64_t N, int K, int group, const float* bias, Y* y, int64_t y_stride, int64_t p0,
@@ -93,13 +92,6 @@ inline __m512bh magic_pair(const int8_t* codes) {
 // minima then the zeros).
 enum class Codes { kInt8, kMagic };
 
-// How far ahead a direct block asks for each of its panels' codes (the first row block of a
-// column: `ahead` non-null). Asking for the next four panels' codes instead (a whole block ahead:
-// 512 KB at K 8,192) ran Llama-1B-shaped layers at one row 1.36-1.46x the bfloat16 panels' speed
-// with Q8_0-like codes, 1.45-1.65x with this (Q5_1-like 1.20-1.32x -> 1.19-1.45x; SmolLM2's
-// layers at 4 rows 1.03-1.35x -> 1.26-1.33x; Zen 5, three alternated runs a side).
-constexpr int64_t kCodesAhead = 1024;
-
 // Rows [0, R) of x times panels [0, P) of group-scaled codes (`codes`, `scales` and `zeros` at
 // the first panel; `panel` codes a panel, scales and zeros [panel][groups][16]; `zeros` null for
 // symmetric codes, else `xsum` the rows' group_input_sums) without widening to memory, for the
@@ -119,8 +111,10 @@ void group_int8_block(const uint16_t* x, int64_t x_stride, const int8_t* codes, 
         for (int r = 0; r < R; ++r)
             for (int p = 0; p < P; ++p) sums[r][p] = _mm512_setzero_ps();
         for (int k = g * group / 2; k < (g + 1) * group / 2; ++k) {  // input pairs
-            if (ahead != nullptr && (k & 1) == 0)  // each panel's codes kCodesAhead bytes on: a line every two input pairs
-                for (int p = 0; p < P; ++p) prefetch_line(codes + p * panel + static_cast<int64_t>(k) * 32 + kCodesAhead);
+            if (ahead != nullptr) {  // two lines of the next four panels per input pair: all of them by the end
+                prefetch_line(ahead + static_cast<int64_t>(k) * 128);
+                prefetch_line(ahead + static_cast<int64_t>(k) * 128 + 64);
+            }
             __m512bh w[P];
             for (int p = 0; p < P; ++p) {
                 const int8_t* pair = codes + p * panel + static_cast<int64_t>(k) * 32;
@@ -163,8 +157,8 @@ GroupBlock group_block_of_panels(int p) {
 }
 
 // One thread's panels [p0, p1) for every row (few rows), four panels and up to four rows a block;
-// the first block of a column asks for its codes ahead (kCodesAhead: a row's widening keeps the
-// core busy between loads). C: how the codes are read (Codes).
+// the first block of a column asks for the next four panels' codes ahead (as the int8 panels do:
+// a row's widening keeps the core busy between loads). C: how the codes are read (Codes).
 template <Codes C>
 void group_int8_direct(const uint16_t* x, int64_t x_stride, int64_t M, const int8_t* codes, const float* scales, GroupZeros zeros,
                        const float* xsum, int64_t N, int K, int group, const float* bias, uint16_t* y, int64_t y_stride, int64_t p0,
