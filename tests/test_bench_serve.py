@@ -476,3 +476,40 @@ def test_compare_script_rejects_a_missing_model_path_before_any_work(var, tmp_pa
     assert r.returncode == 2
     assert r.stderr.strip() == f"{var}: no such file or directory: {missing}"
     assert not (tmp_path / "out").exists()  # stopped before writing anything
+
+
+def _random_llama(*args: str):
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "random_llama.py"
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=120)
+
+
+def test_random_llama_writes_a_model_the_engine_serves(tiny_llama, tmp_path):
+    """benchmarks/random_llama.py: the shape asked for (untied head, the tokenizer directory's
+    vocabulary), loadable by modserve; a shape that cannot be is refused naming the flag."""
+    import json
+
+    from safetensors import safe_open
+
+    from modserve import LLM, SamplingParams
+
+    path, hf = tiny_llama
+    out = tmp_path / "random"
+    r = _random_llama(str(out), "--hidden", "64", "--intermediate", "96", "--layers", "2", "--heads", "4", "--kv-heads", "2",
+                      "--tokenizer-dir", path)
+    assert r.returncode == 0, r.stderr
+    config = json.loads((out / "config.json").read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"], config["head_dim"], config["tie_word_embeddings"]) == (64, 2, 16, False)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert f.get_slice("model.layers.1.self_attn.k_proj.weight").get_shape() == [32, 64]
+        assert f.get_slice("lm_head.weight").get_shape() == [hf.config.vocab_size, 64]
+    llm = LLM(model={"path": str(out), "max_model_len": 64}, kv_cache={"plugin": "paged", "num_blocks": 16})
+    got = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(got[0].outputs[0].token_ids) == 4
+    bad = _random_llama(str(tmp_path / "bad"), "--hidden", "100", "--heads", "32", "--tokenizer-dir", path)
+    assert bad.returncode == 2 and "--hidden 100 is not a multiple of --heads 32" in bad.stderr
+    assert not (tmp_path / "bad").exists()
+    missing = _random_llama(str(tmp_path / "bad"), "--tokenizer-dir", str(tmp_path / "nowhere"))
+    assert missing.returncode == 2 and "--tokenizer-dir: no config.json in" in missing.stderr
