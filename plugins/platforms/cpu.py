@@ -177,7 +177,7 @@ class CPUPlatform(Platform):
     def _linear(self, name: str, layer: nn.Linear) -> nn.Module:
         module = self._quantized(name, layer)
         if module is not layer:
-            for piece in module.pieces if isinstance(module, ColumnSplitLinear) else [module]:  # a GGUF layer mixing kinds: each
+            for piece in module.pieces if isinstance(module, ColumnSplitLinear) else [module]:  # each piece of a GGUF layer mixing kinds
                 if isinstance(piece, Int4WeightOnlyLinear):
                     piece.amx = self.amx_linears  # many rows: widened to bfloat16 tiles on AMX
                     piece.panels = self._panels_for(piece.scales_and_zeros.dtype)  # ... or one native call on our panel kernels
