@@ -11,7 +11,7 @@ from typing import TypeVar
 import msgspec
 from starlette.requests import Request
 
-from modserve.server.errors import APIError, bad_request, from_decode_error
+from modserve.server.errors import APIError, from_decode_error, from_undecodable
 from modserve.server.fields import check_fields
 
 T = TypeVar("T")
@@ -39,10 +39,8 @@ async def decode_body(request: Request, struct: type[T], limit: int, endpoint: s
         body = msgspec.json.decode(raw, type=struct)
     except msgspec.DecodeError as e:
         raise from_decode_error(e) from None
-    except UnicodeDecodeError:  # msgspec raises this, not DecodeError, for bad UTF-8 inside a string
-        raise bad_request("invalid JSON body: a string is not valid UTF-8", code="invalid_json") from None
-    except RecursionError:  # msgspec recurses per nesting level, unknown fields included
-        raise bad_request("invalid JSON body: nested too deeply", code="invalid_json") from None
+    except (UnicodeDecodeError, RecursionError) as e:  # msgspec raises these, not DecodeError
+        raise from_undecodable(e) from None
     if endpoint is not None:
         check_fields(raw, struct, endpoint)
     return body

@@ -83,6 +83,14 @@ def from_decode_error(err: msgspec.DecodeError) -> APIError:
     return bad_request(f"{path}: {msg}" if path else msg, path or None)
 
 
+def from_undecodable(err: UnicodeDecodeError | RecursionError) -> APIError:
+    """The two ways msgspec fails outside ``DecodeError``: bad UTF-8 inside a string, and nesting
+    deeper than it recurses (both anywhere in the body, unknown fields included)."""
+    if isinstance(err, UnicodeDecodeError):
+        return bad_request("invalid JSON body: a string is not valid UTF-8", code="invalid_json")
+    return bad_request("invalid JSON body: nested too deeply", code="invalid_json")
+
+
 def from_engine_error(err: Exception) -> APIError:
     """Map what admission or a request stream raises to the HTTP error the client sees."""
     if isinstance(err, ServerBusyError):

@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from modserve.server.errors import bad_request
+from modserve.server.errors import bad_request, from_undecodable
 
 log = logging.getLogger("modserve.server")
 
@@ -117,9 +117,13 @@ def _check(name: str, value: Any, refused: dict, endpoint: str, known: set[str])
 
 
 def _value(raw: Any) -> Any:
+    """A field's raw JSON decoded (the typed decode skipped it unread: it may still hold bad
+    UTF-8 or deep nesting, each a 400 as decode_body gives it)."""
     if isinstance(raw, msgspec.Raw):
         try:
             return msgspec.json.decode(raw)
         except msgspec.DecodeError:
             return raw
+        except (UnicodeDecodeError, RecursionError) as e:
+            raise from_undecodable(e) from None
     return raw
