@@ -23,12 +23,12 @@ of 256). Run it on a quiet machine; it prints the CPU.
 from __future__ import annotations
 
 import argparse
-import itertools
 import time
 
 import torch
 from torch import nn
 
+from modserve.bench.roofline import held_weight_bytes
 from modserve.plugins.platforms.cpu import ISA_FLAGS, cpu_model_and_flags
 from modserve.plugins.platforms.cpu_amx_linear import AmxLinear
 from modserve.plugins.platforms.cpu_avx2_linear import Avx2Linear
@@ -92,15 +92,6 @@ def build(kind: str) -> dict[str, list[nn.Module]]:
     return out
 
 
-def held_bytes(layers: dict[str, list[nn.Module]]) -> int:
-    """Bytes of every tensor the layers hold (oneDNN's opaque packed weights by their size)."""
-    total = 0
-    for module in (m for group in layers.values() for layer in group for m in layer.modules()):
-        for t in itertools.chain(module.parameters(recurse=False), module.buffers(recurse=False)):
-            total += t.numel() * t.element_size()
-    return total
-
-
 def one_pass(layers: dict[str, list[nn.Module]], xs: dict[str, torch.Tensor]) -> float:
     t0 = time.perf_counter()
     for i in range(LAYERS):
@@ -126,7 +117,7 @@ def main() -> None:
     print(f"{name} ({', '.join(f for f in ISA_FLAGS if f in flags)}), torch {torch.__version__}, {torch.get_num_threads()} threads")
     built = {k: build(k) for k in kernels}
     weights = sum(n * k for n, k in SHAPES.values()) * LAYERS
-    held = {k: held_bytes(built[k]) for k in kernels}
+    held = {k: held_weight_bytes(nn.ModuleList(m for group in built[k].values() for m in group)) for k in kernels}
     print("held MB: " + ", ".join(f"{k} {held[k] / 1e6:.0f}" for k in kernels))
     print(f"{'rows':>6} " + " ".join(f"{k + ' ms':>12}" for k in kernels) + " " + " ".join(f"{k + '/' + kernels[0]:>16}" for k in kernels[1:]))
     for rows in (int(r) for r in args.rows.split(",")):

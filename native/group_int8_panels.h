@@ -77,6 +77,11 @@ inline void group_input_sums(const uint16_t* x, int64_t x_stride, int64_t M, int
         }
 }
 
+// A group's zeros for the 16 outputs at `at` ([panel][groups][16] offset): stored, or -center d.
+inline __m512 group_zero(GroupZeros zeros, int64_t at, __m512 d) {
+    return zeros.zeros != nullptr ? _mm512_loadu_ps(zeros.zeros + at) : _mm512_mul_ps(_mm512_set1_ps(-zeros.center), d);
+}
+
 // Unsigned codes below 128 (GGUF's 4- to 6-bit formats as stored: q, not q - 2^(bits-1)) as the
 // bfloat16 values 128 + q, exactly, by a widening and an OR (0x4300 is bfloat16 128.0, its 7
 // mantissa bits q): two instructions for a pair step's 32 codes, against five to convert signed
@@ -130,7 +135,7 @@ void group_int8_block(const uint16_t* x, int64_t x_stride, const int8_t* codes, 
         for (int p = 0; p < P; ++p) {
             const int64_t at = (static_cast<int64_t>(p) * groups + g) * 16;
             const __m512 d = _mm512_loadu_ps(scales + at);
-            __m512 z = zeros.zeros != nullptr ? _mm512_loadu_ps(zeros.zeros + at) : _mm512_mul_ps(_mm512_set1_ps(-zeros.center), d);
+            __m512 z = group_zero(zeros, at, d);
             if (C == Codes::kMagic) z = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), d, z);  // the sums are of x (128 + q)
             for (int r = 0; r < R; ++r) {
                 __m512 a = _mm512_fmadd_ps(d, sums[r][p], _mm512_load_ps(acc[r][p]));
@@ -181,8 +186,7 @@ inline void widen_group_int8_bf16(const int8_t* codes, const float* scales, Grou
         for (int g = 0; g < groups; ++g) {
             const __m512 d = _mm512_loadu_ps(scales + (p * groups + g) * 16);
             const __m512 d_lo = _mm512_permutexvar_ps(first, d), d_hi = _mm512_permutexvar_ps(second, d);
-            const __m512 z = zeros.zeros != nullptr ? _mm512_loadu_ps(zeros.zeros + (p * groups + g) * 16)
-                                                    : _mm512_mul_ps(_mm512_set1_ps(-zeros.center), d);
+            const __m512 z = group_zero(zeros, (p * groups + g) * 16, d);
             const __m512 z_lo = _mm512_permutexvar_ps(first, z), z_hi = _mm512_permutexvar_ps(second, z);
             for (int64_t i = static_cast<int64_t>(g) * group * 16; i < static_cast<int64_t>(g + 1) * group * 16; i += 32) {
                 const __m128i* src = reinterpret_cast<const __m128i*>(codes + p * panel + i);

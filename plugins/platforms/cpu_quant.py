@@ -356,19 +356,20 @@ class Int4WeightOnlyLinear(QuantizedLinear):
 
             return self.with_bias(int4_product(rows, self.packed, sz, self.group_size))
         if self.panels and rows.dtype == self.scales_and_zeros.dtype in PANEL_DTYPES and self.out_features % 64 == 0:
-            from modserve.plugins.platforms import cpu_avx2_linear, cpu_avx512_linear
-
-            kernels = cpu_avx512_linear if rows.dtype == torch.bfloat16 else cpu_avx2_linear
-            return kernels.int4_product(rows, self.packed, sz, self.group_size, self._bias32)
+            return self._panel_product(rows)
         return self.with_bias(torch._weight_int4pack_mm_for_cpu(rows.contiguous(), self.packed, self.group_size, sz))
 
     def product_into(self, rows: torch.Tensor, out: torch.Tensor) -> None:
         if not self.records or rows.dtype != self.scales_and_zeros.dtype:
             raise TypeError(f"Int4WeightOnlyLinear writes in place only on the panel kernels, with {self.scales_and_zeros.dtype} rows")
+        self._panel_product(rows, out)
+
+    def _panel_product(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """One native call on the panel kernels of ``rows``' dtype, the bias inside."""
         from modserve.plugins.platforms import cpu_avx2_linear, cpu_avx512_linear
 
         kernels = cpu_avx512_linear if rows.dtype == torch.bfloat16 else cpu_avx2_linear
-        kernels.int4_product(rows, self.packed, self.scales_and_zeros, self.group_size, self._bias32, out=out)
+        return kernels.int4_product(rows, self.packed, self.scales_and_zeros, self.group_size, self._bias32, out=out)
 
     @property
     def records(self) -> bool:
