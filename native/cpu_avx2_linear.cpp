@@ -100,29 +100,26 @@ void modserve_avx2_linear_int4(const float* x, int64_t x_stride, int64_t M, cons
 
 int modserve_avx2_linear_int4_available() { return 1; }
 
-// int8 codes with a scale, and a zero unless `zeros` is null (and `center` 0: modserve::GroupZeros), per group of inputs
-// (group_int8_panels.h: GGUF Q8_0, Q6_K, Q5_x and mixed K-quant layers, GPTQ 8-bit; N a multiple
-// of 16, K a multiple of 32, the group of 16), bias float32 or null: up to kGroupF32DirectRows
-// rows each thread multiplies its panels' codes directly, group by group (group_f32_direct); with
-// more it widens its panels four at a time into a float32 scratch of its own and runs the blocks
-// above on them.
+// int8 codes with a scale, and a zero where `zeros` (else for symmetric codes the center), per group
+// of inputs, held as group panels (group_int8_panels.h's GroupPanels: GGUF Q8_0, Q6_K, Q5_x and
+// mixed K-quant layers, GPTQ 8-bit; N a multiple of 16, K a multiple of 32, the group of 16), bias
+// float32 or null: up to kGroupF32DirectRows rows each thread multiplies its panels' codes
+// directly, group by group (group_f32_direct); with more it widens its panels four at a time into
+// a float32 scratch of its own and runs the blocks above on them.
 constexpr int64_t kGroupF32DirectRows = 4;
 
-void modserve_avx2_linear_group_int8(const float* x, int64_t x_stride, int64_t M, const int8_t* codes, const float* scales, int64_t N,
-                      int K, int group, const float* bias, float* y, int64_t y_stride, int threads, const float* zeros, float center) {
-    const modserve::GroupZeros zs{zeros, center};
+void modserve_avx2_linear_group_int8(const float* x, int64_t x_stride, int64_t M, const int8_t* panels, int64_t N, int K, int group,
+                                     const float* bias, float* y, int64_t y_stride, int threads, int zeros, float center) {
+    const modserve::GroupPanels w{panels, K, group, zeros != 0, center};
     const bool direct = M <= kGroupF32DirectRows;
-    std::vector<float> xsum(zs.any() && direct ? M * (K / group) : 0);  // what the zeros multiply
+    std::vector<float> xsum(w.any_zero() && direct ? M * w.groups : 0);  // what the zeros multiply
     if (!xsum.empty()) modserve::group_input_sums(x, x_stride, M, K, group, xsum.data());
     modserve::for_panel_ranges(N, threads, [&](int64_t p0, int64_t p1) {
         if (direct) {
-            modserve::group_f32_direct(x, x_stride, M, codes, scales, zs, zs.any() ? xsum.data() : nullptr, N, K, group, bias, y, y_stride,
-                                       p0, p1);
+            modserve::group_f32_direct(x, x_stride, M, w, w.any_zero() ? xsum.data() : nullptr, N, bias, y, y_stride, p0, p1);
             return;
         }
-        const auto widen = [&](int64_t p, int np, float* out) {
-            modserve::widen_group_int8_f32(codes, scales, zs, K, group, p, p + np, out);
-        };
+        const auto widen = [&](int64_t p, int np, float* out) { modserve::widen_group_int8_f32(w, p, p + np, out); };
         modserve::float32_panels::widened_part(x, x_stride, M, widen, K, bias, N, y, y_stride, p0, p1);
     });
 }
@@ -154,8 +151,8 @@ MODSERVE_PACKED(modserve_avx2_linear_int4) {
 
 MODSERVE_PACKED(modserve_avx2_linear_group_int8) {
     using modserve::packed::ptr;
-    modserve_avx2_linear_group_int8(ptr<const float*>(a[0]), a[1], a[2], ptr<const int8_t*>(a[3]), ptr<const float*>(a[4]), a[5], a[6], a[7],
-                     ptr<const float*>(a[8]), ptr<float*>(a[9]), a[10], a[11], ptr<const float*>(a[12]), modserve::packed::f32(a[13]));
+    modserve_avx2_linear_group_int8(ptr<const float*>(a[0]), a[1], a[2], ptr<const int8_t*>(a[3]), a[4], a[5], a[6], ptr<const float*>(a[7]),
+                     ptr<float*>(a[8]), a[9], a[10], a[11], modserve::packed::f32(a[12]));
     return 0;
 }
 

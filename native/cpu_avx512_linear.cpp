@@ -106,11 +106,12 @@ void modserve_avx512_linear_int4(const uint16_t* x, int64_t x_stride, int64_t M,
 
 int modserve_avx512_linear_int4_available() { return 1; }
 
-// int8 codes with a scale, and a zero unless `zeros` is null (and `center` 0: modserve::GroupZeros), per group of inputs
-// (group_int8_panels.h: GGUF Q8_0, Q6_K, Q5_x and mixed K-quant layers, GPTQ 8-bit; N a multiple
-// of 16, K a multiple of 32, the group of 16), bias float32 or null: up to kGroupDirectRows rows
-// each thread multiplies its panels' codes directly, group by group; with more it widens its
-// panels four at a time into a scratch of its own and runs the blocks above on them.
+// int8 codes with a scale, and a zero where `zeros` (else for symmetric codes the center), per group
+// of inputs, held as group panels (group_int8_panels.h's GroupPanels: GGUF Q8_0, Q6_K, Q5_x and
+// mixed K-quant layers, GPTQ 8-bit; N a multiple of 16, K a multiple of 32, the group of 16), bias
+// float32 or null: up to kGroupDirectRows rows each thread multiplies its panels' codes directly,
+// group by group; with more it widens its panels four at a time into a scratch of its own and
+// runs the blocks above on them.
 constexpr int64_t kGroupDirectRows = 8;
 
 }  // extern "C"
@@ -119,32 +120,29 @@ constexpr int64_t kGroupDirectRows = 8;
 // as `many` up to `direct_rows`; beyond, widened to bfloat16 q d + z in a scratch, a thread's four
 // panels at a time, and multiplied by the panel blocks above.
 template <modserve::Codes few, modserve::Codes many>
-void group_product(const uint16_t* x, int64_t x_stride, int64_t M, const int8_t* codes, const float* scales, int64_t N, int K,
-                   int group, const float* bias, uint16_t* y, int64_t y_stride, int threads, modserve::GroupZeros zeros,
-                   int64_t direct_rows) {
-    const int64_t panel = static_cast<int64_t>(K / 32) * 512;  // elements of one widened panel
-    const bool sums = (zeros.any() || many == modserve::Codes::kMagic) && M <= direct_rows;
-    std::vector<float> xsum(sums ? M * (K / group) : 0);  // what the zeros multiply
-    if (!xsum.empty()) modserve::group_input_sums(x, x_stride, M, K, group, xsum.data());
+void group_product(const uint16_t* x, int64_t x_stride, int64_t M, const modserve::GroupPanels& w, int64_t N, const float* bias,
+                   uint16_t* y, int64_t y_stride, int threads, int64_t direct_rows) {
+    const int64_t panel = static_cast<int64_t>(w.K / 32) * 512;  // elements of one widened panel
+    const bool sums = (w.any_zero() || many == modserve::Codes::kMagic) && M <= direct_rows;
+    std::vector<float> xsum(sums ? M * w.groups : 0);  // what the zeros multiply
+    if (!xsum.empty()) modserve::group_input_sums(x, x_stride, M, w.K, w.group, xsum.data());
     modserve::for_panel_ranges(N, threads, [&](int64_t p0, int64_t p1) {
         if (M <= direct_rows) {
             const auto direct = M <= kGroupDirectRows ? modserve::group_int8_direct<few> : modserve::group_int8_direct<many>;
-            direct(x, x_stride, M, codes, scales, zeros, sums ? xsum.data() : nullptr, N, K, group, bias, y, y_stride, p0, p1);
+            direct(x, x_stride, M, w, sums ? xsum.data() : nullptr, N, bias, y, y_stride, p0, p1);
             return;
         }
-        const auto widen = [&](int64_t p, int np, uint16_t* out) {
-            modserve::widen_group_int8_bf16(codes, scales, zeros, K, group, p, p + np, out);
-        };
-        modserve::bf16_panels::widened_part(x, x_stride, M, widen, panel, N, K, bias, y, y_stride, p0, p1);
+        const auto widen = [&](int64_t p, int np, uint16_t* out) { modserve::widen_group_int8_bf16(w, p, p + np, out); };
+        modserve::bf16_panels::widened_part(x, x_stride, M, widen, panel, N, w.K, bias, y, y_stride, p0, p1);
     });
 }
 
 extern "C" {
 
-void modserve_avx512_linear_group_int8(const uint16_t* x, int64_t x_stride, int64_t M, const int8_t* codes, const float* scales, int64_t N,
-                      int K, int group, const float* bias, uint16_t* y, int64_t y_stride, int threads, const float* zeros, float center) {
+void modserve_avx512_linear_group_int8(const uint16_t* x, int64_t x_stride, int64_t M, const int8_t* panels, int64_t N, int K, int group,
+                                       const float* bias, uint16_t* y, int64_t y_stride, int threads, int zeros, float center) {
     using modserve::Codes;
-    group_product<Codes::kInt8, Codes::kInt8>(x, x_stride, M, codes, scales, N, K, group, bias, y, y_stride, threads, {zeros, center},
+    group_product<Codes::kInt8, Codes::kInt8>(x, x_stride, M, {panels, K, group, zeros != 0, center}, N, bias, y, y_stride, threads,
                                               kGroupDirectRows);
 }
 
@@ -157,10 +155,10 @@ void modserve_avx512_linear_group_int8(const uint16_t* x, int64_t x_stride, int6
 // bfloat16's speed at 16 rows directly against 0.65x widened; at 64, even.
 constexpr int64_t kMagicDirectRows = 32;
 
-void modserve_avx512_linear_group_u7(const uint16_t* x, int64_t x_stride, int64_t M, const int8_t* codes, const float* scales, int64_t N,
-                      int K, int group, const float* bias, uint16_t* y, int64_t y_stride, int threads, const float* minima, float center) {
+void modserve_avx512_linear_group_u7(const uint16_t* x, int64_t x_stride, int64_t M, const int8_t* panels, int64_t N, int K, int group,
+                                     const float* bias, uint16_t* y, int64_t y_stride, int threads, int minima, float center) {
     using modserve::Codes;
-    group_product<Codes::kInt8, Codes::kMagic>(x, x_stride, M, codes, scales, N, K, group, bias, y, y_stride, threads, {minima, center},
+    group_product<Codes::kInt8, Codes::kMagic>(x, x_stride, M, {panels, K, group, minima != 0, center}, N, bias, y, y_stride, threads,
                                                kMagicDirectRows);
 }
 
@@ -193,15 +191,15 @@ MODSERVE_PACKED(modserve_avx512_linear_int4) {
 
 MODSERVE_PACKED(modserve_avx512_linear_group_int8) {
     using modserve::packed::ptr;
-    modserve_avx512_linear_group_int8(ptr<const uint16_t*>(a[0]), a[1], a[2], ptr<const int8_t*>(a[3]), ptr<const float*>(a[4]), a[5], a[6], a[7],
-                     ptr<const float*>(a[8]), ptr<uint16_t*>(a[9]), a[10], a[11], ptr<const float*>(a[12]), modserve::packed::f32(a[13]));
+    modserve_avx512_linear_group_int8(ptr<const uint16_t*>(a[0]), a[1], a[2], ptr<const int8_t*>(a[3]), a[4], a[5], a[6], ptr<const float*>(a[7]),
+                     ptr<uint16_t*>(a[8]), a[9], a[10], a[11], modserve::packed::f32(a[12]));
     return 0;
 }
 
 MODSERVE_PACKED(modserve_avx512_linear_group_u7) {
     using modserve::packed::ptr;
-    modserve_avx512_linear_group_u7(ptr<const uint16_t*>(a[0]), a[1], a[2], ptr<const int8_t*>(a[3]), ptr<const float*>(a[4]), a[5], a[6], a[7],
-                     ptr<const float*>(a[8]), ptr<uint16_t*>(a[9]), a[10], a[11], ptr<const float*>(a[12]), modserve::packed::f32(a[13]));
+    modserve_avx512_linear_group_u7(ptr<const uint16_t*>(a[0]), a[1], a[2], ptr<const int8_t*>(a[3]), a[4], a[5], a[6], ptr<const float*>(a[7]),
+                     ptr<uint16_t*>(a[8]), a[9], a[10], a[11], modserve::packed::f32(a[12]));
     return 0;
 }
 

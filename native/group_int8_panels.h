@@ -1,54 +1,87 @@
 // int8 codes with a scale, and optionally a zero, per group of inputs of each output: GGUF's Q8_0
 // (groups of 32); the 4- to 6-bit formats (Q6_K in groups of 16, Q5_x, Q4_K in a mixed layer) as
 // stored, codes below 128 with their minima as zeros, the K-quants' two-level scales resolved to
-// one float32 scale per group (gguf_quantized.py); GPTQ's 8-bit groups. Held as the panel kernels hold codes (cpu_panel_linear.py's pack_tiles: a panel of 16
-// outputs is [K/2][16][2] int8) with float32 scales and zeros [N/16][K/group][16], widened per
-// call to the panels our products read: bfloat16 (cpu_avx512_linear.cpp) or float32
-// (cpu_avx2_linear.cpp), a thread's four panels at a time into a scratch of its own
-// (avx512_bf16_panels.h's and float32_panels.h's widened_part); and, for few bfloat16 rows,
-// multiplied directly group by group (group_int8_direct).
+// one float32 scale per group (gguf_quantized.py); GPTQ's 8-bit groups. Held as group panels
+// (GroupPanels below: a panel of 16 outputs, group after group, each group's codes in the panel
+// kernels' pair order followed by its float32 scales and zeros), widened per call to the panels
+// our products read: bfloat16 (cpu_avx512_linear.cpp) or float32 (cpu_avx2_linear.cpp), a
+// thread's four panels at a time into a scratch of its own (avx512_bf16_panels.h's and
+// float32_panels.h's widened_part); and, for few rows, multiplied directly group by group
+// (group_int8_direct, group_f32_direct).
 //
 // Why: torch has no int8 product with group-wise scales, so Int8GroupLinear widened the whole
 // weight in torch per call and ran F.linear on it: SmolLM2's 576 -> 1536 layer 171 us at one
 // row against 14 us for its bfloat16 panels, and no decode call list could record it. Each
 // weight is q d + z computed in float32 (q d exact: 8 by 11 bits, 19 for the K-quants' scales)
-// and, for bfloat16, rounded once: the very weight Int8GroupLinear.weight_as gives.
+// and, for bfloat16, rounded once: the very weight Int8GroupLinear.weight_as gives. The scales
+// lie inside each panel's stream, not in arrays of their own: a row then reads one sequential
+// stream a panel instead of two or three, 1.25x faster at one row from memory (a Q6_K-like
+// 2048 x 8192 layer on a Zen 5: 40-45 GB/s against 31-34).
 #pragma once
 
 #include <cstdint>
 
+#include "prefetch.h"
+
 namespace modserve {
 
-// Each group's zero: stored (`zeros`, [panel][groups][16] float32 like the scales), or, for
-// symmetric codes kept as stored (q below 2^bits, w = d (q - center)), -center d computed from the
-// scale (no bytes for it); none where `zeros` is null and `center` 0.
-struct GroupZeros {
-    const float* zeros = nullptr;
-    float center = 0.f;
-    bool any() const { return zeros != nullptr || center != 0.f; }
-    GroupZeros from(int64_t offset) const { return {zeros != nullptr ? zeros + offset : nullptr, center}; }
+// Where a layer's group panels keep what: panel p at data + p panel_bytes, its group g
+// group_bytes further, holding the group's codes ([group / 2][16][2] int8: input pairs by
+// outputs), then its 16 outputs' float32 scales, then, where `zeros`, their 16 float32 zeros;
+// without zeros, symmetric codes kept as stored (q below 2^bits, w = d (q - center)) have the
+// zero -center d computed from the scale (no bytes for it), and others none (`center` 0).
+struct GroupPanels {
+    const int8_t* data;
+    int K, group;
+    bool zeros;
+    float center;
+    int groups;                        // K / group
+    int64_t group_bytes, panel_bytes;  // computed once: the loops ask for them group by group
+
+    GroupPanels(const int8_t* data, int K, int group, bool zeros, float center)
+        : data(data), K(K), group(group), zeros(zeros), center(center), groups(K / group),
+          group_bytes(static_cast<int64_t>(group) * 16 + (zeros ? 128 : 64)), panel_bytes(groups * group_bytes) {}
+    const int8_t* codes(int64_t p, int g) const { return data + p * panel_bytes + g * group_bytes; }
+    const float* scales(int64_t p, int g) const { return reinterpret_cast<const float*>(codes(p, g) + group * 16); }
+    const float* stored_zeros(int64_t p, int g) const { return scales(p, g) + 16; }
+    bool any_zero() const { return zeros || center != 0.f; }  // whether the inputs' group sums enter
+    GroupPanels from(int64_t p) const { return {codes(p, 0), K, group, zeros, center}; }  // panel p as the first
 };
 
 // The direct paths' loop (group_int8_direct, group_f32_direct): one thread's panels [p0, p1) for
 // every row of a few-row call, in blocks of up to P panels and R rows, `block_for(rows, panels)`
 // giving the block function of that size; each column of blocks' first asks for the next P
-// panels' codes ahead (a whole next column only).
+// panels ahead (a whole next column only).
 template <int P, int R, typename X, typename Y, typename BlockFor>
-void group_direct_blocks(const X* x, int64_t x_stride, int64_t M, const int8_t* codes, const float* scales, GroupZeros zeros,
-                         const float* xsum, int64_t N, int K, int group, const float* bias, Y* y, int64_t y_stride, int64_t p0,
-                         int64_t p1, BlockFor block_for) {
-    const int64_t panel = static_cast<int64_t>(K / 32) * 512;
-    const int groups = K / group;
+void group_direct_blocks(const X* x, int64_t x_stride, int64_t M, GroupPanels w, const float* xsum, int64_t N, const float* bias,
+                         Y* y, int64_t y_stride, int64_t p0, int64_t p1, BlockFor block_for) {
+    const int groups = w.groups;
     for (int64_t p = p0; p < p1; p += P) {
         const int np = p1 - p < P ? static_cast<int>(p1 - p) : P;
         for (int64_t m = 0; m < M; m += R) {
             const int rows = M - m < R ? static_cast<int>(M - m) : R;
-            const int8_t* ahead = m == 0 && p + 2 * P <= p1 ? codes + (p + P) * panel : nullptr;
-            block_for(rows, np)(x + m * x_stride, x_stride, codes + p * panel, panel, scales + p * groups * 16, zeros.from(p * groups * 16),
-                                xsum != nullptr ? xsum + m * groups : nullptr, groups, group, bias, p * 16, N, y + m * y_stride, y_stride,
-                                ahead);
+            const int8_t* ahead = m == 0 && p + 2 * P <= p1 ? w.codes(p + P, 0) : nullptr;
+            block_for(rows, np)(x + m * x_stride, x_stride, w.from(p), xsum != nullptr ? xsum + m * groups : nullptr, bias, p * 16, N,
+                                y + m * y_stride, y_stride, ahead);
         }
     }
+}
+
+// Asks for group g of the P panels at `ahead` (a group's codes, scales and zeros: a few lines
+// a panel), while the same group of the P panels before them is multiplied.
+template <int P>
+inline void prefetch_group(const GroupPanels& w, const int8_t* ahead, int g) {
+    const int64_t at = g * w.group_bytes;
+    for (int p = 0; p < P; ++p)
+        for (int64_t line = 0; line < w.group_bytes; line += 64) prefetch_line(ahead + p * w.panel_bytes + at + line);
+}
+
+// Asks for the group after group g of panel p (or the next panel's first), for the widening
+// loops: they read a group's scales, at its end, before its codes, an order that a hardware
+// prefetcher follows less well than a plain stream (the widening 0.89x as fast without this).
+inline void prefetch_next_group(const GroupPanels& w, int64_t p, int g) {
+    const int8_t* next = w.codes(p, g + 1);
+    for (int64_t line = 0; line < w.group_bytes; line += 64) prefetch_line(next + line);
 }
 
 }  // namespace modserve
@@ -60,7 +93,6 @@ void group_direct_blocks(const X* x, int64_t x_stride, int64_t M, const int8_t* 
 
 #include "avx512.h"
 #include "avx512_bf16_panels.h"
-#include "prefetch.h"
 
 namespace modserve {
 
@@ -77,9 +109,9 @@ inline void group_input_sums(const uint16_t* x, int64_t x_stride, int64_t M, int
         }
 }
 
-// A group's zeros for the 16 outputs at `at` ([panel][groups][16] offset): stored, or -center d.
-inline __m512 group_zero(GroupZeros zeros, int64_t at, __m512 d) {
-    return zeros.zeros != nullptr ? _mm512_loadu_ps(zeros.zeros + at) : _mm512_mul_ps(_mm512_set1_ps(-zeros.center), d);
+// Group g's zeros for panel p's 16 outputs: stored, or -center d.
+inline __m512 group_zero(const GroupPanels& w, int64_t p, int g, __m512 d) {
+    return w.zeros ? _mm512_loadu_ps(w.stored_zeros(p, g)) : _mm512_mul_ps(_mm512_set1_ps(-w.center), d);
 }
 
 // Unsigned codes below 128 (GGUF's 4- to 6-bit formats as stored: q, not q - 2^(bits-1)) as the
@@ -97,45 +129,39 @@ inline __m512bh magic_pair(const int8_t* codes) {
 // minima then the zeros).
 enum class Codes { kInt8, kMagic };
 
-// Rows [0, R) of x times panels [0, P) of group-scaled codes (`codes`, `scales` and `zeros` at
-// the first panel; `panel` codes a panel, scales and zeros [panel][groups][16]; `zeros` null for
-// symmetric codes, else `xsum` the rows' group_input_sums) without widening to memory, for the
-// few-row calls where a widened scratch would be read too few times: each group's input pairs
-// summed by VDPBF16PS over the codes widened in registers, then times the group's scales (plus
-// its zeros times the inputs' sum) into sums kept in memory (R x P group sums fill the
-// registers); then the bias, rounded once. The weights are q d + z unrounded (the widened path
-// rounds each to bfloat16). C: how the codes are read (Codes).
+// Rows [0, R) of x times panels [0, P) of `w` (`xsum` the rows' group_input_sums where the
+// groups have zeros) without widening to memory, for the few-row calls where a widened scratch
+// would be read too few times: each group's input pairs summed by VDPBF16PS over the codes
+// widened in registers, then times the group's scales (plus its zeros times the inputs' sum)
+// into sums kept in memory (R x P group sums fill the registers); then the bias, rounded once.
+// The weights are q d + z unrounded (the widened path rounds each to bfloat16). `ahead`: the
+// next P panels, asked for group by group. C: how the codes are read (Codes).
 template <int R, int P, Codes C>
-void group_int8_block(const uint16_t* x, int64_t x_stride, const int8_t* codes, int64_t panel, const float* scales,
-                      GroupZeros zeros, const float* xsum, int groups, int group, const float* bias, int64_t n0, int64_t N,
+void group_int8_block(const uint16_t* x, int64_t x_stride, GroupPanels w, const float* xsum, const float* bias, int64_t n0, int64_t N,
                       uint16_t* y, int64_t y_stride, const int8_t* ahead) {
-    const bool zeroed = zeros.any() || C == Codes::kMagic;  // whether the inputs' sums enter
+    const bool zeroed = w.any_zero() || C == Codes::kMagic;  // whether the inputs' sums enter
+    const int groups = w.groups, pairs = w.group / 2;
     alignas(64) float acc[R][P][16] = {};
     for (int g = 0; g < groups; ++g) {
+        if (ahead != nullptr) prefetch_group<P>(w, ahead, g);
         __m512 sums[R][P];
         for (int r = 0; r < R; ++r)
             for (int p = 0; p < P; ++p) sums[r][p] = _mm512_setzero_ps();
-        for (int k = g * group / 2; k < (g + 1) * group / 2; ++k) {  // input pairs
-            if (ahead != nullptr) {  // two lines of the next four panels per input pair: all of them by the end
-                prefetch_line(ahead + static_cast<int64_t>(k) * 128);
-                prefetch_line(ahead + static_cast<int64_t>(k) * 128 + 64);
-            }
-            __m512bh w[P];
-            for (int p = 0; p < P; ++p) {
-                const int8_t* pair = codes + p * panel + static_cast<int64_t>(k) * 32;
-                w[p] = C == Codes::kMagic ? magic_pair(pair) : bf16_panels::pair_weights(pair);
-            }
+        const int8_t* codes[P];
+        for (int p = 0; p < P; ++p) codes[p] = w.codes(p, g);
+        for (int k = 0; k < pairs; ++k) {  // the group's input pairs
+            __m512bh wv[P];
+            for (int p = 0; p < P; ++p) wv[p] = C == Codes::kMagic ? magic_pair(codes[p] + k * 32) : bf16_panels::pair_weights(codes[p] + k * 32);
             for (int r = 0; r < R; ++r) {
                 int32_t pair;
-                std::memcpy(&pair, x + r * x_stride + 2 * k, sizeof pair);
+                std::memcpy(&pair, x + r * x_stride + g * w.group + 2 * k, sizeof pair);
                 const __m512bh xb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
-                for (int p = 0; p < P; ++p) sums[r][p] = _mm512_dpbf16_ps(sums[r][p], xb, w[p]);
+                for (int p = 0; p < P; ++p) sums[r][p] = _mm512_dpbf16_ps(sums[r][p], xb, wv[p]);
             }
         }
         for (int p = 0; p < P; ++p) {
-            const int64_t at = (static_cast<int64_t>(p) * groups + g) * 16;
-            const __m512 d = _mm512_loadu_ps(scales + at);
-            __m512 z = group_zero(zeros, at, d);
+            const __m512 d = _mm512_loadu_ps(w.scales(p, g));
+            __m512 z = group_zero(w, p, g, d);
             if (C == Codes::kMagic) z = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), d, z);  // the sums are of x (128 + q)
             for (int r = 0; r < R; ++r) {
                 __m512 a = _mm512_fmadd_ps(d, sums[r][p], _mm512_load_ps(acc[r][p]));
@@ -153,8 +179,8 @@ void group_int8_block(const uint16_t* x, int64_t x_stride, const int8_t* codes, 
     }
 }
 
-using GroupBlock = void (*)(const uint16_t*, int64_t, const int8_t*, int64_t, const float*, GroupZeros, const float*, int, int,
-                            const float*, int64_t, int64_t, uint16_t*, int64_t, const int8_t*);
+using GroupBlock = void (*)(const uint16_t*, int64_t, GroupPanels, const float*, const float*, int64_t, int64_t, uint16_t*, int64_t,
+                            const int8_t*);
 
 template <int R, Codes C>
 GroupBlock group_block_of_panels(int p) {
@@ -162,37 +188,37 @@ GroupBlock group_block_of_panels(int p) {
 }
 
 // One thread's panels [p0, p1) for every row (few rows), four panels and up to four rows a block;
-// the first block of a column asks for the next four panels' codes ahead (as the int8 panels do:
-// a row's widening keeps the core busy between loads). C: how the codes are read (Codes).
+// the first block of a column asks for the next four panels ahead (as the int8 panels do: a
+// row's widening keeps the core busy between loads). C: how the codes are read (Codes).
 template <Codes C>
-void group_int8_direct(const uint16_t* x, int64_t x_stride, int64_t M, const int8_t* codes, const float* scales, GroupZeros zeros,
-                       const float* xsum, int64_t N, int K, int group, const float* bias, uint16_t* y, int64_t y_stride, int64_t p0,
-                       int64_t p1) {
-    group_direct_blocks<4, 4>(x, x_stride, M, codes, scales, zeros, xsum, N, K, group, bias, y, y_stride, p0, p1, [](int rows, int np) {
+void group_int8_direct(const uint16_t* x, int64_t x_stride, int64_t M, GroupPanels w, const float* xsum, int64_t N, const float* bias,
+                       uint16_t* y, int64_t y_stride, int64_t p0, int64_t p1) {
+    group_direct_blocks<4, 4>(x, x_stride, M, w, xsum, N, bias, y, y_stride, p0, p1, [](int rows, int np) {
         return rows == 1 ? group_block_of_panels<1, C>(np) : rows == 2 ? group_block_of_panels<2, C>(np)
                : rows == 3 ? group_block_of_panels<3, C>(np) : group_block_of_panels<4, C>(np);
     });
 }
 
-// Panels [panel0, panel1) of `codes` (each `panel` codes) as bfloat16 panels at `out`, each
-// weight q d + z (GroupZeros) rounded once.
-inline void widen_group_int8_bf16(const int8_t* codes, const float* scales, GroupZeros zeros, int K, int group, int64_t panel0,
-                                  int64_t panel1, uint16_t* out) {
-    const int64_t panel = static_cast<int64_t>(K / 32) * 512;
-    const int groups = K / group;
+// Panels [panel0, panel1) of `w` as bfloat16 panels ([K/2][16][2] each) at `out`, each weight
+// q d + z rounded once.
+inline void widen_group_int8_bf16(const GroupPanels& w, int64_t panel0, int64_t panel1, uint16_t* out) {
+    const int64_t panel = static_cast<int64_t>(w.K / 32) * 512;  // elements of a widened panel
+    const int group = w.group;
     const __m512i first = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);  // a pair step's lanes: outputs
     const __m512i second = _mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
     for (int64_t p = panel0; p < panel1; ++p)
-        for (int g = 0; g < groups; ++g) {
-            const __m512 d = _mm512_loadu_ps(scales + (p * groups + g) * 16);
+        for (int g = 0; g < w.groups; ++g) {
+            prefetch_next_group(w, p, g);
+            const __m512 d = _mm512_loadu_ps(w.scales(p, g));
             const __m512 d_lo = _mm512_permutexvar_ps(first, d), d_hi = _mm512_permutexvar_ps(second, d);
-            const __m512 z = group_zero(zeros, (p * groups + g) * 16, d);
+            const __m512 z = group_zero(w, p, g, d);
             const __m512 z_lo = _mm512_permutexvar_ps(first, z), z_hi = _mm512_permutexvar_ps(second, z);
-            for (int64_t i = static_cast<int64_t>(g) * group * 16; i < static_cast<int64_t>(g + 1) * group * 16; i += 32) {
-                const __m128i* src = reinterpret_cast<const __m128i*>(codes + p * panel + i);
+            const __m128i* src = reinterpret_cast<const __m128i*>(w.codes(p, g));
+            uint16_t* dst = out + (p - panel0) * panel + static_cast<int64_t>(g) * group * 16;
+            for (int i = 0; i < group * 16; i += 32, src += 2) {
                 const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src))), d_lo, z_lo);
                 const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src + 1))), d_hi, z_hi);
-                _mm512_storeu_si512(out + (p - panel0) * panel + i, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+                _mm512_storeu_si512(dst + i, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
             }
         }
 }
@@ -205,45 +231,44 @@ inline void widen_group_int8_bf16(const int8_t* codes, const float* scales, Grou
 #include <immintrin.h>
 
 #include "float32_panels.h"
-#include "prefetch.h"
 
 namespace modserve {
 
-// Rows [0, R) of float32 x times panels [0, P) of group-scaled codes, without widening to memory
-// (the few-row calls, where a float32 scratch, written and read once, cost twice the weights'
-// own reads): each group's pair steps summed by the float32 panel FMAs over codes widened in
-// registers (float32_panels.h's pair_step), then times the group's scales, plus its zeros times
-// the inputs' sum (`xsum`, [R][groups]; zeros null: none), into sums in memory; then the bias.
+// Rows [0, R) of float32 x times panels [0, P) of `w`, without widening to memory (the few-row
+// calls, where a float32 scratch, written and read once, cost twice the weights' own reads): each
+// group's pair steps summed by the float32 panel FMAs over codes widened in registers
+// (float32_panels.h's pair_step), then times the group's scales, plus its zeros times the
+// inputs' sum (`xsum`, [R][groups], where the groups have zeros), into sums in memory; then the
+// bias. `ahead`: the next P panels, asked for group by group.
 template <int R, int P>
-void group_f32_block(const float* x, int64_t x_stride, const int8_t* codes, int64_t panel, const float* scales, GroupZeros zeros,
-                     const float* xsum, int groups, int group, const float* bias, int64_t n0, int64_t N, float* y,
-                     int64_t y_stride, const int8_t* ahead) {
+void group_f32_block(const float* x, int64_t x_stride, GroupPanels w, const float* xsum, const float* bias, int64_t n0, int64_t N,
+                     float* y, int64_t y_stride, const int8_t* ahead) {
     using float32_panels::Sums;
+    const int groups = w.groups;
     alignas(64) float acc[R][P][16] = {};
     for (int g = 0; g < groups; ++g) {
+        if (ahead != nullptr) prefetch_group<P>(w, ahead, g);
         Sums sums[R][P];
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r)
 #pragma GCC unroll 2
             for (int q = 0; q < P; ++q) sums[r][q] = float32_panels::zero_sums();
-        for (int k = g * group / 2; k < (g + 1) * group / 2; ++k) {
-            if (ahead != nullptr) prefetch_line(ahead + static_cast<int64_t>(k) * 64);  // the next two panels' codes, a line a step
-            float32_panels::pair_step<R, P, true>(x, x_stride, codes, panel, k, sums, sums);
-        }
+        for (int k = 0; k < w.group / 2; ++k)  // the group's input pairs: its codes, panel_bytes apart, and its inputs
+            float32_panels::pair_step<R, P, true>(x + g * w.group, x_stride, w.codes(0, g), w.panel_bytes, k, sums, sums);
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r)
 #pragma GCC unroll 2
             for (int q = 0; q < P; ++q) {
                 alignas(64) float t[16];
                 float32_panels::store_sums(t, sums[r][q]);
-                const float* d = scales + (static_cast<int64_t>(q) * groups + g) * 16;
-                if (zeros.zeros != nullptr) {
-                    const float* z = zeros.zeros + (static_cast<int64_t>(q) * groups + g) * 16;
+                const float* d = w.scales(q, g);
+                if (w.zeros) {
+                    const float* z = w.stored_zeros(q, g);
                     const float xs = xsum[r * groups + g];
 #pragma omp simd
                     for (int j = 0; j < 16; ++j) acc[r][q][j] += d[j] * t[j] + z[j] * xs;
-                } else if (zeros.center != 0.f) {  // -center d times the inputs' sum
-                    const float xs = xsum[r * groups + g] * -zeros.center;
+                } else if (w.center != 0.f) {  // -center d times the inputs' sum
+                    const float xs = xsum[r * groups + g] * -w.center;
 #pragma omp simd
                     for (int j = 0; j < 16; ++j) acc[r][q][j] += d[j] * t[j] + d[j] * xs;
                 } else {
@@ -265,19 +290,17 @@ constexpr int kGroupF32Rows = 4;  // rows per block: 8 zmm sums of two panels
 constexpr int kGroupF32Rows = 2;  // 8 of the 16 ymm registers
 #endif
 
-using GroupF32Block = void (*)(const float*, int64_t, const int8_t*, int64_t, const float*, GroupZeros, const float*, int, int,
-                               const float*, int64_t, int64_t, float*, int64_t, const int8_t*);
+using GroupF32Block = void (*)(const float*, int64_t, GroupPanels, const float*, const float*, int64_t, int64_t, float*, int64_t,
+                               const int8_t*);
 
 template <int R>
 GroupF32Block group_f32_block_of(int panels) { return panels == 1 ? group_f32_block<R, 1> : group_f32_block<R, 2>; }
 
 // One thread's panels [p0, p1) for every row (few rows), two panels and kGroupF32Rows rows a block;
-// a pair of panels' first block asks for the next pair's codes ahead.
-inline void group_f32_direct(const float* x, int64_t x_stride, int64_t M, const int8_t* codes, const float* scales, GroupZeros zeros,
-                             const float* xsum, int64_t N, int K, int group, const float* bias, float* y, int64_t y_stride,
-                             int64_t p0, int64_t p1) {
-    group_direct_blocks<2, kGroupF32Rows>(x, x_stride, M, codes, scales, zeros, xsum, N, K, group, bias, y, y_stride, p0, p1,
-                                          [](int rows, int np) {
+// a pair of panels' first block asks for the next pair ahead.
+inline void group_f32_direct(const float* x, int64_t x_stride, int64_t M, GroupPanels w, const float* xsum, int64_t N, const float* bias,
+                             float* y, int64_t y_stride, int64_t p0, int64_t p1) {
+    group_direct_blocks<2, kGroupF32Rows>(x, x_stride, M, w, xsum, N, bias, y, y_stride, p0, p1, [](int rows, int np) {
         GroupF32Block run = group_f32_block_of<1>(np);
         if constexpr (kGroupF32Rows >= 2) run = rows == 2 ? group_f32_block_of<2>(np) : run;
         if constexpr (kGroupF32Rows >= 4) run = rows == 3 ? group_f32_block_of<3>(np) : rows == 4 ? group_f32_block_of<4>(np) : run;
@@ -297,32 +320,33 @@ inline void group_input_sums(const float* x, int64_t x_stride, int64_t M, int K,
         }
 }
 
-// Panels [panel0, panel1) of `codes` as float32 panels ([K][16] each: float32_panels.h's) at `out`,
-// each weight q d + z (GroupZeros).
-inline void widen_group_int8_f32(const int8_t* codes, const float* scales, GroupZeros zeros, int K, int group, int64_t panel0,
-                                 int64_t panel1, float* out) {
-    const int64_t panel = static_cast<int64_t>(K / 32) * 512;
-    const int groups = K / group;
+// Panels [panel0, panel1) of `w` as float32 panels ([K][16] each: float32_panels.h's) at `out`,
+// each weight q d + z.
+inline void widen_group_int8_f32(const GroupPanels& w, int64_t panel0, int64_t panel1, float* out) {
+    const int group = w.group;
     for (int64_t p = panel0; p < panel1; ++p) {
-        float* dst = out + (p - panel0) * static_cast<int64_t>(K) * 16;
-        for (int g = 0; g < groups; ++g) {
-            const float* d = scales + (p * groups + g) * 16;
-            const float* z = zeros.zeros != nullptr ? zeros.zeros + (p * groups + g) * 16 : nullptr;
+        float* dst = out + (p - panel0) * static_cast<int64_t>(w.K) * 16;
+        for (int g = 0; g < w.groups; ++g) {
+            prefetch_next_group(w, p, g);
+            const float* d = w.scales(p, g);
+            const float* z = w.zeros ? w.stored_zeros(p, g) : nullptr;
             alignas(32) float centred[16];  // -center d: symmetric codes kept as stored
-            if (z == nullptr && zeros.center != 0.f) {
-                for (int j = 0; j < 16; ++j) centred[j] = -zeros.center * d[j];
+            if (z == nullptr && w.center != 0.f) {
+                for (int j = 0; j < 16; ++j) centred[j] = -w.center * d[j];
                 z = centred;
             }
-            for (int k2 = g * group / 2; k2 < (g + 1) * group / 2; ++k2)
+            const int8_t* codes = w.codes(p, g);
+            float* group_out = dst + static_cast<int64_t>(g) * group * 16;
+            for (int k2 = 0; k2 < group / 2; ++k2)
                 for (int h = 0; h < 2; ++h) {  // outputs 8 h .. 8 h + 7: their (input 2 k2, 2 k2 + 1) code pairs
-                    const __m128i* src = reinterpret_cast<const __m128i*>(codes + p * panel + static_cast<int64_t>(k2) * 32 + 16 * h);
+                    const __m128i* src = reinterpret_cast<const __m128i*>(codes + k2 * 32 + 16 * h);
                     const __m256i pairs = _mm256_cvtepi16_epi32(_mm_loadu_si128(src));
                     const __m256 even = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(pairs, 24), 24));
                     const __m256 odd = _mm256_cvtepi32_ps(_mm256_srai_epi32(pairs, 8));
                     const __m256 dh = _mm256_loadu_ps(d + 8 * h);
                     const __m256 zh = z != nullptr ? _mm256_loadu_ps(z + 8 * h) : _mm256_setzero_ps();
-                    _mm256_storeu_ps(dst + (2 * k2) * 16 + 8 * h, _mm256_fmadd_ps(even, dh, zh));
-                    _mm256_storeu_ps(dst + (2 * k2 + 1) * 16 + 8 * h, _mm256_fmadd_ps(odd, dh, zh));
+                    _mm256_storeu_ps(group_out + (2 * k2) * 16 + 8 * h, _mm256_fmadd_ps(even, dh, zh));
+                    _mm256_storeu_ps(group_out + (2 * k2 + 1) * 16 + 8 * h, _mm256_fmadd_ps(odd, dh, zh));
                 }
         }
     }

@@ -131,3 +131,26 @@ def test_codes_below_128_need_unsigned_codes_and_either_minima_or_a_center():
         with pytest.raises(ValueError, match=message):
             Int8GroupLinear(layer, codes, d, 32, torch.float32, zero, True, center)
     assert Int8GroupLinear(layer, q, d, 32, torch.float32, None, True, 32).center == 32
+
+
+@pytest.mark.parametrize("zeros", [False, True])
+def test_group_panels_hold_each_groups_codes_then_its_scales_then_its_zeros(zeros):
+    """The kernels' layout (``GroupPanels``): panel p's group g at byte (p groups + g) x the group's
+    bytes, its codes in the panels' pair order (input pair j of output o at 32 j + 2 o), then the
+    16 outputs' float32 scales, then their zeros. A code, scale or zero misplaced here is read for
+    the wrong output or group."""
+    from modserve.plugins.platforms.cpu_panel_linear import group_panels
+
+    n, k, group = 32, 64, 16
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    d, z = torch.rand(n, k // group), torch.rand(n, k // group)
+    held = group_panels(q, d, z if zeros else None, group)
+    group_bytes = group * 16 + (128 if zeros else 64)
+    assert held.shape == (n // 16, k // group, group_bytes) and held.dtype == torch.int8
+    for p, g in [(0, 0), (1, 2), (1, 3)]:
+        row = held[p, g]
+        outputs = q[16 * p:16 * p + 16, g * group:(g + 1) * group]  # [16 outputs][group inputs]
+        assert torch.equal(row[:group * 16].view(group // 2, 16, 2), outputs.view(16, group // 2, 2).transpose(0, 1))
+        assert torch.equal(row[group * 16:group * 16 + 64].view(torch.float32), d[16 * p:16 * p + 16, g])
+        if zeros:
+            assert torch.equal(row[group * 16 + 64:].view(torch.float32), z[16 * p:16 * p + 16, g])

@@ -235,7 +235,7 @@ def test_writing_in_place_needs_the_panels_and_an_output_of_the_pieces_shape():
     wide = torch.zeros(2, 48)
     module.product_into(x, wide[:, 8:40])  # columns of a wider output: the rest untouched
     assert torch.equal(wide[:, 8:40], module(x)) and not wide[:, :8].any() and not wide[:, 40:].any()
-    with pytest.raises(ValueError, match=r"widened_product: out must be \[2, 32\] torch.float32 with unit column stride"):
+    with pytest.raises(ValueError, match=r"group_product: out must be \[2, 32\] torch.float32 with unit column stride"):
         module.product_into(x, torch.empty(2, 31))
 
 

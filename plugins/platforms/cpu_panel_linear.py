@@ -25,11 +25,14 @@ TILE_N, TILE_K = 16, 32  # outputs and inputs per packed weight tile
 
 PANEL_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
               ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int]  # a panel linear's, below
-# The entries over weights widened per call (int4, group-scaled int8): x, x_stride, M, codes, scales, N, K, group, bias, y,
-# y_stride, threads (widened_product); the group-scaled int8 entries take the zeros (or null) and the codes' center last.
+# The int4 entries over weights widened per call: x, x_stride, M, codes, scales, N, K, group, bias, y, y_stride, threads
+# (widened_product).
 WIDENED_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
                 ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
-GROUP_INT8_ARGS = [*WIDENED_ARGS, ctypes.c_void_p, ctypes.c_float]
+# The group-scaled int8 entries: x, x_stride, M, group panels, N, K, group, bias, y, y_stride, threads, whether the groups
+# store zeros, the codes' center (group_product).
+GROUP_INT8_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_float]
 
 
 def load_kernel(source, what: str, symbol: str, instructions: str, extra_flags: tuple[str, ...] = (), argtypes: list = PANEL_ARGS,
@@ -75,22 +78,54 @@ def gated_pairs(packed: torch.Tensor) -> torch.Tensor:
 
 
 def widened_product(kernel: NativeFunction, rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int, k: int,
-                    group: int, bias: torch.Tensor | None, *extra, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``rows [M, k]`` (the kernel's dtype) times ``n`` outputs' codes and group scales, plus
-    ``bias`` (``[n]`` float32 or None), by one call of an entry taking :data:`WIDENED_ARGS`
-    (``extra``: the arguments an entry takes after them, :data:`GROUP_INT8_ARGS`' zeros and center).
+                    group: int, bias: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``rows [M, k]`` (the kernel's dtype) times ``n`` outputs' int4 codes and group scales, plus
+    ``bias`` (``[n]`` float32 or None), by one call of an entry taking :data:`WIDENED_ARGS`.
     ``out``: where to write ``[M, n]`` (unit stride along n, any row stride: a column slice of a
     wider output), else a new tensor."""
     rows = tile_rows(rows)
-    if out is None:
-        out = torch.empty(rows.shape[0], n, dtype=rows.dtype)
-    elif out.shape != (rows.shape[0], n) or out.dtype != rows.dtype or out.stride(1) != 1:
-        raise ValueError(f"widened_product: out must be [{rows.shape[0]}, {n}] {rows.dtype} with unit column stride, "
-                         f"got {list(out.shape)} {out.dtype} stride {out.stride()}")
+    out = _product_output(rows, n, out, "widened_product")
     kernel(
         rows.data_ptr(), rows.stride(0), rows.shape[0], codes.data_ptr(), scales.data_ptr(), n, k, group,
-        None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), torch.get_num_threads(), *extra,
+        None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), torch.get_num_threads(),
     )  # fmt: skip
+    return out
+
+
+def group_product(kernel: NativeFunction, rows: torch.Tensor, panels: torch.Tensor, n: int, k: int, group: int,
+                  bias: torch.Tensor | None, zeros: bool, center: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``rows [M, k]`` times ``n`` outputs' group-scaled int8 codes held as group panels
+    (:func:`group_panels`), plus ``bias``, by one call of an entry taking
+    :data:`GROUP_INT8_ARGS`; ``out`` as for :func:`widened_product`."""
+    rows = tile_rows(rows)
+    out = _product_output(rows, n, out, "group_product")
+    kernel(
+        rows.data_ptr(), rows.stride(0), rows.shape[0], panels.data_ptr(), n, k, group, None if bias is None else bias.data_ptr(),
+        out.data_ptr(), out.stride(0), torch.get_num_threads(), int(zeros), center,
+    )  # fmt: skip
+    return out
+
+
+def group_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group: int) -> torch.Tensor:
+    """``codes [N, K]`` int8 with float32 ``scales`` (and ``zeros``) ``[N, K/group]`` as the group
+    kernels read them (``native/group_int8_panels.h``'s ``GroupPanels``): ``[N/16][K/group]`` byte
+    rows, each a group's codes in the panels' pair order, then its 16 outputs' scales, then their
+    zeros. One sequential stream a panel: a row reads the scales where it reads the codes."""
+    n, k = codes.shape
+    per_group = [pack_tiles(codes).view(n // TILE_N, k // group, group * TILE_N)]
+    for values in (scales, zeros):
+        if values is not None:  # [N, K/g] as [N/16][K/g][16] float32, bytes
+            per_group.append(values.float().view(n // TILE_N, TILE_N, k // group).transpose(1, 2).contiguous().view(torch.int8))
+    return torch.cat(per_group, dim=2).contiguous()
+
+
+def _product_output(rows: torch.Tensor, n: int, out: torch.Tensor | None, caller: str) -> torch.Tensor:
+    """``out`` checked as where an entry writes ``rows``' ``[M, n]`` product, or a new tensor."""
+    if out is None:
+        return torch.empty(rows.shape[0], n, dtype=rows.dtype)
+    if out.shape != (rows.shape[0], n) or out.dtype != rows.dtype or out.stride(1) != 1:
+        raise ValueError(f"{caller}: out must be [{rows.shape[0]}, {n}] {rows.dtype} with unit column stride, "
+                         f"got {list(out.shape)} {out.dtype} stride {out.stride()}")
     return out
 
 

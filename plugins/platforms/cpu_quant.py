@@ -428,10 +428,12 @@ class Int8GroupLinear(QuantizedLinear):
         return F.linear(rows, self.weight_as(rows.dtype), self.bias)
 
     _panels: NativeFunction | None = None  # the panel kernel's entry, once use_panels took it
+    _zeros = False  # whether the group panels store zeros
 
     def use_panels(self, kernel: NativeFunction, dtype: torch.dtype) -> bool:
-        """Hold the codes as the panel kernels hold codes, with float32 scales (and zeros)
-        ``[N/16][K/g][16]``, and run every call of ``dtype`` rows on ``kernel``
+        """Hold the codes as group panels (each group's codes in the panel kernels' order, then
+        its float32 scales and zeros: :func:`~modserve.plugins.platforms.cpu_panel_linear.group_panels`),
+        and run every call of ``dtype`` rows on ``kernel``
         (:func:`~modserve.plugins.platforms.cpu_int8_panel_linear.group_int8_kernel`): one
         native call, recordable, instead of the whole weight widened in torch per call (171 us
         against 14 us for bfloat16 panels at one row of a 576 -> 1536 layer). Needs N a multiple
@@ -439,15 +441,12 @@ class Int8GroupLinear(QuantizedLinear):
         n, k = self.out_features, self.in_features
         if n % 16 or k % 32 or self.group % 16 or self.input_order is not None:
             return False
-        from modserve.plugins.platforms.cpu_panel_linear import pack_tiles
+        from modserve.plugins.platforms.cpu_panel_linear import group_panels
 
-        def panel_order(per_group: torch.Tensor | None) -> torch.Tensor | None:  # [N, K/g, 1] as [N/16][K/g][16] float32
-            return None if per_group is None else per_group.float().view(n // 16, 16, k // self.group).transpose(1, 2).contiguous()
-
-        self.register_buffer("codes", pack_tiles(self.qweight.view(n, k)), False)
-        self.register_buffer("panel_scales", panel_order(self.scale), False)
-        self.register_buffer("panel_zeros", panel_order(self.zero), False)
+        zeros = None if self.zero is None else self.zero.view(n, -1)
+        self.register_buffer("group_panels", group_panels(self.qweight.view(n, k), self.scale.view(n, -1), zeros, self.group), False)
         self.register_buffer("_bias32", None if self.bias is None else self.bias.detach().float().contiguous(), False)
+        self._zeros = self.zero is not None
         self.qweight = self.scale = self.zero = None  # the panels hold them now
         self._panels, self._dtype = kernel, dtype
         return True
@@ -465,15 +464,14 @@ class Int8GroupLinear(QuantizedLinear):
     def _panel_product(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if rows.dtype != self._dtype:
             raise TypeError(f"Int8GroupLinear on the panel kernels takes {str(self._dtype).removeprefix('torch.')} rows, got {rows.dtype}")
-        from modserve.plugins.platforms.cpu_panel_linear import widened_product
+        from modserve.plugins.platforms.cpu_panel_linear import group_product
 
         buffers = self._buffers
-        zeros = buffers["panel_zeros"]
-        return widened_product(self._panels, rows, buffers["codes"], buffers["panel_scales"], self.out_features, self.in_features,
-                               self.group, buffers["_bias32"], None if zeros is None else zeros.data_ptr(), float(self.center), out=out)
+        return group_product(self._panels, rows, buffers["group_panels"], self.out_features, self.in_features, self.group, buffers["_bias32"],
+                             self._zeros, float(self.center), out=out)
 
     def extra_repr(self) -> str:
-        zeros = self._buffers.get("zero") is not None or self._buffers.get("panel_zeros") is not None
+        zeros = self._buffers.get("zero") is not None or self._zeros
         return (f"{super().extra_repr()}, group={self.group}" + (", zeros" if zeros else "") + (f", center={self.center}" if self.center else "")
                 + (", panels" if self._panels is not None else ""))
 
