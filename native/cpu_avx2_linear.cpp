@@ -109,8 +109,8 @@ int modserve_avx2_linear_int4_available() { return 1; }
 constexpr int64_t kGroupF32DirectRows = 4;
 
 void modserve_avx2_linear_group_int8(const float* x, int64_t x_stride, int64_t M, const int8_t* panels, int64_t N, int K, int group,
-                                     const float* bias, float* y, int64_t y_stride, int threads, int zeros, float center) {
-    const modserve::GroupPanels w{panels, K, group, zeros != 0, center};
+                                     const float* bias, float* y, int64_t y_stride, int threads, int zeros, float center, int packed) {
+    const modserve::GroupPanels w{panels, K, group, zeros != 0, center, packed != 0};
     const bool direct = M <= kGroupF32DirectRows;
     std::vector<float> xsum(w.any_zero() && direct ? M * w.groups : 0);  // what the zeros multiply
     if (!xsum.empty()) modserve::group_input_sums(x, x_stride, M, K, group, xsum.data());
@@ -152,7 +152,7 @@ MODSERVE_PACKED(modserve_avx2_linear_int4) {
 MODSERVE_PACKED(modserve_avx2_linear_group_int8) {
     using modserve::packed::ptr;
     modserve_avx2_linear_group_int8(ptr<const float*>(a[0]), a[1], a[2], ptr<const int8_t*>(a[3]), a[4], a[5], a[6], ptr<const float*>(a[7]),
-                     ptr<float*>(a[8]), a[9], a[10], a[11], modserve::packed::f32(a[12]));
+                     ptr<float*>(a[8]), a[9], a[10], a[11], modserve::packed::f32(a[12]), a[13]);
     return 0;
 }
 

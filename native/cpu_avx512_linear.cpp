@@ -123,7 +123,7 @@ template <modserve::Codes few, modserve::Codes many>
 void group_product(const uint16_t* x, int64_t x_stride, int64_t M, const modserve::GroupPanels& w, int64_t N, const float* bias,
                    uint16_t* y, int64_t y_stride, int threads, int64_t direct_rows) {
     const int64_t panel = static_cast<int64_t>(w.K / 32) * 512;  // elements of one widened panel
-    const bool sums = (w.any_zero() || many == modserve::Codes::kMagic) && M <= direct_rows;
+    const bool sums = (w.any_zero() || many == modserve::Codes::kMagic || w.packed) && M <= direct_rows;
     std::vector<float> xsum(sums ? M * w.groups : 0);  // what the zeros multiply
     if (!xsum.empty()) modserve::group_input_sums(x, x_stride, M, w.K, w.group, xsum.data());
     modserve::for_panel_ranges(N, threads, [&](int64_t p0, int64_t p1) {
@@ -140,9 +140,9 @@ void group_product(const uint16_t* x, int64_t x_stride, int64_t M, const modserv
 extern "C" {
 
 void modserve_avx512_linear_group_int8(const uint16_t* x, int64_t x_stride, int64_t M, const int8_t* panels, int64_t N, int K, int group,
-                                       const float* bias, uint16_t* y, int64_t y_stride, int threads, int zeros, float center) {
+                                       const float* bias, uint16_t* y, int64_t y_stride, int threads, int zeros, float center, int packed) {
     using modserve::Codes;
-    group_product<Codes::kInt8, Codes::kInt8>(x, x_stride, M, {panels, K, group, zeros != 0, center}, N, bias, y, y_stride, threads,
+    group_product<Codes::kInt8, Codes::kInt8>(x, x_stride, M, {panels, K, group, zeros != 0, center, packed != 0}, N, bias, y, y_stride, threads,
                                               kGroupDirectRows);
 }
 
@@ -156,9 +156,9 @@ void modserve_avx512_linear_group_int8(const uint16_t* x, int64_t x_stride, int6
 constexpr int64_t kMagicDirectRows = 32;
 
 void modserve_avx512_linear_group_u7(const uint16_t* x, int64_t x_stride, int64_t M, const int8_t* panels, int64_t N, int K, int group,
-                                     const float* bias, uint16_t* y, int64_t y_stride, int threads, int minima, float center) {
+                                     const float* bias, uint16_t* y, int64_t y_stride, int threads, int minima, float center, int packed) {
     using modserve::Codes;
-    group_product<Codes::kInt8, Codes::kMagic>(x, x_stride, M, {panels, K, group, minima != 0, center}, N, bias, y, y_stride, threads,
+    group_product<Codes::kInt8, Codes::kMagic>(x, x_stride, M, {panels, K, group, minima != 0, center, packed != 0}, N, bias, y, y_stride, threads,
                                                kMagicDirectRows);
 }
 
@@ -192,14 +192,14 @@ MODSERVE_PACKED(modserve_avx512_linear_int4) {
 MODSERVE_PACKED(modserve_avx512_linear_group_int8) {
     using modserve::packed::ptr;
     modserve_avx512_linear_group_int8(ptr<const uint16_t*>(a[0]), a[1], a[2], ptr<const int8_t*>(a[3]), a[4], a[5], a[6], ptr<const float*>(a[7]),
-                     ptr<uint16_t*>(a[8]), a[9], a[10], a[11], modserve::packed::f32(a[12]));
+                     ptr<uint16_t*>(a[8]), a[9], a[10], a[11], modserve::packed::f32(a[12]), a[13]);
     return 0;
 }
 
 MODSERVE_PACKED(modserve_avx512_linear_group_u7) {
     using modserve::packed::ptr;
     modserve_avx512_linear_group_u7(ptr<const uint16_t*>(a[0]), a[1], a[2], ptr<const int8_t*>(a[3]), a[4], a[5], a[6], ptr<const float*>(a[7]),
-                     ptr<uint16_t*>(a[8]), a[9], a[10], a[11], modserve::packed::f32(a[12]));
+                     ptr<uint16_t*>(a[8]), a[9], a[10], a[11], modserve::packed::f32(a[12]), a[13]);
     return 0;
 }
 

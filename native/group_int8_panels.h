@@ -27,26 +27,32 @@ namespace modserve {
 
 // Where a layer's group panels keep what: panel p at data + p panel_bytes, its group g
 // group_bytes further, holding the group's codes ([group / 2][16][2] int8: input pairs by
-// outputs), then its 16 outputs' float32 scales, then, where `zeros`, their 16 float32 zeros;
-// without zeros, symmetric codes kept as stored (q below 2^bits, w = d (q - center)) have the
-// zero -center d computed from the scale (no bytes for it), and others none (`center` 0).
+// outputs; `packed`: 6 bits each, packed_step below), then its 16 outputs' float32 scales, then,
+// where `zeros`, their 16 float32 zeros; without zeros, symmetric codes kept as stored (q below
+// 2^bits, w = d (q - center)) have the zero -center d computed from the scale (no bytes for it),
+// and others none (`center` 0).
 struct GroupPanels {
     const int8_t* data;
     int K, group;
     bool zeros;
     float center;
-    int groups;                        // K / group
-    int64_t group_bytes, panel_bytes;  // computed once: the loops ask for them group by group
+    bool packed;
+    int groups;                                    // K / group
+    int64_t code_bytes, group_bytes, panel_bytes;  // computed once: the loops ask for them group by group
 
-    GroupPanels(const int8_t* data, int K, int group, bool zeros, float center)
-        : data(data), K(K), group(group), zeros(zeros), center(center), groups(K / group),
-          group_bytes(static_cast<int64_t>(group) * 16 + (zeros ? 128 : 64)), panel_bytes(groups * group_bytes) {}
+    GroupPanels(const int8_t* data, int K, int group, bool zeros, float center, bool packed = false)
+        : data(data), K(K), group(group), zeros(zeros), center(center), packed(packed), groups(K / group),
+          code_bytes(static_cast<int64_t>(group) * (packed ? 12 : 16)), group_bytes(code_bytes + (zeros ? 128 : 64)),
+          panel_bytes(groups * group_bytes) {}
     const int8_t* codes(int64_t p, int g) const { return data + p * panel_bytes + g * group_bytes; }
-    const float* scales(int64_t p, int g) const { return reinterpret_cast<const float*>(codes(p, g) + group * 16); }
+    const float* scales(int64_t p, int g) const { return reinterpret_cast<const float*>(codes(p, g) + code_bytes); }
     const float* stored_zeros(int64_t p, int g) const { return scales(p, g) + 16; }
     bool any_zero() const { return zeros || center != 0.f; }  // whether the inputs' group sums enter
-    GroupPanels from(int64_t p) const { return {codes(p, 0), K, group, zeros, center}; }  // panel p as the first
+    GroupPanels from(int64_t p) const { return {codes(p, 0), K, group, zeros, center, packed}; }  // panel p as the first
 };
+
+// The most inputs a packed group may have: the paths that unpack a group into a buffer size it by this.
+constexpr int kMaxPackedGroup = 32;
 
 // The direct paths' loop (group_int8_direct, group_f32_direct): one thread's panels [p0, p1) for
 // every row of a few-row call, in blocks of up to P panels and R rows, `block_for(rows, panels)`
@@ -86,6 +92,46 @@ inline void prefetch_next_group(const GroupPanels& w, int64_t p, int g) {
 
 }  // namespace modserve
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+
+namespace modserve {
+
+// Packed 6-bit codes (GGUF's 4- to 6-bit formats, q below 64): each quad of input pairs (4 x 32
+// codes in the pairs' order) in 96 bytes: the low nibbles of pairs 0 and 1 (pair 1's in the high
+// half of each byte), of pairs 2 and 3, then the four pairs' high two bits (pair s at bits 2s).
+// 6 bits a code instead of 8, and a pair's 32 codes come back with five or six byte operations.
+// Pair S of the quad at `quad`, as 32 codes:
+template <int S>
+inline __m256i packed_step(const int8_t* quad) {
+    const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quad + 32 * (S / 2)));
+    const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quad + 64));
+    const __m256i low = _mm256_and_si256(S % 2 ? _mm256_srli_epi16(lo, 4) : lo, _mm256_set1_epi8(0x0F));  // 16-bit shifts: the
+    const __m256i high = S == 2 ? hi : S < 2 ? _mm256_slli_epi16(hi, 4 - 2 * S) : _mm256_srli_epi16(hi, 2);  // masks drop what
+    return _mm256_or_si256(low, _mm256_and_si256(high, _mm256_set1_epi8(0x30)));                             // crossed bytes
+}
+
+// A packed group's codes (`group` inputs: group / 8 quads) as bytes in the pairs' order at `out`.
+inline void unpack_group(const int8_t* packed, int group, int8_t* out) {
+    for (int q = 0; q < group / 8; ++q, packed += 96, out += 128) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), packed_step<0>(packed));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32), packed_step<1>(packed));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 64), packed_step<2>(packed));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 96), packed_step<3>(packed));
+    }
+}
+
+// Group g of panel p's codes as bytes: where they lie, or, packed, unpacked into `buffer`
+// (kMaxPackedGroup x 16 bytes).
+inline const int8_t* group_codes(const GroupPanels& w, int64_t p, int g, int8_t* buffer) {
+    if (!w.packed) return w.codes(p, g);
+    unpack_group(w.codes(p, g), w.group, buffer);
+    return buffer;
+}
+
+}  // namespace modserve
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
@@ -119,15 +165,13 @@ inline __m512 group_zero(const GroupPanels& w, int64_t p, int g, __m512 d) {
 // mantissa bits q): two instructions for a pair step's 32 codes, against five to convert signed
 // int8 codes through float32 (bf16_panels::pair_weights). The group then takes the minimum m as
 // its zero and adds (m - 128 d) times its inputs' sum: sum x (d q + m).
-inline __m512bh magic_pair(const int8_t* codes) {
-    const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)));
-    return as_bh(_mm512_or_si512(words, _mm512_set1_epi16(0x4300)));
-}
+inline __m512bh magic_pair(__m256i codes) { return as_bh(_mm512_or_si512(_mm512_cvtepu8_epi16(codes), _mm512_set1_epi16(0x4300))); }
+inline __m512bh magic_pair(const int8_t* codes) { return magic_pair(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes))); }
 
 // How a group block reads its codes: as int8 through float32 (bf16_panels::pair_weights; codes
 // below 128 read the same as unsigned), or, unsigned below 128, as 128 + q (magic_pair, their
-// minima then the zeros).
-enum class Codes { kInt8, kMagic };
+// minima then the zeros); packed 6-bit codes (packed_step) are read as 128 + q too.
+enum class Codes { kInt8, kMagic, kPacked };
 
 // Rows [0, R) of x times panels [0, P) of `w` (`xsum` the rows' group_input_sums where the
 // groups have zeros) without widening to memory, for the few-row calls where a widened scratch
@@ -139,7 +183,8 @@ enum class Codes { kInt8, kMagic };
 template <int R, int P, Codes C>
 void group_int8_block(const uint16_t* x, int64_t x_stride, GroupPanels w, const float* xsum, const float* bias, int64_t n0, int64_t N,
                       uint16_t* y, int64_t y_stride, const int8_t* ahead) {
-    const bool zeroed = w.any_zero() || C == Codes::kMagic;  // whether the inputs' sums enter
+    constexpr bool kOffset = C != Codes::kInt8;  // the codes read as 128 + q
+    const bool zeroed = w.any_zero() || kOffset;   // whether the inputs' sums enter
     const int groups = w.groups, pairs = w.group / 2;
     alignas(64) float acc[R][P][16] = {};
     for (int g = 0; g < groups; ++g) {
@@ -149,20 +194,37 @@ void group_int8_block(const uint16_t* x, int64_t x_stride, GroupPanels w, const 
             for (int p = 0; p < P; ++p) sums[r][p] = _mm512_setzero_ps();
         const int8_t* codes[P];
         for (int p = 0; p < P; ++p) codes[p] = w.codes(p, g);
-        for (int k = 0; k < pairs; ++k) {  // the group's input pairs
-            __m512bh wv[P];
-            for (int p = 0; p < P; ++p) wv[p] = C == Codes::kMagic ? magic_pair(codes[p] + k * 32) : bf16_panels::pair_weights(codes[p] + k * 32);
+        const auto multiply = [&](int k, const __m512bh (&wv)[P]) {  // input pair k of the group times its P panels' weights
             for (int r = 0; r < R; ++r) {
                 int32_t pair;
                 std::memcpy(&pair, x + r * x_stride + g * w.group + 2 * k, sizeof pair);
                 const __m512bh xb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
                 for (int p = 0; p < P; ++p) sums[r][p] = _mm512_dpbf16_ps(sums[r][p], xb, wv[p]);
             }
+        };
+        if constexpr (C == Codes::kPacked) {
+            for (int q = 0; q < pairs / 4; ++q) {  // the quads of input pairs
+                __m512bh wv[P];
+                for (int p = 0; p < P; ++p) wv[p] = magic_pair(packed_step<0>(codes[p] + q * 96));
+                multiply(4 * q, wv);
+                for (int p = 0; p < P; ++p) wv[p] = magic_pair(packed_step<1>(codes[p] + q * 96));
+                multiply(4 * q + 1, wv);
+                for (int p = 0; p < P; ++p) wv[p] = magic_pair(packed_step<2>(codes[p] + q * 96));
+                multiply(4 * q + 2, wv);
+                for (int p = 0; p < P; ++p) wv[p] = magic_pair(packed_step<3>(codes[p] + q * 96));
+                multiply(4 * q + 3, wv);
+            }
+        } else {
+            for (int k = 0; k < pairs; ++k) {  // the group's input pairs
+                __m512bh wv[P];
+                for (int p = 0; p < P; ++p) wv[p] = kOffset ? magic_pair(codes[p] + k * 32) : bf16_panels::pair_weights(codes[p] + k * 32);
+                multiply(k, wv);
+            }
         }
         for (int p = 0; p < P; ++p) {
             const __m512 d = _mm512_loadu_ps(w.scales(p, g));
             __m512 z = group_zero(w, p, g, d);
-            if (C == Codes::kMagic) z = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), d, z);  // the sums are of x (128 + q)
+            if (kOffset) z = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), d, z);  // the sums are of x (128 + q)
             for (int r = 0; r < R; ++r) {
                 __m512 a = _mm512_fmadd_ps(d, sums[r][p], _mm512_load_ps(acc[r][p]));
                 if (zeroed) a = _mm512_fmadd_ps(z, _mm512_set1_ps(xsum[r * groups + g]), a);
@@ -187,15 +249,22 @@ GroupBlock group_block_of_panels(int p) {
     return p == 1 ? group_int8_block<R, 1, C> : p == 2 ? group_int8_block<R, 2, C> : p == 3 ? group_int8_block<R, 3, C> : group_int8_block<R, 4, C>;
 }
 
+template <Codes C>
+GroupBlock group_block_of(int rows, int panels) {
+    return rows == 1 ? group_block_of_panels<1, C>(panels) : rows == 2 ? group_block_of_panels<2, C>(panels)
+           : rows == 3 ? group_block_of_panels<3, C>(panels) : group_block_of_panels<4, C>(panels);
+}
+
 // One thread's panels [p0, p1) for every row (few rows), four panels and up to four rows a block;
 // the first block of a column asks for the next four panels ahead (as the int8 panels do: a
-// row's widening keeps the core busy between loads). C: how the codes are read (Codes).
+// row's widening keeps the core busy between loads). C: how the codes are read (Codes), packed
+// codes always as kPacked (the inputs' sums then enter: `xsum` given).
 template <Codes C>
 void group_int8_direct(const uint16_t* x, int64_t x_stride, int64_t M, GroupPanels w, const float* xsum, int64_t N, const float* bias,
                        uint16_t* y, int64_t y_stride, int64_t p0, int64_t p1) {
-    group_direct_blocks<4, 4>(x, x_stride, M, w, xsum, N, bias, y, y_stride, p0, p1, [](int rows, int np) {
-        return rows == 1 ? group_block_of_panels<1, C>(np) : rows == 2 ? group_block_of_panels<2, C>(np)
-               : rows == 3 ? group_block_of_panels<3, C>(np) : group_block_of_panels<4, C>(np);
+    const bool packed = w.packed;
+    group_direct_blocks<4, 4>(x, x_stride, M, w, xsum, N, bias, y, y_stride, p0, p1, [packed](int rows, int np) {
+        return packed ? group_block_of<Codes::kPacked>(rows, np) : group_block_of<C>(rows, np);
     });
 }
 
@@ -213,7 +282,8 @@ inline void widen_group_int8_bf16(const GroupPanels& w, int64_t panel0, int64_t 
             const __m512 d_lo = _mm512_permutexvar_ps(first, d), d_hi = _mm512_permutexvar_ps(second, d);
             const __m512 z = group_zero(w, p, g, d);
             const __m512 z_lo = _mm512_permutexvar_ps(first, z), z_hi = _mm512_permutexvar_ps(second, z);
-            const __m128i* src = reinterpret_cast<const __m128i*>(w.codes(p, g));
+            alignas(64) int8_t unpacked[kMaxPackedGroup * 16];
+            const __m128i* src = reinterpret_cast<const __m128i*>(group_codes(w, p, g, unpacked));
             uint16_t* dst = out + (p - panel0) * panel + static_cast<int64_t>(g) * group * 16;
             for (int i = 0; i < group * 16; i += 32, src += 2) {
                 const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src))), d_lo, z_lo);
@@ -253,8 +323,13 @@ void group_f32_block(const float* x, int64_t x_stride, GroupPanels w, const floa
         for (int r = 0; r < R; ++r)
 #pragma GCC unroll 2
             for (int q = 0; q < P; ++q) sums[r][q] = float32_panels::zero_sums();
-        for (int k = 0; k < w.group / 2; ++k)  // the group's input pairs: its codes, panel_bytes apart, and its inputs
-            float32_panels::pair_step<R, P, true>(x + g * w.group, x_stride, w.codes(0, g), w.panel_bytes, k, sums, sums);
+        alignas(64) int8_t unpacked[P][kMaxPackedGroup * 16];  // packed codes: the group's, unpacked
+        if (w.packed)
+            for (int q = 0; q < P; ++q) unpack_group(w.codes(q, g), w.group, unpacked[q]);
+        const int8_t* codes = w.packed ? unpacked[0] : w.codes(0, g);
+        const int64_t panel = w.packed ? kMaxPackedGroup * 16 : w.panel_bytes;
+        for (int k = 0; k < w.group / 2; ++k)  // the group's input pairs: its codes, `panel` apart, and its inputs
+            float32_panels::pair_step<R, P, true>(x + g * w.group, x_stride, codes, panel, k, sums, sums);
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r)
 #pragma GCC unroll 2
@@ -335,7 +410,8 @@ inline void widen_group_int8_f32(const GroupPanels& w, int64_t panel0, int64_t p
                 for (int j = 0; j < 16; ++j) centred[j] = -w.center * d[j];
                 z = centred;
             }
-            const int8_t* codes = w.codes(p, g);
+            alignas(64) int8_t unpacked[kMaxPackedGroup * 16];
+            const int8_t* codes = group_codes(w, p, g, unpacked);
             float* group_out = dst + static_cast<int64_t>(g) * group * 16;
             for (int k2 = 0; k2 < group / 2; ++k2)
                 for (int h = 0; h < 2; ++h) {  // outputs 8 h .. 8 h + 7: their (input 2 k2, 2 k2 + 1) code pairs

@@ -154,3 +154,23 @@ def test_group_panels_hold_each_groups_codes_then_its_scales_then_its_zeros(zero
         assert torch.equal(row[group * 16:group * 16 + 64].view(torch.float32), d[16 * p:16 * p + 16, g])
         if zeros:
             assert torch.equal(row[group * 16 + 64:].view(torch.float32), z[16 * p:16 * p + 16, g])
+
+
+def test_codes_packed_to_6_bits_come_back_as_they_were():
+    """pack_6_bits against a reading of its documented layout, per quad of input pairs: bytes 0-31
+    the low nibbles of pairs 0 (low half) and 1, bytes 32-63 of pairs 2 and 3, bytes 64-95 the
+    four pairs' high two bits (pair s at bits 2s); a code outside [0, 64) or a group too large
+    to pack is refused by message."""
+    from modserve.plugins.platforms.cpu_panel_linear import group_panels, pack_6_bits
+
+    codes = torch.randint(0, 64, (3, 256), dtype=torch.int8)
+    packed = pack_6_bits(codes).view(torch.uint8).long().view(3, 2, 3, 32)
+    low = torch.stack([packed[:, :, 0] & 15, packed[:, :, 0] >> 4, packed[:, :, 1] & 15, packed[:, :, 1] >> 4], dim=2)
+    high = torch.stack([(packed[:, :, 2] >> (2 * s)) & 3 for s in range(4)], dim=2)
+    assert torch.equal((low | high << 4).view(3, 256), codes.long())
+    q, d = torch.randint(0, 64, (16, 64), dtype=torch.int8), torch.rand(16, 4)
+    held = group_panels(q, d, None, 16, packed=True)
+    assert held.shape == (1, 4, 16 * 12 + 64)
+    assert torch.equal(held[0, 1, :192], pack_6_bits(group_panels(q, d, None, 16)[0, 1, :256]))
+    with pytest.raises(ValueError, match=r"group_panels: packs codes in \[0, 64\) in groups of at most 32, got 16 and codes in \[64, 64\]"):
+        group_panels(q.clone().fill_(64), d, None, 16, packed=True)

@@ -428,7 +428,7 @@ class Int8GroupLinear(QuantizedLinear):
         return F.linear(rows, self.weight_as(rows.dtype), self.bias)
 
     _panels: NativeFunction | None = None  # the panel kernel's entry, once use_panels took it
-    _zeros = False  # whether the group panels store zeros
+    _zeros = _packed = False  # whether the group panels store zeros, and hold the codes in 6 bits
 
     def use_panels(self, kernel: NativeFunction, dtype: torch.dtype) -> bool:
         """Hold the codes as group panels (each group's codes in the panel kernels' order, then
@@ -441,12 +441,13 @@ class Int8GroupLinear(QuantizedLinear):
         n, k = self.out_features, self.in_features
         if n % 16 or k % 32 or self.group % 16 or self.input_order is not None:
             return False
-        from modserve.plugins.platforms.cpu_panel_linear import group_panels
+        from modserve.plugins.platforms.cpu_panel_linear import PACKED_GROUP_MAX, group_panels
 
         zeros = None if self.zero is None else self.zero.view(n, -1)
-        self.register_buffer("group_panels", group_panels(self.qweight.view(n, k), self.scale.view(n, -1), zeros, self.group), False)
+        packed = self.below_128 and self.group <= PACKED_GROUP_MAX and int(self.qweight.max()) < 64  # 6 bits suffice
+        self.register_buffer("group_panels", group_panels(self.qweight.view(n, k), self.scale.view(n, -1), zeros, self.group, packed), False)
         self.register_buffer("_bias32", None if self.bias is None else self.bias.detach().float().contiguous(), False)
-        self._zeros = self.zero is not None
+        self._zeros, self._packed = self.zero is not None, packed
         self.qweight = self.scale = self.zero = None  # the panels hold them now
         self._panels, self._dtype = kernel, dtype
         return True
@@ -468,12 +469,12 @@ class Int8GroupLinear(QuantizedLinear):
 
         buffers = self._buffers
         return group_product(self._panels, rows, buffers["group_panels"], self.out_features, self.in_features, self.group, buffers["_bias32"],
-                             self._zeros, float(self.center), out=out)
+                             self._zeros, float(self.center), self._packed, out=out)
 
     def extra_repr(self) -> str:
         zeros = self._buffers.get("zero") is not None or self._zeros
         return (f"{super().extra_repr()}, group={self.group}" + (", zeros" if zeros else "") + (f", center={self.center}" if self.center else "")
-                + (", panels" if self._panels is not None else ""))
+                + (", panels" if self._panels is not None else "") + (", 6-bit" if self._packed else ""))
 
 
 GGUF_KEPT = ("Q8_0", "Q6_K", "Q5_K", "Q5_1", "Q5_0", "Q4_K", "Q4_1", "Q4_0")  # the GGUF types ``quantization: gguf`` keeps
