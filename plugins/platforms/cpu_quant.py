@@ -431,9 +431,10 @@ class Int8GroupLinear(QuantizedLinear):
     _zeros = _packed = False  # whether the group panels store zeros, and hold the codes in 6 bits
 
     def use_panels(self, kernel: NativeFunction, dtype: torch.dtype) -> bool:
-        """Hold the codes as group panels (each group's codes in the panel kernels' order, then
-        its float32 scales and zeros: :func:`~modserve.plugins.platforms.cpu_panel_linear.group_panels`),
-        and run every call of ``dtype`` rows on ``kernel``
+        """Hold the codes as group panels (each group's codes in the panel kernels' order, codes
+        below 64 in groups of up to 32 in 6 bits each, then the group's float32 scales and zeros:
+        :func:`~modserve.plugins.platforms.cpu_panel_linear.group_panels`), and run every call of
+        ``dtype`` rows on ``kernel``
         (:func:`~modserve.plugins.platforms.cpu_int8_panel_linear.group_int8_kernel`): one
         native call, recordable, instead of the whole weight widened in torch per call (171 us
         against 14 us for bfloat16 panels at one row of a 576 -> 1536 layer). Needs N a multiple
