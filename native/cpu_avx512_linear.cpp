@@ -107,8 +107,9 @@ void modserve_avx512_linear_int4(const uint16_t* x, int64_t x_stride, int64_t M,
 int modserve_avx512_linear_int4_available() { return 1; }
 
 // int8 codes with a scale, and a zero where `zeros` (else for symmetric codes the center), per group
-// of inputs, held as group panels (group_int8_panels.h's GroupPanels: GGUF Q8_0, Q6_K, Q5_x and
-// mixed K-quant layers, GPTQ 8-bit; N a multiple of 16, K a multiple of 32, the group of 16), bias
+// of inputs, held as group panels (group_int8_panels.h's GroupPanels, `packed`: the codes in 6 bits
+// each; GGUF Q8_0, Q6_K, Q5_x and mixed K-quant layers, GPTQ 8-bit; N a multiple of 16, K a
+// multiple of 32, the group of 16), bias
 // float32 or null: up to kGroupDirectRows rows each thread multiplies its panels' codes directly,
 // group by group; with more it widens its panels four at a time into a scratch of its own and
 // runs the blocks above on them.
