@@ -131,13 +131,12 @@ def pack_6_bits(codes: torch.Tensor) -> torch.Tensor:
     of 128), as 6 bits each, ``[..., 3 G / 4]``: each quad of pairs ``s0..s3`` as the low nibbles
     of ``s0`` and ``s1`` (``s1``'s in each byte's high half), those of ``s2`` and ``s3``, then the
     four pairs' high two bits (``s``'s at bits ``2 s``): what ``packed_step`` reads back."""
-    quads = codes.view(*codes.shape[:-1], -1, 4, 32).to(torch.int16)
+    quads = codes.view(torch.uint8).view(*codes.shape[:-1], -1, 4, 32)  # in bytes: a layer's codes are loaded whole
     low, high = quads & 15, quads >> 4
     lo01 = low[..., 0, :] | low[..., 1, :] << 4
     lo23 = low[..., 2, :] | low[..., 3, :] << 4
     hi = high[..., 0, :] | high[..., 1, :] << 2 | high[..., 2, :] << 4 | high[..., 3, :] << 6
-    packed = torch.stack([lo01, lo23, hi], dim=-2).to(torch.uint8).view(torch.int8)
-    return packed.reshape(*codes.shape[:-1], codes.shape[-1] * 3 // 4)
+    return torch.stack([lo01, lo23, hi], dim=-2).view(torch.int8).reshape(*codes.shape[:-1], codes.shape[-1] * 3 // 4)
 
 
 def _product_output(rows: torch.Tensor, n: int, out: torch.Tensor | None, caller: str) -> torch.Tensor:
