@@ -11,8 +11,8 @@ F.linear from 16 rows), ``int8-amx`` (int8 codes widened to bfloat16 tiles per c
 codes on the AVX512_BF16 panels, bfloat16 rows) and ``int8-panels-fp32`` (the same on the float32
 panels, float32 rows), ``int4-panels`` (the int4 layers in one native call on AVX512_BF16: their
 nibbles multiplied directly below 8 rows, widened to bfloat16 panels from 8; ``int4-panels-fp32`` the
-same on the float32 panels, float32 rows), ``q8_0-panels`` (random
-GGUF Q8_0-like codes, groups of 32, in one native call: directly up to 8 rows, widened beyond). Prints ms per pass and each kernel's ratio to the
+same on the float32 panels, float32 rows), ``q8_0-panels``, ``q6_k-panels``, ``q5_1-panels`` (random
+codes held as those GGUF formats are, in one native call: directly for few rows, widened beyond). Prints ms per pass and each kernel's ratio to the
 first one named, all measured in this run, and at one row how fast each kernel reads the bytes
 it holds. ``--model llama-1b``: a Llama-3.2-1B-like model's 16 layers instead (dims multiples
 of 256). Run it on a quiet machine; it prints the CPU.
@@ -23,12 +23,14 @@ of 256). Run it on a quiet machine; it prints the CPU.
 from __future__ import annotations
 
 import argparse
+import math
 import time
 
 import torch
 from torch import nn
 
 from modserve.bench.roofline import held_weight_bytes
+from modserve.core.models.gguf_quantized import TwoLevelScales
 from modserve.plugins.platforms.cpu import ISA_FLAGS, cpu_model_and_flags
 from modserve.plugins.platforms.cpu_amx_linear import AmxLinear
 from modserve.plugins.platforms.cpu_avx2_linear import Avx2Linear
@@ -49,6 +51,26 @@ FLOAT32_KERNELS = ("onednn-fp32", "avx2", "int8-panels-fp32", "int4-panels-fp32"
 KINDS = ("onednn", "onednn-fp32", "avx2", "amx", "avx512bf16", "w8a8", "w8a8-amx", "int8", "int8-amx", "int8-panels",
          "int8-panels-fp32", "int4", "int4-amx", "int4-panels", "int4-panels-fp32", "q8_0-panels", "q6_k-panels", "q5_1-panels")
 GROUP_CODES = {"q8_0-panels": (32, None), "q6_k-panels": (16, 64), "q5_1-panels": (32, 32)}  # group, unsigned codes below (or int8)
+
+
+def gguf_like(kind: str, lin: nn.Linear, n: int, k: int) -> Int8GroupLinear:
+    """Random codes held as the GGUF format ``kind`` names holds them: Q8_0 int8 codes with float16
+    scales; Q6_K 6-bit codes around 32 with two-level scales (an int8 a group of 16, float16 per
+    256 inputs, or per the largest power of two of groups dividing K below that); Q5_1 5-bit codes
+    with float16 scales and minima."""
+    group, below = GROUP_CODES[kind]
+    groups = k // group
+    half = lambda t: t.half().float()  # noqa: E731
+    if below is None:
+        codes = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+        return Int8GroupLinear(lin, codes, half(torch.rand(n, groups) * 0.01), group, torch.float16)
+    codes = torch.randint(0, below, (n, k), dtype=torch.int8)
+    if kind == "q6_k-panels":
+        per_block = math.gcd(groups, 256 // group)
+        outer, inner = half(torch.rand(n, groups // per_block) * 1e-3), torch.randint(-128, 128, (n, groups), dtype=torch.int8)
+        scale = outer.repeat_interleave(per_block, dim=1) * inner.float()
+        return Int8GroupLinear(lin, codes, scale, group, torch.float32, None, True, 32, TwoLevelScales(outer, inner))
+    return Int8GroupLinear(lin, codes, half(torch.rand(n, groups) * 0.01), group, torch.float32, half(torch.rand(n, groups) - 0.5), True)
 
 
 def build(kind: str) -> dict[str, list[nn.Module]]:
@@ -73,11 +95,8 @@ def build(kind: str) -> dict[str, list[nn.Module]]:
             elif kind == "int8-panels-fp32":
                 layers.append(Int8PanelLinear(lin.float(), avx2_linear_codes(), torch.float32))
             elif kind in GROUP_CODES:  # GGUF Q8_0-, Q6_K- or Q5_1-like codes (random) on the panel kernel
-                group, below = GROUP_CODES[kind]
-                codes = torch.randint(-127, 128, (n, k), dtype=torch.int8) if below is None else torch.randint(0, below, (n, k), dtype=torch.int8)
-                zero = None if below is None else torch.rand(n, k // group).sub_(0.5)  # the minima
-                module = Int8GroupLinear(lin, codes, torch.rand(n, k // group).mul_(0.01), group, torch.float32, zero, below is not None)
-                module.use_panels(group_int8_kernel(torch.bfloat16, below_128=below is not None), torch.bfloat16)
+                module = gguf_like(kind, lin, n, k)
+                module.use_panels(group_int8_kernel(torch.bfloat16, below_128=module.below_128), torch.bfloat16)
                 layers.append(module)
             elif kind.startswith("w8a8"):
                 layers.append(W8A8Linear(lin, amx=kind == "w8a8-amx"))

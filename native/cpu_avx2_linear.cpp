@@ -102,16 +102,19 @@ int modserve_avx2_linear_int4_available() { return 1; }
 
 // int8 codes with a scale, and a zero where `zeros` (else for symmetric codes the center), per group
 // of inputs, held as group panels (group_int8_panels.h's GroupPanels, `packed`: the codes in 6 bits
-// each; GGUF Q8_0, Q6_K, Q5_x and mixed K-quant layers, GPTQ 8-bit; N a multiple of 16, K a
-// multiple of 32, the group of 16), bias
+// each; `scale_bytes` 4, 2 or 1: float32, float16 or int8 scales and zeros, the int8 ones
+// multiples of float32 ones heading each super block of `super_groups` groups; GGUF Q8_0, Q6_K,
+// Q5_x and mixed K-quant layers, GPTQ 8-bit; N a multiple of 16, K a multiple of 32, the group
+// of 16), bias
 // float32 or null: up to kGroupF32DirectRows rows each thread multiplies its panels' codes
 // directly, group by group (group_f32_direct); with more it widens its panels four at a time into
 // a float32 scratch of its own and runs the blocks above on them.
 constexpr int64_t kGroupF32DirectRows = 4;
 
 void modserve_avx2_linear_group_int8(const float* x, int64_t x_stride, int64_t M, const int8_t* panels, int64_t N, int K, int group,
-                                     const float* bias, float* y, int64_t y_stride, int threads, int zeros, float center, int packed) {
-    const modserve::GroupPanels w{panels, K, group, zeros != 0, center, packed != 0};
+                                     const float* bias, float* y, int64_t y_stride, int threads, int zeros, float center, int packed,
+                                     int scale_bytes, int super_groups) {
+    const modserve::GroupPanels w{panels, K, group, zeros != 0, center, packed != 0, scale_bytes, super_groups};
     const bool direct = M <= kGroupF32DirectRows;
     std::vector<float> xsum(w.any_zero() && direct ? M * w.groups : 0);  // what the zeros multiply
     if (!xsum.empty()) modserve::group_input_sums(x, x_stride, M, K, group, xsum.data());
@@ -153,7 +156,7 @@ MODSERVE_PACKED(modserve_avx2_linear_int4) {
 MODSERVE_PACKED(modserve_avx2_linear_group_int8) {
     using modserve::packed::ptr;
     modserve_avx2_linear_group_int8(ptr<const float*>(a[0]), a[1], a[2], ptr<const int8_t*>(a[3]), a[4], a[5], a[6], ptr<const float*>(a[7]),
-                     ptr<float*>(a[8]), a[9], a[10], a[11], modserve::packed::f32(a[12]), a[13]);
+                     ptr<float*>(a[8]), a[9], a[10], a[11], modserve::packed::f32(a[12]), a[13], a[14], a[15]);
     return 0;
 }
 

@@ -108,8 +108,10 @@ int modserve_avx512_linear_int4_available() { return 1; }
 
 // int8 codes with a scale, and a zero where `zeros` (else for symmetric codes the center), per group
 // of inputs, held as group panels (group_int8_panels.h's GroupPanels, `packed`: the codes in 6 bits
-// each; GGUF Q8_0, Q6_K, Q5_x and mixed K-quant layers, GPTQ 8-bit; N a multiple of 16, K a
-// multiple of 32, the group of 16), bias
+// each; `scale_bytes` 4, 2 or 1: float32, float16 or int8 scales and zeros, the int8 ones
+// multiples of float32 ones heading each super block of `super_groups` groups; GGUF Q8_0, Q6_K,
+// Q5_x and mixed K-quant layers, GPTQ 8-bit; N a multiple of 16, K a multiple of 32, the group
+// of 16), bias
 // float32 or null: up to kGroupDirectRows rows each thread multiplies its panels' codes directly,
 // group by group; with more it widens its panels four at a time into a scratch of its own and
 // runs the blocks above on them.
@@ -141,9 +143,10 @@ void group_product(const uint16_t* x, int64_t x_stride, int64_t M, const modserv
 extern "C" {
 
 void modserve_avx512_linear_group_int8(const uint16_t* x, int64_t x_stride, int64_t M, const int8_t* panels, int64_t N, int K, int group,
-                                       const float* bias, uint16_t* y, int64_t y_stride, int threads, int zeros, float center, int packed) {
+                                       const float* bias, uint16_t* y, int64_t y_stride, int threads, int zeros, float center, int packed,
+                                     int scale_bytes, int super_groups) {
     using modserve::Codes;
-    group_product<Codes::kInt8, Codes::kInt8>(x, x_stride, M, {panels, K, group, zeros != 0, center, packed != 0}, N, bias, y, y_stride, threads,
+    group_product<Codes::kInt8, Codes::kInt8>(x, x_stride, M, {panels, K, group, zeros != 0, center, packed != 0, scale_bytes, super_groups}, N, bias, y, y_stride, threads,
                                               kGroupDirectRows);
 }
 
@@ -157,9 +160,10 @@ void modserve_avx512_linear_group_int8(const uint16_t* x, int64_t x_stride, int6
 constexpr int64_t kMagicDirectRows = 32;
 
 void modserve_avx512_linear_group_u7(const uint16_t* x, int64_t x_stride, int64_t M, const int8_t* panels, int64_t N, int K, int group,
-                                     const float* bias, uint16_t* y, int64_t y_stride, int threads, int minima, float center, int packed) {
+                                     const float* bias, uint16_t* y, int64_t y_stride, int threads, int minima, float center, int packed,
+                                     int scale_bytes, int super_groups) {
     using modserve::Codes;
-    group_product<Codes::kInt8, Codes::kMagic>(x, x_stride, M, {panels, K, group, minima != 0, center, packed != 0}, N, bias, y, y_stride, threads,
+    group_product<Codes::kInt8, Codes::kMagic>(x, x_stride, M, {panels, K, group, minima != 0, center, packed != 0, scale_bytes, super_groups}, N, bias, y, y_stride, threads,
                                                kMagicDirectRows);
 }
 
@@ -193,14 +197,14 @@ MODSERVE_PACKED(modserve_avx512_linear_int4) {
 MODSERVE_PACKED(modserve_avx512_linear_group_int8) {
     using modserve::packed::ptr;
     modserve_avx512_linear_group_int8(ptr<const uint16_t*>(a[0]), a[1], a[2], ptr<const int8_t*>(a[3]), a[4], a[5], a[6], ptr<const float*>(a[7]),
-                     ptr<uint16_t*>(a[8]), a[9], a[10], a[11], modserve::packed::f32(a[12]), a[13]);
+                     ptr<uint16_t*>(a[8]), a[9], a[10], a[11], modserve::packed::f32(a[12]), a[13], a[14], a[15]);
     return 0;
 }
 
 MODSERVE_PACKED(modserve_avx512_linear_group_u7) {
     using modserve::packed::ptr;
     modserve_avx512_linear_group_u7(ptr<const uint16_t*>(a[0]), a[1], a[2], ptr<const int8_t*>(a[3]), a[4], a[5], a[6], ptr<const float*>(a[7]),
-                     ptr<uint16_t*>(a[8]), a[9], a[10], a[11], modserve::packed::f32(a[12]), a[13]);
+                     ptr<uint16_t*>(a[8]), a[9], a[10], a[11], modserve::packed::f32(a[12]), a[13], a[14], a[15]);
     return 0;
 }
 

@@ -1,9 +1,9 @@
 // int8 codes with a scale, and optionally a zero, per group of inputs of each output: GGUF's Q8_0
 // (groups of 32); the 4- to 6-bit formats (Q6_K in groups of 16, Q5_x, Q4_K in a mixed layer) as
-// stored, codes below 128 with their minima as zeros, the K-quants' two-level scales resolved to
-// one float32 scale per group (gguf_quantized.py); GPTQ's 8-bit groups. Held as group panels
-// (GroupPanels below: a panel of 16 outputs, group after group, each group's codes in the panel
-// kernels' pair order followed by its float32 scales and zeros), widened per call to the panels
+// stored, codes below 128 with their minima as zeros, the K-quants' scales in their two levels
+// (gguf_quantized.py); GPTQ's 8-bit groups. Held as group panels (GroupPanels below: a panel of
+// 16 outputs, group after group, each group's codes in the panel kernels' pair order followed by
+// its scales and zeros, in as few bytes as the file gave them), widened per call to the panels
 // our products read: bfloat16 (cpu_avx512_linear.cpp) or float32 (cpu_avx2_linear.cpp), a
 // thread's four panels at a time into a scratch of its own (avx512_bf16_panels.h's and
 // float32_panels.h's widened_part); and, for few rows, multiplied directly group by group
@@ -20,35 +20,54 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #include "prefetch.h"
 
 namespace modserve {
 
 // Where a layer's group panels keep what: panel p at data + p panel_bytes, its group g
-// group_bytes further, holding the group's codes ([group / 2][16][2] int8: input pairs by
-// outputs; `packed`: 6 bits each, packed_step below), then its 16 outputs' float32 scales, then,
-// where `zeros`, their 16 float32 zeros; without zeros, symmetric codes kept as stored (q below
-// 2^bits, w = d (q - center)) have the zero -center d computed from the scale (no bytes for it),
-// and others none (`center` 0).
+// further on, holding the group's codes ([group / 2][16][2] int8: input pairs by outputs;
+// `packed`: 6 bits each, packed_step below), then its 16 outputs' scales, then, where `zeros`,
+// their 16 zeros; without zeros, symmetric codes kept as stored (q below 2^bits, w = d (q -
+// center)) have the zero -center d computed from the scale (no bytes for it), and others none
+// (`center` 0). The scales and zeros are `scale_bytes` each: 4, float32; 2, float16 (GGUF's
+// Q8_0 and Q4/Q5_0/1 scales, as stored); 1, int8 multiples of float32 ones kept once per super
+// block of `super_groups` groups (the K-quants' two levels: d sc, -dmin m, each product exact in
+// float32), those 16 outer scales (and zeros) heading the block's first group.
 struct GroupPanels {
     const int8_t* data;
     int K, group;
     bool zeros;
     float center;
     bool packed;
-    int groups;                                    // K / group
-    int64_t code_bytes, group_bytes, panel_bytes;  // computed once: the loops ask for them group by group
+    int scale_bytes;
+    int groups;                                               // K / group
+    int super_shift, super_mask;                              // g >> shift: g's super block; g & mask: its place there
+    int64_t code_bytes, group_bytes, head_bytes, super_bytes, panel_bytes;  // computed once: the loops ask group by group
 
-    GroupPanels(const int8_t* data, int K, int group, bool zeros, float center, bool packed = false)
-        : data(data), K(K), group(group), zeros(zeros), center(center), packed(packed), groups(K / group),
-          code_bytes(static_cast<int64_t>(group) * (packed ? 12 : 16)), group_bytes(code_bytes + (zeros ? 128 : 64)),
-          panel_bytes(groups * group_bytes) {}
-    const int8_t* codes(int64_t p, int g) const { return data + p * panel_bytes + g * group_bytes; }
-    const float* scales(int64_t p, int g) const { return reinterpret_cast<const float*>(codes(p, g) + code_bytes); }
-    const float* stored_zeros(int64_t p, int g) const { return scales(p, g) + 16; }
+    GroupPanels(const int8_t* data, int K, int group, bool zeros, float center, bool packed = false, int scale_bytes = 4,
+                int super_groups = 0)
+        : data(data), K(K), group(group), zeros(zeros), center(center), packed(packed), scale_bytes(scale_bytes), groups(K / group),
+          super_shift(scale_bytes == 1 ? __builtin_ctz(super_groups) : 30), super_mask(scale_bytes == 1 ? super_groups - 1 : -1),
+          code_bytes(static_cast<int64_t>(group) * (packed ? 12 : 16)), group_bytes(code_bytes + (zeros ? 32 : 16) * scale_bytes),
+          head_bytes(scale_bytes == 1 ? (zeros ? 128 : 64) : 0),
+          super_bytes(scale_bytes == 1 ? head_bytes + super_groups * group_bytes : groups * group_bytes),
+          panel_bytes(scale_bytes == 1 ? groups / super_groups * super_bytes : groups * group_bytes) {}
+    // Where group g's codes start in a panel, and where its bytes (with its super block's head, if first there) start.
+    int64_t offset(int g) const { return (g >> super_shift) * super_bytes + head_bytes + (g & super_mask) * group_bytes; }
+    int64_t span_start(int g) const { return offset(g) - ((g & super_mask) == 0 ? head_bytes : 0); }
+    const int8_t* codes(int64_t p, int g) const { return data + p * panel_bytes + offset(g); }
+    const int8_t* stored(int64_t p, int g, int which) const { return codes(p, g) + code_bytes + which * 16 * scale_bytes; }
+    const float* outer(int64_t p, int g, int which) const {  // scale_bytes 1: the super block's float32 scales (or zeros)
+        return reinterpret_cast<const float*>(data + p * panel_bytes + (g >> super_shift) * super_bytes) + 16 * which;
+    }
     bool any_zero() const { return zeros || center != 0.f; }  // whether the inputs' group sums enter
-    GroupPanels from(int64_t p) const { return {codes(p, 0), K, group, zeros, center, packed}; }  // panel p as the first
+    GroupPanels from(int64_t p) const {  // panel p as the first
+        GroupPanels w = *this;
+        w.data = data + p * panel_bytes;
+        return w;
+    }
 };
 
 // The most inputs a packed group may have: the paths that unpack a group into a buffer size it by this.
@@ -77,17 +96,19 @@ void group_direct_blocks(const X* x, int64_t x_stride, int64_t M, GroupPanels w,
 // a panel), while the same group of the P panels before them is multiplied.
 template <int P>
 inline void prefetch_group(const GroupPanels& w, const int8_t* ahead, int g) {
-    const int64_t at = g * w.group_bytes;
+    const int64_t at = w.span_start(g), end = w.offset(g) + w.group_bytes;
     for (int p = 0; p < P; ++p)
-        for (int64_t line = 0; line < w.group_bytes; line += 64) prefetch_line(ahead + p * w.panel_bytes + at + line);
+        for (int64_t line = at; line < end; line += 64) prefetch_line(ahead + p * w.panel_bytes + line);
 }
 
 // Asks for the group after group g of panel p (or the next panel's first), for the widening
 // loops: they read a group's scales, at its end, before its codes, an order that a hardware
 // prefetcher follows less well than a plain stream (the widening 0.89x as fast without this).
 inline void prefetch_next_group(const GroupPanels& w, int64_t p, int g) {
-    const int8_t* next = w.codes(p, g + 1);
-    for (int64_t line = 0; line < w.group_bytes; line += 64) prefetch_line(next + line);
+    const bool last = g + 1 == w.groups;  // then the next panel's first group
+    const int8_t* panel = w.data + (last ? p + 1 : p) * w.panel_bytes;
+    const int next = last ? 0 : g + 1;
+    for (int64_t line = w.span_start(next); line < w.offset(next) + w.group_bytes; line += 64) prefetch_line(panel + line);
 }
 
 }  // namespace modserve
@@ -129,6 +150,20 @@ inline const int8_t* group_codes(const GroupPanels& w, int64_t p, int g, int8_t*
     return buffer;
 }
 
+// Group g of panel p's 16 scales (`which` 0) or stored zeros (1) as float32, at `out`.
+inline void group_values(const GroupPanels& w, int64_t p, int g, int which, float* out) {
+    const int8_t* at = w.stored(p, g, which);
+    if (w.scale_bytes == 4) {
+        std::memcpy(out, at, 64);
+    } else if (w.scale_bytes == 2) {
+        _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at))));  // F16C: every AVX2 CPU's
+        _mm256_storeu_ps(out + 8, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at + 16))));
+    } else {
+        const float* outer = w.outer(p, g, which);
+        for (int j = 0; j < 16; ++j) out[j] = outer[j] * static_cast<float>(at[j]);
+    }
+}
+
 }  // namespace modserve
 #endif
 
@@ -155,9 +190,18 @@ inline void group_input_sums(const uint16_t* x, int64_t x_stride, int64_t M, int
         }
 }
 
+// Group g of panel p's 16 scales (`which` 0) or stored zeros (1) as float32 (group_values' in a register).
+inline __m512 group_vector(const GroupPanels& w, int64_t p, int g, int which) {
+    const int8_t* at = w.stored(p, g, which);
+    if (w.scale_bytes == 4) return _mm512_loadu_ps(at);
+    if (w.scale_bytes == 2) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
+    const __m512 inner = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at))));
+    return _mm512_mul_ps(_mm512_loadu_ps(w.outer(p, g, which)), inner);
+}
+
 // Group g's zeros for panel p's 16 outputs: stored, or -center d.
 inline __m512 group_zero(const GroupPanels& w, int64_t p, int g, __m512 d) {
-    return w.zeros ? _mm512_loadu_ps(w.stored_zeros(p, g)) : _mm512_mul_ps(_mm512_set1_ps(-w.center), d);
+    return w.zeros ? group_vector(w, p, g, 1) : _mm512_mul_ps(_mm512_set1_ps(-w.center), d);
 }
 
 // Unsigned codes below 128 (GGUF's 4- to 6-bit formats as stored: q, not q - 2^(bits-1)) as the
@@ -222,7 +266,7 @@ void group_int8_block(const uint16_t* x, int64_t x_stride, GroupPanels w, const 
             }
         }
         for (int p = 0; p < P; ++p) {
-            const __m512 d = _mm512_loadu_ps(w.scales(p, g));
+            const __m512 d = group_vector(w, p, g, 0);
             __m512 z = group_zero(w, p, g, d);
             if (kOffset) z = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), d, z);  // the sums are of x (128 + q)
             for (int r = 0; r < R; ++r) {
@@ -278,7 +322,7 @@ inline void widen_group_int8_bf16(const GroupPanels& w, int64_t panel0, int64_t 
     for (int64_t p = panel0; p < panel1; ++p)
         for (int g = 0; g < w.groups; ++g) {
             prefetch_next_group(w, p, g);
-            const __m512 d = _mm512_loadu_ps(w.scales(p, g));
+            const __m512 d = group_vector(w, p, g, 0);
             const __m512 d_lo = _mm512_permutexvar_ps(first, d), d_hi = _mm512_permutexvar_ps(second, d);
             const __m512 z = group_zero(w, p, g, d);
             const __m512 z_lo = _mm512_permutexvar_ps(first, z), z_hi = _mm512_permutexvar_ps(second, z);
@@ -330,15 +374,20 @@ void group_f32_block(const float* x, int64_t x_stride, GroupPanels w, const floa
         const int64_t panel = w.packed ? kMaxPackedGroup * 16 : w.panel_bytes;
         for (int k = 0; k < w.group / 2; ++k)  // the group's input pairs: its codes, `panel` apart, and its inputs
             float32_panels::pair_step<R, P, true>(x + g * w.group, x_stride, codes, panel, k, sums, sums);
+        alignas(64) float scales[P][16], zeros[P][16];
+        for (int q = 0; q < P; ++q) {
+            group_values(w, q, g, 0, scales[q]);
+            if (w.zeros) group_values(w, q, g, 1, zeros[q]);
+        }
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r)
 #pragma GCC unroll 2
             for (int q = 0; q < P; ++q) {
                 alignas(64) float t[16];
                 float32_panels::store_sums(t, sums[r][q]);
-                const float* d = w.scales(q, g);
+                const float* d = scales[q];
                 if (w.zeros) {
-                    const float* z = w.stored_zeros(q, g);
+                    const float* z = zeros[q];
                     const float xs = xsum[r * groups + g];
 #pragma omp simd
                     for (int j = 0; j < 16; ++j) acc[r][q][j] += d[j] * t[j] + z[j] * xs;
@@ -403,12 +452,15 @@ inline void widen_group_int8_f32(const GroupPanels& w, int64_t panel0, int64_t p
         float* dst = out + (p - panel0) * static_cast<int64_t>(w.K) * 16;
         for (int g = 0; g < w.groups; ++g) {
             prefetch_next_group(w, p, g);
-            const float* d = w.scales(p, g);
-            const float* z = w.zeros ? w.stored_zeros(p, g) : nullptr;
-            alignas(32) float centred[16];  // -center d: symmetric codes kept as stored
-            if (z == nullptr && w.center != 0.f) {
-                for (int j = 0; j < 16; ++j) centred[j] = -w.center * d[j];
-                z = centred;
+            alignas(32) float d[16], stored[16];
+            group_values(w, p, g, 0, d);
+            const float* z = nullptr;
+            if (w.zeros) {
+                group_values(w, p, g, 1, stored);
+                z = stored;
+            } else if (w.center != 0.f) {  // -center d: symmetric codes kept as stored
+                for (int j = 0; j < 16; ++j) stored[j] = -w.center * d[j];
+                z = stored;
             }
             alignas(64) int8_t unpacked[kMaxPackedGroup * 16];
             const int8_t* codes = group_codes(w, p, g, unpacked);

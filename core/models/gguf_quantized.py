@@ -2,7 +2,8 @@
 them until the platform builds each linear layer; without ``keep_blocks`` :func:`read_gguf`
 dequantizes them at load), and the block formats the cpu platform maps onto its kernels:
 :func:`group_codes` reads any of them as unsigned codes with one float32 scale and minimum per
-group of inputs, ``w = scale * q + minimum``.
+group of inputs, ``w = scale * q + minimum``, the K-quants' also with their two levels of scales
+as stored (:class:`TwoLevelScales`), which the cpu platform holds in fewer bytes.
 
 Block formats (ggml; ``d``, ``dmin``, ``m`` float16), the weights of one output channel in order:
 
@@ -53,6 +54,30 @@ class GGUFTensor(KeptTensor):
 
 
 @dataclass
+class TwoLevelScales:
+    """Scales (and minima) per group of inputs in two levels, as the K-quants store them: ``scale
+    = scale_outer[n, k // (super_groups group)] * scale_inner[n, k // group]``, a float32 (float16
+    in the file) per super block and a small integer per group; minima likewise. Each product is
+    exact in float32 (11 by 8 bits): the levels hold the very values :class:`GroupCodes` gives,
+    in fewer bytes."""
+
+    scale_outer: torch.Tensor  # [N, K / super block] float32
+    scale_inner: torch.Tensor  # [N, K / group] int8
+    minimum_outer: torch.Tensor | None = None
+    minimum_inner: torch.Tensor | None = None
+
+    @staticmethod
+    def cat(parts: list[TwoLevelScales | None]) -> TwoLevelScales | None:
+        """The levels of parts stacked along the outputs, or None unless every part has them alike."""
+        if any(p is None or (p.minimum_outer is None) != (parts[0].minimum_outer is None) for p in parts):
+            return None
+        if len({p.scale_outer.shape[1] for p in parts}) != 1:
+            return None
+        fields = ("scale_outer", "scale_inner", "minimum_outer", "minimum_inner")
+        return TwoLevelScales(*(None if getattr(parts[0], f) is None else torch.cat([getattr(p, f) for p in parts]) for f in fields))
+
+
+@dataclass
 class GroupCodes:
     """A tensor's weights as ``w[n, k] = scale[n, k // group] * q[n, k] + minimum[n, k // group]``,
     ``q`` unsigned below ``2 ** bits``; ``minimum`` None for symmetric codes, ``w = scale (q - center)``."""
@@ -62,6 +87,7 @@ class GroupCodes:
     minimum: torch.Tensor | None  # [N, K / group] float32
     group: int
     bits: int
+    levels: TwoLevelScales | None = None  # the K-quants' scales and minima as stored
 
     @property
     def center(self) -> int:
@@ -76,6 +102,20 @@ class GroupCodes:
         tensor's group: each repeated)."""
         repeat = self.group // group
         return self.scale.repeat_interleave(repeat, dim=1), self.minimum_or_center().repeat_interleave(repeat, dim=1)
+
+    def two_levels(self, group: int, minima: bool) -> TwoLevelScales | None:
+        """:attr:`levels` per group of ``group`` inputs (a divisor of this tensor's group), with
+        the minima where ``minima`` (a symmetric tensor's ``-center * scale``: outer ``-center
+        d``, exact), or None where the tensor has no two levels."""
+        if (lv := self.levels) is None:
+            return None
+        repeat = self.group // group
+        inner = lv.scale_inner.repeat_interleave(repeat, dim=1)
+        if not minima:
+            return TwoLevelScales(lv.scale_outer, inner)
+        if self.minimum is None:
+            return TwoLevelScales(lv.scale_outer, inner, lv.scale_outer * -self.center, inner)
+        return TwoLevelScales(lv.scale_outer, inner, lv.minimum_outer, lv.minimum_inner.repeat_interleave(repeat, dim=1))
 
     def signed(self, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(codes [N, K] int8 = q - center, scale, zero)`` per group of ``group`` (a divisor of
@@ -97,10 +137,17 @@ def _f16(raw: np.ndarray) -> np.ndarray:
     return raw.copy().view(np.float16)[..., 0].astype(np.float32)
 
 
-def _codes(q: np.ndarray, scale: np.ndarray, minimum: np.ndarray | None, n: int, k: int, group: int, bits: int) -> GroupCodes:
-    t = torch.from_numpy
-    return GroupCodes(t(np.ascontiguousarray(q, np.uint8).reshape(n, k)), t(np.ascontiguousarray(scale, np.float32).reshape(n, k // group)),
-                      None if minimum is None else t(np.ascontiguousarray(minimum, np.float32).reshape(n, k // group)), group, bits)
+def _codes(q: np.ndarray, scale: np.ndarray, minimum: np.ndarray | None, n: int, k: int, group: int, bits: int,
+           levels: tuple[np.ndarray, ...] | None = None) -> GroupCodes:
+    """``levels``: the K-quants' ``(d, sc)`` or ``(d, sc, -dmin, mn)``, ``d`` per block of 256."""
+    def t(a: np.ndarray | None, dtype, cols: int) -> torch.Tensor | None:
+        return None if a is None else torch.from_numpy(np.ascontiguousarray(a, dtype).reshape(n, cols))
+
+    two = None
+    if levels is not None:
+        two = TwoLevelScales(*(t(a, np.float32 if i % 2 == 0 else np.int8, k // QK_K if i % 2 == 0 else k // group)
+                               for i, a in enumerate(levels)))
+    return GroupCodes(t(q, np.uint8, k), t(scale, np.float32, k // group), t(minimum, np.float32, k // group), group, bits, two)
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
@@ -147,7 +194,8 @@ def _k_quant(fifth_bits: bool):
         if fifth_bits:
             high = np.unpackbits(b[..., 16:48, None], axis=-1, bitorder="little")  # [.., 32 l, 8 i]: weight 32 i + l
             q = q | (high.swapaxes(-1, -2).reshape(n, k // QK_K, QK_K) << 4)
-        return _codes(q, _f16(b[..., 0:2])[..., None] * sc, -(_f16(b[..., 2:4])[..., None] * mn), n, k, BLOCK, 4 + fifth_bits)
+        d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+        return _codes(q, d[..., None] * sc, -(dmin[..., None] * mn), n, k, BLOCK, 4 + fifth_bits, (d, sc, -dmin, mn))
 
     return decode
 
@@ -158,8 +206,8 @@ def _q6_k(data: np.ndarray, n: int, k: int) -> GroupCodes:
     qh = b[..., 128:192].reshape(n, k // QK_K, 2, 1, 32)
     high = (qh >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3  # [.., half, 4, 32]: weights 128 h + 32 i + l
     q = low | (high.reshape(n, k // QK_K, 2, 128) << 4)
-    scale = _f16(b[..., 208:210])[..., None] * b[..., 192:208].view(np.int8).astype(np.float32)
-    return _codes(q, scale, None, n, k, 16, 6)
+    d, sc = _f16(b[..., 208:210]), b[..., 192:208].view(np.int8)
+    return _codes(q, d[..., None] * sc.astype(np.float32), None, n, k, 16, 6, (d, sc))
 
 
 QK_K = 256

@@ -23,7 +23,8 @@ from torch import nn
 
 from modserve.core.contract import NativeFunction
 from modserve.native.build import SOURCES
-from modserve.plugins.platforms.cpu_panel_linear import GROUP_INT8_ARGS, PANEL_ARGS, TILE_N, PanelLinear, gated_pairs, load_kernel, pack_tiles
+from modserve.plugins.platforms.cpu_group_panels import GROUP_INT8_ARGS
+from modserve.plugins.platforms.cpu_panel_linear import PANEL_ARGS, TILE_N, PanelLinear, gated_pairs, load_kernel, pack_tiles
 from modserve.plugins.platforms.cpu_quant import quantize_per_channel_int8
 
 INT8_ARGS = [*PANEL_ARGS, ctypes.c_void_p]  # a panel linear's, then the codes' channel scales

@@ -29,11 +29,6 @@ PANEL_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, 
 # (widened_product).
 WIDENED_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
                 ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
-# The group-scaled int8 entries: x, x_stride, M, group panels, N, K, group, bias, y, y_stride, threads, whether the groups
-# store zeros, the codes' center, whether the codes are packed to 6 bits (group_product).
-GROUP_INT8_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
-                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
-PACKED_GROUP_MAX = 32  # the largest group whose codes may be packed (native/group_int8_panels.h's kMaxPackedGroup)
 
 
 def load_kernel(source, what: str, symbol: str, instructions: str, extra_flags: tuple[str, ...] = (), argtypes: list = PANEL_ARGS,
@@ -91,52 +86,6 @@ def widened_product(kernel: NativeFunction, rows: torch.Tensor, codes: torch.Ten
         None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), torch.get_num_threads(),
     )  # fmt: skip
     return out
-
-
-def group_product(kernel: NativeFunction, rows: torch.Tensor, panels: torch.Tensor, n: int, k: int, group: int,
-                  bias: torch.Tensor | None, zeros: bool, center: float, packed: bool, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``rows [M, k]`` times ``n`` outputs' group-scaled int8 codes held as group panels
-    (:func:`group_panels`; ``packed``: their codes packed to 6 bits), plus ``bias``, by one call
-    of an entry taking :data:`GROUP_INT8_ARGS`; ``out`` as for :func:`widened_product`."""
-    rows = tile_rows(rows)
-    out = _product_output(rows, n, out, "group_product")
-    kernel(
-        rows.data_ptr(), rows.stride(0), rows.shape[0], panels.data_ptr(), n, k, group, None if bias is None else bias.data_ptr(),
-        out.data_ptr(), out.stride(0), torch.get_num_threads(), int(zeros), center, int(packed),
-    )  # fmt: skip
-    return out
-
-
-def group_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group: int, packed: bool = False) -> torch.Tensor:
-    """``codes [N, K]`` int8 with float32 ``scales`` (and ``zeros``) ``[N, K/group]`` as the group
-    kernels read them (``native/group_int8_panels.h``'s ``GroupPanels``): ``[N/16][K/group]`` byte
-    rows, each a group's codes in the panels' pair order, then its 16 outputs' scales, then their
-    zeros. One sequential stream a panel: a row reads the scales where it reads the codes.
-    ``packed``: codes below 64 (GGUF's 4- to 6-bit formats) in 6 bits each (:func:`pack_6_bits`),
-    groups of at most :data:`PACKED_GROUP_MAX`."""
-    n, k = codes.shape
-    if packed and (group > PACKED_GROUP_MAX or codes.min() < 0 or codes.max() >= 64):
-        raise ValueError(f"group_panels: packs codes in [0, 64) in groups of at most {PACKED_GROUP_MAX}, got {group} "
-                         f"and codes in [{int(codes.min())}, {int(codes.max())}]")
-    in_pairs = pack_tiles(codes).view(n // TILE_N, k // group, group * TILE_N)
-    per_group = [pack_6_bits(in_pairs) if packed else in_pairs]
-    for values in (scales, zeros):
-        if values is not None:  # [N, K/g] as [N/16][K/g][16] float32, bytes
-            per_group.append(values.float().view(n // TILE_N, TILE_N, k // group).transpose(1, 2).contiguous().view(torch.int8))
-    return torch.cat(per_group, dim=2).contiguous()
-
-
-def pack_6_bits(codes: torch.Tensor) -> torch.Tensor:
-    """Codes in ``[0, 64)``, ``[..., G]`` bytes in the panels' pair order (32 a pair, G a multiple
-    of 128), as 6 bits each, ``[..., 3 G / 4]``: each quad of pairs ``s0..s3`` as the low nibbles
-    of ``s0`` and ``s1`` (``s1``'s in each byte's high half), those of ``s2`` and ``s3``, then the
-    four pairs' high two bits (``s``'s at bits ``2 s``): what ``packed_step`` reads back."""
-    quads = codes.view(torch.uint8).view(*codes.shape[:-1], -1, 4, 32)  # in bytes: a layer's codes are loaded whole
-    low, high = quads & 15, quads >> 4
-    lo01 = low[..., 0, :] | low[..., 1, :] << 4
-    lo23 = low[..., 2, :] | low[..., 3, :] << 4
-    hi = high[..., 0, :] | high[..., 1, :] << 2 | high[..., 2, :] << 4 | high[..., 3, :] << 6
-    return torch.stack([lo01, lo23, hi], dim=-2).view(torch.int8).reshape(*codes.shape[:-1], codes.shape[-1] * 3 // 4)
 
 
 def _product_output(rows: torch.Tensor, n: int, out: torch.Tensor | None, caller: str) -> torch.Tensor:

@@ -77,6 +77,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -85,6 +86,10 @@ from torch import nn
 from modserve.core.config import ConfigError
 from modserve.core.contract import NativeFunction
 from modserve.plugins.platforms.cpu_linear import _CHUNK_SIZES, _padded, row_chunks
+
+if TYPE_CHECKING:
+    from modserve.core.models.gguf_quantized import TwoLevelScales
+    from modserve.plugins.platforms.cpu_group_panels import GroupLayout
 
 log = logging.getLogger("modserve.platform")
 
@@ -402,11 +407,12 @@ class Int8GroupLinear(QuantizedLinear):
 
     def __init__(self, layer: nn.Linear, q: torch.Tensor, scale: torch.Tensor, group: int = 32,
                  scale_dtype: torch.dtype = torch.float16, zero: torch.Tensor | None = None, below_128: bool = False,
-                 center: int = 0) -> None:
+                 center: int = 0, levels: TwoLevelScales | None = None) -> None:
         super().__init__(layer)
         if below_128 and ((zero is None) == (center == 0) or q.min() < 0):
             raise ValueError("Int8GroupLinear: codes below 128 are unsigned, with their minima as zeros or a center (not both)")
         self.group, self.below_128, self.center = group, below_128, center
+        self._levels = levels  # the same scales (and zeros) in two levels: what the group panels hold, when they take them
         self.register_buffer("qweight", q.view(self.out_features, -1, group), False)  # [N, K/g, g] int8
         self.register_buffer("scale", scale.to(scale_dtype)[..., None], False)  # Q8_0's and GPTQ's float16 scales: exact
         self.register_buffer("zero", None if zero is None else zero.float()[..., None], False)  # [N, K/g, 1] float32
@@ -428,12 +434,12 @@ class Int8GroupLinear(QuantizedLinear):
         return F.linear(rows, self.weight_as(rows.dtype), self.bias)
 
     _panels: NativeFunction | None = None  # the panel kernel's entry, once use_panels took it
-    _zeros = _packed = False  # whether the group panels store zeros, and hold the codes in 6 bits
+    _layout: GroupLayout | None = None  # how the group panels hold the layer
 
     def use_panels(self, kernel: NativeFunction, dtype: torch.dtype) -> bool:
         """Hold the codes as group panels (each group's codes in the panel kernels' order, codes
-        below 64 in groups of up to 32 in 6 bits each, then the group's float32 scales and zeros:
-        :func:`~modserve.plugins.platforms.cpu_panel_linear.group_panels`), and run every call of
+        below 64 in groups of up to 32 in 6 bits each, then the group's scales and zeros in as
+        few bytes as hold them exactly: :func:`~modserve.plugins.platforms.cpu_group_panels.group_panels`), and run every call of
         ``dtype`` rows on ``kernel``
         (:func:`~modserve.plugins.platforms.cpu_int8_panel_linear.group_int8_kernel`): one
         native call, recordable, instead of the whole weight widened in torch per call (171 us
@@ -442,14 +448,15 @@ class Int8GroupLinear(QuantizedLinear):
         n, k = self.out_features, self.in_features
         if n % 16 or k % 32 or self.group % 16 or self.input_order is not None:
             return False
-        from modserve.plugins.platforms.cpu_panel_linear import PACKED_GROUP_MAX, group_panels
+        from modserve.plugins.platforms.cpu_group_panels import PACKED_GROUP_MAX, group_panels
 
         zeros = None if self.zero is None else self.zero.view(n, -1)
         packed = self.below_128 and self.group <= PACKED_GROUP_MAX and int(self.qweight.max()) < 64  # 6 bits suffice
-        self.register_buffer("group_panels", group_panels(self.qweight.view(n, k), self.scale.view(n, -1), zeros, self.group, packed), False)
+        held, self._layout = group_panels(self.qweight.view(n, k), self.scale.view(n, -1), zeros, self.group, packed, self.center,
+                                          self._levels)
+        self.register_buffer("group_panels", held, False)
         self.register_buffer("_bias32", None if self.bias is None else self.bias.detach().float().contiguous(), False)
-        self._zeros, self._packed = self.zero is not None, packed
-        self.qweight = self.scale = self.zero = None  # the panels hold them now
+        self.qweight = self.scale = self.zero = self._levels = None  # the panels hold them now
         self._panels, self._dtype = kernel, dtype
         return True
 
@@ -466,16 +473,15 @@ class Int8GroupLinear(QuantizedLinear):
     def _panel_product(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if rows.dtype != self._dtype:
             raise TypeError(f"Int8GroupLinear on the panel kernels takes {str(self._dtype).removeprefix('torch.')} rows, got {rows.dtype}")
-        from modserve.plugins.platforms.cpu_panel_linear import group_product
+        from modserve.plugins.platforms.cpu_group_panels import group_product
 
         buffers = self._buffers
-        return group_product(self._panels, rows, buffers["group_panels"], self.out_features, self.in_features, self.group, buffers["_bias32"],
-                             self._zeros, float(self.center), self._packed, out=out)
+        return group_product(self._panels, rows, buffers["group_panels"], self._layout, self.out_features, self.in_features,
+                             buffers["_bias32"], out=out)
 
     def extra_repr(self) -> str:
-        zeros = self._buffers.get("zero") is not None or self._zeros
-        return (f"{super().extra_repr()}, group={self.group}" + (", zeros" if zeros else "") + (f", center={self.center}" if self.center else "")
-                + (", panels" if self._panels is not None else "") + (", 6-bit" if self._packed else ""))
+        held = f", panels: {self._layout.describe()}" if self._layout is not None else ", zeros" if self.zero is not None else ""
+        return f"{super().extra_repr()}, group={self.group}" + (f", center={self.center}" if self.center else "") + held
 
 
 GGUF_KEPT = ("Q8_0", "Q6_K", "Q5_K", "Q5_1", "Q5_0", "Q4_K", "Q4_1", "Q4_0")  # the GGUF types ``quantization: gguf`` keeps
@@ -506,7 +512,7 @@ def gguf_linear(name: str, layer: nn.Module) -> nn.Module:
       groups of 16 where a Q6_K part is present, else 32. Without a Q8_0 part, the codes as stored (below 128) with
       each group's scale and minimum (``below_128``: exact), or only the scales and the formats'
       one center where every part is symmetric (Q6_K, Q5_0: 2 bits a weight fewer at groups of
-      16); with one, the codes centred to
+      16), the K-quants' scales with their two levels (an int8 a group); with one, the codes centred to
       int8 (``q - 2^(bits - 1)``) with a zero per group where a part has a minimum
       (``m + 2^(bits - 1) d``, rounded once). A 4- to 6-bit weight takes a byte.
 
@@ -517,7 +523,7 @@ def gguf_linear(name: str, layer: nn.Module) -> nn.Module:
     not stored as a GGUF tensor (tensor parallelism loads none kept), other GGUF formats
     (Q2_K, Q3_K, the IQ types, ...) or a fused layer mixing float and quantized parts.
     The setting is never dropped silently: pick ``none``, ``int8`` or ``int4`` for such a file."""
-    from modserve.core.models.gguf_quantized import GGUFTensor, group_codes
+    from modserve.core.models.gguf_quantized import GGUFTensor, TwoLevelScales, group_codes
     from modserve.core.models.kept_weights import KeptLinear
 
     if not isinstance(layer, KeptLinear) or not all(isinstance(p, GGUFTensor) for p in layer.parts):
@@ -549,9 +555,11 @@ def gguf_linear(name: str, layer: nn.Module) -> nn.Module:
     if max(c.bits for c in parts) <= 7:  # the codes as stored, with their minima or their one center: exact
         scale, minimum = (torch.cat(t) for t in zip(*(c.per_group(group) for c in parts)))
         q = torch.cat([c.q for c in parts]).to(torch.int8)
-        if all(c.minimum is None for c in parts) and len({c.center for c in parts}) == 1:  # symmetric: no zeros to hold
-            return Int8GroupLinear(layer, q, scale, group, torch.float32, below_128=True, center=parts[0].center)
-        return Int8GroupLinear(layer, q, scale, group, torch.float32, minimum, below_128=True)
+        symmetric = all(c.minimum is None for c in parts) and len({c.center for c in parts}) == 1  # no zeros to hold
+        levels = TwoLevelScales.cat([c.two_levels(group, minima=not symmetric) for c in parts])  # the K-quants'
+        if symmetric:
+            return Int8GroupLinear(layer, q, scale, group, torch.float32, below_128=True, center=parts[0].center, levels=levels)
+        return Int8GroupLinear(layer, q, scale, group, torch.float32, minimum, below_128=True, levels=levels)
     q, d, z = zip(*(c.signed(group) for c in parts))
     zero = None if all(t is None for t in z) else torch.cat([t if t is not None else torch.zeros_like(s) for t, s in zip(z, d)])
     scale_dtype = torch.float16 if types == {"Q8_0"} else torch.float32  # Q8_0's own scales; the others' products need float32
