@@ -69,16 +69,19 @@ void modserve_avx2_linear_int8(const float* x, int64_t x_stride, int64_t M, cons
 
 int modserve_avx2_linear_int8_available() { return 1; }
 
-// int4 weights as torch's CPU int4 kernel holds them, with a float32 model's scales_and_zeros
-// (int4_panels.h; N a multiple of 64, K and the group multiples of 32), bias float32 or null
-// (torch's int4 kernel takes a slow path in float32): up to kInt4F32DirectRows rows each thread
-// takes whole 64-output blocks and multiplies their nibbles directly, a row at a time
-// (int4_f32_block_row); with more it widens its panels four at a time to float32 in a scratch of
-// its own and runs the FMA blocks above on them.
+// int4 weights as torch's CPU int4 kernel holds them, with a float32 model's scales (int4_panels.h's
+// Int4Scales: `pairs` torch's scales_and_zeros for `kind` 0, float16 (s, m) for 1, int8 (sc, mn)
+// times `outer`'s float32 (d, -dmin) per `super_groups` groups for 2; N a multiple of 64, K and the
+// group multiples of 32), bias float32 or null (torch's int4 kernel takes a slow path in float32):
+// up to kInt4F32DirectRows rows each thread takes whole 64-output blocks and multiplies their
+// nibbles directly, a row at a time (int4_f32_block_row); with more it widens its panels four at a
+// time to float32 in a scratch of its own and runs the FMA blocks above on them.
 constexpr int64_t kInt4F32DirectRows = 2;
 
-void modserve_avx2_linear_int4(const float* x, int64_t x_stride, int64_t M, const uint8_t* q4, const float* sz, int64_t N, int K,
-                               int group, const float* bias, float* y, int64_t y_stride, int threads) {
+void modserve_avx2_linear_int4(const float* x, int64_t x_stride, int64_t M, const uint8_t* q4, const void* pairs, int64_t N, int K,
+                               int group, const float* bias, float* y, int64_t y_stride, int threads, int kind, const float* outer,
+                               int super_groups) {
+    const modserve::Int4Scales sc(pairs, N, kind, outer, super_groups);
     if (M <= kInt4F32DirectRows) {
         const int groups = K / group;
         std::vector<float> xsum(M * groups);  // [row][group]: each group's inputs summed
@@ -87,13 +90,12 @@ void modserve_avx2_linear_int4(const float* x, int64_t x_stride, int64_t M, cons
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t b = 0; b < blocks; ++b)
             for (int64_t r = 0; r < M; ++r)
-                modserve::int4_f32_block_row(x + r * x_stride, xsum.data() + r * groups, groups, q4 + b * 32 * static_cast<int64_t>(K),
-                                             sz + b * 64 * 2, N, K, group, bias != nullptr ? bias + b * 64 : nullptr,
-                                             y + r * y_stride + b * 64);
+                modserve::int4_f32_block_row(x + r * x_stride, xsum.data() + r * groups, groups, q4 + b * 32 * static_cast<int64_t>(K), sc,
+                                             b * 64, group, bias != nullptr ? bias + b * 64 : nullptr, y + r * y_stride + b * 64);
         return;
     }
     modserve::for_panel_ranges(N, threads, [&](int64_t p0, int64_t p1) {
-        const auto widen = [&](int64_t p, int np, float* out) { modserve::widen_int4_f32(q4, sz, N, K, group, p, p + np, out); };
+        const auto widen = [&](int64_t p, int np, float* out) { modserve::widen_int4_f32(q4, sc, K, group, p, p + np, out); };
         modserve::float32_panels::widened_part(x, x_stride, M, widen, K, bias, N, y, y_stride, p0, p1);
     });
 }
@@ -148,8 +150,8 @@ MODSERVE_PACKED(modserve_avx2_linear_int8) {
 
 MODSERVE_PACKED(modserve_avx2_linear_int4) {
     using modserve::packed::ptr;
-    modserve_avx2_linear_int4(ptr<const float*>(a[0]), a[1], a[2], ptr<const uint8_t*>(a[3]), ptr<const float*>(a[4]), a[5], a[6],
-                              a[7], ptr<const float*>(a[8]), ptr<float*>(a[9]), a[10], a[11]);
+    modserve_avx2_linear_int4(ptr<const float*>(a[0]), a[1], a[2], ptr<const uint8_t*>(a[3]), ptr<const void*>(a[4]), a[5], a[6],
+                              a[7], ptr<const float*>(a[8]), ptr<float*>(a[9]), a[10], a[11], a[12], ptr<const float*>(a[13]), a[14]);
     return 0;
 }
 

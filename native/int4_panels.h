@@ -145,12 +145,75 @@ void int4_block_direct(const uint16_t* x, int64_t x_stride, const float* xsum, i
 
 namespace modserve {
 
+// A float32 model's int4 scales: w = q s + m for each group of inputs of each output, in one of
+// three layouts: kTorch, torch's scales_and_zeros, [K/group][N][2] float32 (s, z) with z = m + 8 s
+// (m = z - 8 s, rounded once); kHalf, [K/group][2][N] float16, a group's s row then its m row, as
+// GGUF's Q4_0 / Q4_1 blocks give them (Q4_0: m = -8 s); kTwoLevel, the K-quants' [K/group][2][N]
+// int8 sc and mn rows times `outer`'s [K/(group super_groups)][2][N] float32 d and -dmin rows: s
+// = d sc, m = -dmin mn, each exact. 1 bit a weight for kHalf and 0.75 for kTwoLevel at groups of
+// 32, against kTorch's 2. The rows keep a group's 8 or 16 outputs side by side: a load and a
+// conversion each, where interleaved pairs took four more shuffles.
+struct Int4Scales {
+    enum Kind { kTorch = 0, kHalf = 1, kTwoLevel = 2 };
+    const void* pairs;
+    const float* outer;
+    int kind, super_shift;
+    int64_t N;
+
+    Int4Scales(const void* pairs, int64_t N, int kind = kTorch, const float* outer = nullptr, int super_groups = 1)
+        : pairs(pairs), outer(outer), kind(kind), super_shift(__builtin_ctz(super_groups)), N(N) {}
+
+    int64_t row(int g, int which) const { return (2 * static_cast<int64_t>(g) + which) * N; }  // kHalf, kTwoLevel
+    const float* outer_row(int g, int which) const { return outer + (2 * static_cast<int64_t>(g >> super_shift) + which) * N; }
+
+    // s and m of outputs n .. n + 7 in group g.
+    void of8(int g, int64_t n, __m256& s, __m256& m) const {
+        if (kind == kTorch) {
+            const float* at = static_cast<const float*>(pairs) + (static_cast<int64_t>(g) * N + n) * 2;
+            const __m256 a = _mm256_loadu_ps(at), b = _mm256_loadu_ps(at + 8);  // the pairs of outputs n .. n + 3, n + 4 .. n + 7
+            s = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8));
+            const __m256 z = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
+            m = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, z);  // z - 8 s
+        } else if (kind == kHalf) {
+            const uint16_t* h = static_cast<const uint16_t*>(pairs);
+            s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + row(g, 0) + n)));
+            m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + row(g, 1) + n)));
+        } else {
+            const int8_t* c = static_cast<const int8_t*>(pairs);
+            const auto widen = [](const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); };
+            s = _mm256_mul_ps(_mm256_loadu_ps(outer_row(g, 0) + n), widen(c + row(g, 0) + n));
+            m = _mm256_mul_ps(_mm256_loadu_ps(outer_row(g, 1) + n), widen(c + row(g, 1) + n));
+        }
+    }
+
+#if defined(__AVX512F__)
+    // s and m of outputs n .. n + 15 in group g.
+    void of16(int g, int64_t n, __m512& s, __m512& m) const {
+        if (kind == kTorch) {
+            const float* at = static_cast<const float*>(pairs) + (static_cast<int64_t>(g) * N + n) * 2;
+            const __m512 a = _mm512_loadu_ps(at), b = _mm512_loadu_ps(at + 16);
+            const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+            s = _mm512_permutex2var_ps(a, even, b);
+            const __m512 z = _mm512_permutex2var_ps(a, _mm512_add_epi32(even, _mm512_set1_epi32(1)), b);
+            m = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, z);
+        } else if (kind == kHalf) {
+            const uint16_t* h = static_cast<const uint16_t*>(pairs);
+            s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + row(g, 0) + n)));
+            m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + row(g, 1) + n)));
+        } else {
+            const int8_t* c = static_cast<const int8_t*>(pairs);
+            const auto widen = [](const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); };
+            s = _mm512_mul_ps(_mm512_loadu_ps(outer_row(g, 0) + n), widen(c + row(g, 0) + n));
+            m = _mm512_mul_ps(_mm512_loadu_ps(outer_row(g, 1) + n), widen(c + row(g, 1) + n));
+        }
+    }
+#endif
+};
+
 // int4 weights in torch's CPU packing (as widen_int4_panels reads them) with a float32 model's
-// scales_and_zeros ([K/group][N][2] float32: w = (q - 8) s + z), widened to float32 panels of
-// 16 outputs, [K][16] each, for panels [panel0, panel1), panel0 written at `out`: each weight
-// q s + (z - 8 s) in float32 (one FMA; z - 8 s rounded once).
-inline void widen_int4_f32(const uint8_t* q4, const float* sz, int64_t N, int K, int group, int64_t panel0, int64_t panel1,
-                           float* out) {
+// scales (`sc`: Int4Scales), widened to float32 panels of 16 outputs, [K][16] each, for panels
+// [panel0, panel1), panel0 written at `out`: each weight q s + m in float32 (one FMA).
+inline void widen_int4_f32(const uint8_t* q4, const Int4Scales& sc, int K, int group, int64_t panel0, int64_t panel1, float* out) {
     const __m256i low_nibble = _mm256_set1_epi32(0xF);
     for (int64_t p = panel0; p < panel1; ++p) {
         const int64_t n0 = p * 16;
@@ -159,41 +222,87 @@ inline void widen_int4_f32(const uint8_t* q4, const float* sz, int64_t N, int K,
         const bool high = sub >= 2;
         float* panel = out + (p - panel0) * static_cast<int64_t>(K) * 16;
         for (int g = 0; g < K / group; ++g) {
-            alignas(32) float s[16], base[16];
-            for (int j = 0; j < 16; ++j) {
-                const float* pair = sz + (static_cast<int64_t>(g) * N + n0 + j) * 2;
-                s[j] = pair[0];
-                base[j] = pair[1] - 8.f * pair[0];
-            }
+            __m256 s[2], base[2];  // outputs 8 h .. 8 h + 7
+            for (int h = 0; h < 2; ++h) sc.of8(g, n0 + 8 * h, s[h], base[h]);
             for (int k = g * group; k < (g + 1) * group; ++k)
                 for (int h = 0; h < 2; ++h) {  // outputs 8 h .. 8 h + 7
                     const uint8_t* src = block + static_cast<int64_t>(k) * 32 + byte0 + 8 * h;
                     const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src));
                     const __m256i v = _mm256_cvtepu8_epi32(bytes);
                     const __m256i q = high ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, low_nibble);
-                    const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_load_ps(s + 8 * h), _mm256_load_ps(base + 8 * h));
-                    _mm256_storeu_ps(panel + k * 16 + 8 * h, w);
+                    _mm256_storeu_ps(panel + k * 16 + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), s[h], base[h]));
                 }
         }
     }
 }
 
+// Asks for a 64-output block's scale pairs two groups ahead of group g (and their outer pairs, at a
+// super block's start): N pairs apart, where no hardware prefetch looks.
+inline void prefetch_scales_ahead(const Int4Scales& sc, int g, int groups, int64_t n0) {
+    if (g + 2 >= groups) return;
+    const char* base = static_cast<const char*>(sc.pairs);
+    if (sc.kind == Int4Scales::kTorch) {
+        for (int line = 0; line < 8; ++line) prefetch_line(base + ((g + 2) * sc.N + n0) * 8 + line * 64);
+        return;
+    }
+    const int bytes = sc.kind == Int4Scales::kHalf ? 2 : 1;  // a value's
+    for (int which = 0; which < 2; ++which)
+        for (int at = 0; at < 64 * bytes; at += 64) prefetch_line(base + (sc.row(g + 2, which) + n0) * bytes + at);
+    if (sc.kind == Int4Scales::kTwoLevel && ((g + 2) & ((1 << sc.super_shift) - 1)) == 0)
+        for (int which = 0; which < 2; ++which)
+            for (int line = 0; line < 4; ++line) prefetch_line(sc.outer_row(g + 2, which) + n0 + line * 16);
+}
+
 // One row of float32 x times one 64-output block of torch's int4 packing (`block`: [K][32] bytes,
-// byte j holding output j in its low nibble and output j + 32 in its high one; `sz` its outputs'
-// (scale, zero) float32 pairs at group 0, groups N pairs apart), without widening to memory: for
-// one or two rows, where the float32 scratch of widen_int4_f32, written and read once, cost more
-// than the product. Each input's 32 bytes become 64 float32 nibbles in registers, summed against
-// the input by FMAs per group (D = sum x q); the group then adds s D + (z - 8 s) X, X its inputs'
-// sum (`xsum`): sum x ((q - 8) s + z). y gets the sums plus the bias.
-inline void int4_f32_block_row(const float* x, const float* xsum, int groups, const uint8_t* block, const float* sz, int64_t N, int K,
+// byte j holding output j in its low nibble and output j + 32 in its high one; `sc` the layer's
+// scales, `n0` the block's first output), without widening to memory: for one or two rows,
+// where the float32 scratch of widen_int4_f32, written and read once, cost more than the
+// product. Each input's 32 bytes become 64 float32 nibbles in registers, summed against the
+// input by FMAs per group (D = sum x q); the group then adds s D + m X, X its inputs' sum
+// (`xsum`): sum x (q s + m). y gets the sums plus the bias. With AVX-512, 16 outputs a vector:
+// half the instructions of the 8-wide loop, which bounds this path (on a Zen 5 a Llama-1B-shaped
+// pass at one row ran at the same speed with 2 bits of scales a weight as with 0.75).
+#if defined(__AVX512F__)
+inline void int4_f32_block_row(const float* x, const float* xsum, int groups, const uint8_t* block, const Int4Scales& sc, int64_t n0,
+                               int group, const float* bias, float* y) {
+    const __m512i low_nibble = _mm512_set1_epi32(0xF);
+    __m512 acc[4];  // outputs 16 i .. 16 i + 15: the low nibbles of bytes 0-15, 16-31, then the high ones
+    for (int i = 0; i < 4; ++i) acc[i] = _mm512_setzero_ps();
+    for (int g = 0; g < groups; ++g) {
+        __m512 sums[4];
+        for (int i = 0; i < 4; ++i) sums[i] = _mm512_setzero_ps();
+        prefetch_scales_ahead(sc, g, groups, n0);
+        for (int k = g * group; k < (g + 1) * group; ++k) {
+            const __m512 xb = _mm512_set1_ps(x[k]);
+            const uint8_t* row = block + static_cast<int64_t>(k) * 32;
+            const __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
+            const __m512i v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16)));
+            sums[0] = _mm512_fmadd_ps(xb, _mm512_cvtepi32_ps(_mm512_and_si512(v0, low_nibble)), sums[0]);
+            sums[1] = _mm512_fmadd_ps(xb, _mm512_cvtepi32_ps(_mm512_and_si512(v1, low_nibble)), sums[1]);
+            sums[2] = _mm512_fmadd_ps(xb, _mm512_cvtepi32_ps(_mm512_srli_epi32(v0, 4)), sums[2]);
+            sums[3] = _mm512_fmadd_ps(xb, _mm512_cvtepi32_ps(_mm512_srli_epi32(v1, 4)), sums[3]);
+        }
+        const __m512 xs = _mm512_set1_ps(xsum[g]);
+        for (int i = 0; i < 4; ++i) {
+            __m512 s, m;
+            sc.of16(g, n0 + 16 * i, s, m);
+            acc[i] = _mm512_fmadd_ps(m, xs, _mm512_fmadd_ps(s, sums[i], acc[i]));
+        }
+    }
+    for (int i = 0; i < 4; ++i) {
+        const __m512 b = bias != nullptr ? _mm512_loadu_ps(bias + 16 * i) : _mm512_setzero_ps();
+        _mm512_storeu_ps(y + 16 * i, _mm512_add_ps(acc[i], b));
+    }
+}
+#else
+inline void int4_f32_block_row(const float* x, const float* xsum, int groups, const uint8_t* block, const Int4Scales& sc, int64_t n0,
                                int group, const float* bias, float* y) {
     const __m256i low_nibble = _mm256_set1_epi32(0xF);
     alignas(32) float acc[64] = {};
     for (int g = 0; g < groups; ++g) {
         __m256 sums[8];  // outputs 8 i .. 8 i + 7 (i < 4: low nibbles), 32 + 8 (i - 4) .. (high nibbles)
         for (int i = 0; i < 8; ++i) sums[i] = _mm256_setzero_ps();
-        if (g + 2 < groups)  // the (scale, zero) pairs two groups ahead (int4_block_direct's reason)
-            for (int line = 0; line < 8; ++line) prefetch_line(sz + static_cast<int64_t>(g + 2) * N * 2 + line * 16);
+        prefetch_scales_ahead(sc, g, groups, n0);
         for (int k = g * group; k < (g + 1) * group; ++k) {
             const __m256 xb = _mm256_broadcast_ss(x + k);
             for (int i = 0; i < 4; ++i) {
@@ -203,14 +312,10 @@ inline void int4_f32_block_row(const float* x, const float* xsum, int groups, co
             }
         }
         const __m256 xs = _mm256_set1_ps(xsum[g]);
-        for (int i = 0; i < 8; ++i) {  // (s, z) pairs of outputs 8 i .. 8 i + 7, split into s and z in order
-            const float* pairs = sz + (static_cast<int64_t>(g) * N + 8 * i) * 2;
-            const __m256 a = _mm256_loadu_ps(pairs), b = _mm256_loadu_ps(pairs + 8);
-            const __m256 s = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8));
-            const __m256 z = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
-            __m256 t = _mm256_fmadd_ps(s, sums[i], _mm256_load_ps(acc + 8 * i));
-            t = _mm256_fmadd_ps(_mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, z), xs, t);
-            _mm256_store_ps(acc + 8 * i, t);
+        for (int i = 0; i < 8; ++i) {
+            __m256 s, m;
+            sc.of8(g, n0 + 8 * i, s, m);
+            _mm256_store_ps(acc + 8 * i, _mm256_fmadd_ps(m, xs, _mm256_fmadd_ps(s, sums[i], _mm256_load_ps(acc + 8 * i))));
         }
     }
     for (int i = 0; i < 8; ++i) {
@@ -218,6 +323,7 @@ inline void int4_f32_block_row(const float* x, const float* xsum, int groups, co
         _mm256_storeu_ps(y + 8 * i, _mm256_add_ps(_mm256_load_ps(acc + 8 * i), b));
     }
 }
+#endif
 
 }  // namespace modserve
 

@@ -13,7 +13,8 @@ blocks dequantized to float at load, the reference):
    largest magnitude. float32: Q8_0 1e-6 (the same float32 products; measured 0), the others
    1e-5 (the int4 kernel computes ``(q - 8) d + (m + 8 d)`` where gguf computes ``d q + m``; the
    int8 codes ``(q - c) d + (m + c d)``: a rounding of the zero and the order of the float32
-   operations; measured <= 4.2e-7). bfloat16: 1.5e-2 for all (Q4: the kernel holds ``d`` and ``m + 8 d`` in bfloat16, 8
+   operations; measured <= 4.2e-7). On the float32 panels the int4 layers keep the file's own
+   scales and compute ``d q + m``: within float32 summation order of the float64 product. bfloat16: 1.5e-2 for all (Q4: the kernel holds ``d`` and ``m + 8 d`` in bfloat16, 8
    bits each, where the reference rounds each weight to bfloat16; plus the output's own
    bfloat16 rounding; measured <= 4.4e-3).
 3. A whole engine, teacher-forced over the dequantized engine's own greedy text (prompt
@@ -149,6 +150,43 @@ def test_kept_module_is_within_bound_of_linear_on_dequantized_weights(kind, dtyp
     assert module(torch.empty(0, 256, dtype=dtype)).shape == (0, 96)
 
 
+@pytest.mark.parametrize("build", [(), ("-mno-avx512f",)], ids=["native", "avx2-width"])
+@pytest.mark.parametrize("kind", sorted(ON_INT4, key=lambda k: k.name), ids=lambda k: k.name)
+def test_a_float32_q4_layer_on_the_panels_holds_its_files_own_scales(kind, build):
+    """float32 on the panels: Q4_0 / Q4_1 keep their float16 (d, m) (1 bit a weight), Q4_K its two
+    levels, int8 (sc, mn) per 32 and float32 (d, -dmin) per 256 (0.75 bits), instead of torch's
+    float32 (s, m + 8 s) pairs (2 bits); every weight is then exactly d q + m, as gguf
+    dequantizes it: the product within float32 summation order of the float64 one, directly (1,
+    2 rows) and widened (3, 37 rows), at both widths."""
+    from test_cpu_experts import HAS_AVX2
+
+    from modserve.plugins.platforms.cpu_avx2_linear import int4_product
+    from modserve.plugins.platforms.cpu_int4_scales import HALF, TWO_LEVEL, FileScales
+
+    if not HAS_AVX2:
+        pytest.skip("this CPU has no AVX2 (or no compiler targets it)")
+    torch.manual_seed(3)
+    n, k = 128, 768
+    part = gguf_tensor(torch.randn(n, k) * 0.05, kind)
+    module = gguf_linear("layers.0.mlp.down_proj", gguf_layer([part], torch.float32))
+    module.use_panels()
+    assert module.scales_and_zeros is None and module.records
+    two = kind == T.Q4_K
+    assert module.file_pairs.shape == (k // 32, 2, n) and module.file_pairs.dtype == (torch.int8 if two else torch.float16)
+    assert (module.file_outer is not None and module.file_outer.shape == (k // 256, 2, n)) == two
+    held_bits = sum(t.numel() * t.element_size() * 8 for t in (module.file_pairs, module.file_outer) if t is not None) / (n * k)
+    assert held_bits == (0.75 if two else 1.0)
+    scales = FileScales(TWO_LEVEL if two else HALF, module.file_pairs, module.file_outer, 8 if two else 1)
+    w = part.dequantize().double()
+    for rows in (1, 2, 3, 37):
+        x = torch.randn(rows, k)
+        exact = x.double() @ w.T + module.bias.double()
+        for got in (module(x), int4_product(x, module.packed, scales, 32, module._bias32, build)):
+            assert (got.double() - exact).abs().max() <= 2e-6 * exact.abs().max(), rows
+    with pytest.raises(TypeError, match="Int4WeightOnlyLinear holding a GGUF file's scales takes float32 rows, got torch.bfloat16"):
+        module(torch.randn(2, k).to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_fused_parts_keep_their_rows_in_order(dtype):
     """q / k / v in one layer: the parts' rows stack in order, Q4_0 and Q4_1 in one int4 module."""
@@ -181,7 +219,7 @@ def _on_panels(module, dtype: torch.dtype) -> None:
     """What the cpu platform does to a kept module where this dtype's float linears are its panel kernels."""
     for piece in module.pieces if isinstance(module, ColumnSplitLinear) else [module]:
         if isinstance(piece, Int4WeightOnlyLinear):
-            piece.panels = True
+            piece.use_panels()
         else:
             assert piece.use_panels(group_int8_kernel(dtype, below_128=piece.below_128), dtype)
 

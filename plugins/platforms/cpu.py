@@ -180,7 +180,7 @@ class CPUPlatform(Platform):
             for piece in module.pieces if isinstance(module, ColumnSplitLinear) else [module]:  # each piece of a GGUF layer mixing kinds
                 if isinstance(piece, Int4WeightOnlyLinear):
                     piece.amx = self.amx_linears  # many rows: widened to bfloat16 tiles on AMX
-                    piece.panels = self._panels_for(piece.scales_and_zeros.dtype)  # ... or one native call on our panel kernels
+                    piece.use_panels(self._panels_for(piece.scales_and_zeros.dtype))  # ... or one native call on our panel kernels
                 if isinstance(piece, Int8GroupLinear) and self._panels_for(layer.dtype):  # kept: GGUF Q8_0 / Q6_K / Q5_x, GPTQ 8-bit
                     piece.use_panels(group_int8_kernel(layer.dtype, below_128=piece.below_128), layer.dtype)
             return module

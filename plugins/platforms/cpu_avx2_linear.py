@@ -16,6 +16,7 @@ would change the model.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import torch
@@ -24,7 +25,8 @@ from torch import nn
 from modserve.core.contract import NativeFunction
 from modserve.native.build import SOURCES
 from modserve.plugins.platforms.cpu_int8_panel_linear import load_int8
-from modserve.plugins.platforms.cpu_panel_linear import WIDENED_ARGS, PanelLinear, load_kernel, widened_product
+from modserve.plugins.platforms.cpu_int4_scales import FileScales
+from modserve.plugins.platforms.cpu_panel_linear import WIDENED_ARGS, PanelLinear, product_output, load_kernel, tile_rows
 
 SOURCE = SOURCES / "cpu_avx2_linear.cpp"
 
@@ -38,25 +40,39 @@ def load(extra_flags: tuple[str, ...] = ()) -> NativeFunction:
     return load_kernel(SOURCE, "the AVX2 linear kernel", "modserve_avx2_linear", "AVX2 and FMA", extra_flags)
 
 
+# The float32 int4 entry's: widened_product's, then the scales' kind, their outer pairs, groups per super block (FileScales).
+INT4_F32_ARGS = [*WIDENED_ARGS, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+
+
 @functools.cache
 def load_int4(extra_flags: tuple[str, ...] = ()) -> NativeFunction:
     """The same kernel's entry over int4 weights as torch's int4 kernel holds them, widened to
     float32 panels per call (:func:`int4_product`)."""
-    return load_kernel(SOURCE, "the AVX2 linear kernel", "modserve_avx2_linear_int4", "AVX2 and FMA", extra_flags, WIDENED_ARGS)
+    return load_kernel(SOURCE, "the AVX2 linear kernel", "modserve_avx2_linear_int4", "AVX2 and FMA", extra_flags, INT4_F32_ARGS)
 
 
-def int4_product(rows: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int,
+def int4_product(rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor | FileScales, group: int,
                  bias: torch.Tensor | None = None, extra_flags: tuple[str, ...] = (), out: torch.Tensor | None = None) -> torch.Tensor:
     """``rows @ W.T + bias`` in float32 for int4 ``W`` held as torch's CPU int4 kernel holds it
-    (``packed`` ``[N, K/2]`` uint8, N a multiple of 64; ``scales_and_zeros`` ``[K/group, N, 2]``
-    float32; K and the group multiples of 32; ``bias`` ``[N]`` float32 or None), one native
-    call: each thread widens four of its panels at a time to float32 (``q s + (z - 8 s)``) in a
-    scratch that stays in its cache and runs the FMA blocks on them. torch's int4 kernel takes a
-    slow path with float32 rows (SmolLM2's 576 -> 1536 layer: 648 us at one row, 40 ms at 64,
-    against 22 us and 245 us for the bfloat16-held float32 layer). ``rows`` ``[M, K]`` float32;
-    ``out``: where to write (widened_product)."""
+    (``packed`` ``[N, K/2]`` uint8, N a multiple of 64; ``scales`` torch's ``scales_and_zeros``
+    ``[K/group, N, 2]`` float32, or the file's own (:class:`FileScales`); K and the group
+    multiples of 32; ``bias`` ``[N]`` float32 or None), one native call: each thread widens four
+    of its panels at a time to float32 (``q s + m``) in a scratch that stays in its cache and
+    runs the FMA blocks on them. torch's int4 kernel takes a slow path with float32 rows
+    (SmolLM2's 576 -> 1536 layer: 648 us at one row, 40 ms at 64, against 22 us and 245 us for
+    the bfloat16-held float32 layer). ``rows`` ``[M, K]`` float32; ``out``: where to write."""
     n, k = packed.shape[0], packed.shape[1] * 2
-    return widened_product(load_int4(extra_flags), rows, packed, scales_and_zeros, n, k, group, bias, out=out)
+    rows = tile_rows(rows)
+    out = product_output(rows, n, out, "int4_product")
+    file = scales if isinstance(scales, FileScales) else None
+    pairs = file.pairs if file is not None else scales
+    load_int4(extra_flags)(
+        rows.data_ptr(), rows.stride(0), rows.shape[0], packed.data_ptr(), pairs.data_ptr(), n, k, group,
+        None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), torch.get_num_threads(),
+        0 if file is None else file.kind, None if file is None or file.outer is None else file.outer.data_ptr(),
+        1 if file is None else file.super_groups,
+    )  # fmt: skip
+    return out
 
 
 @functools.cache

@@ -18,7 +18,7 @@ import torch
 
 from modserve.core.contract import NativeFunction
 from modserve.core.models.gguf_quantized import TwoLevelScales
-from modserve.plugins.platforms.cpu_panel_linear import TILE_N, _product_output, pack_tiles, tile_rows
+from modserve.plugins.platforms.cpu_panel_linear import TILE_N, product_output, pack_tiles, tile_rows
 
 # The group-scaled int8 entries: x, x_stride, M, group panels, N, K, group, bias, y, y_stride, threads, then the
 # layout's flags (GroupLayout.flags: whether the groups store zeros, the codes' center, whether they are packed to
@@ -134,7 +134,7 @@ def group_product(kernel: NativeFunction, rows: torch.Tensor, panels: torch.Tens
     :data:`GROUP_INT8_ARGS`; ``out`` as for
     :func:`~modserve.plugins.platforms.cpu_panel_linear.widened_product`."""
     rows = tile_rows(rows)
-    out = _product_output(rows, n, out, "group_product")
+    out = product_output(rows, n, out, "group_product")
     kernel(
         rows.data_ptr(), rows.stride(0), rows.shape[0], panels.data_ptr(), n, k, layout.group, None if bias is None else bias.data_ptr(),
         out.data_ptr(), out.stride(0), torch.get_num_threads(), *layout.flags,

@@ -80,7 +80,7 @@ def widened_product(kernel: NativeFunction, rows: torch.Tensor, codes: torch.Ten
     ``out``: where to write ``[M, n]`` (unit stride along n, any row stride: a column slice of a
     wider output), else a new tensor."""
     rows = tile_rows(rows)
-    out = _product_output(rows, n, out, "widened_product")
+    out = product_output(rows, n, out, "widened_product")
     kernel(
         rows.data_ptr(), rows.stride(0), rows.shape[0], codes.data_ptr(), scales.data_ptr(), n, k, group,
         None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), torch.get_num_threads(),
@@ -88,7 +88,7 @@ def widened_product(kernel: NativeFunction, rows: torch.Tensor, codes: torch.Ten
     return out
 
 
-def _product_output(rows: torch.Tensor, n: int, out: torch.Tensor | None, caller: str) -> torch.Tensor:
+def product_output(rows: torch.Tensor, n: int, out: torch.Tensor | None, caller: str) -> torch.Tensor:
     """``out`` checked as where an entry writes ``rows``' ``[M, n]`` product, or a new tensor."""
     if out is None:
         return torch.empty(rows.shape[0], n, dtype=rows.dtype)

@@ -90,6 +90,7 @@ from modserve.plugins.platforms.cpu_linear import _CHUNK_SIZES, _padded, row_chu
 if TYPE_CHECKING:
     from modserve.core.models.gguf_quantized import TwoLevelScales
     from modserve.plugins.platforms.cpu_group_panels import GroupLayout
+    from modserve.plugins.platforms.cpu_int4_scales import FileScales
 
 log = logging.getLogger("modserve.platform")
 
@@ -337,13 +338,19 @@ class Int4WeightOnlyLinear(QuantizedLinear):
 
     @classmethod
     def from_codes(cls, layer: nn.Linear, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, group_size: int,
-                   dtype: torch.dtype) -> Int4WeightOnlyLinear:
+                   dtype: torch.dtype, levels: TwoLevelScales | None = None) -> Int4WeightOnlyLinear:
         """The module for weights already in this form, ``w = q * scale + minimum`` (``q [N, K]``
-        int32 in [0, 15], ``scale`` and ``minimum`` ``[N, K/g]``): GGUF Q4_0 / Q4_1 blocks,
-        packed without a float weight (``layer`` gives the shape and the bias)."""
+        int32 in [0, 15], ``scale`` and ``minimum`` ``[N, K/g]``): GGUF Q4_0 / Q4_1 / Q4_K blocks
+        (``levels``: Q4_K's two levels of the same scales and minima), packed without a float
+        weight (``layer`` gives the shape and the bias). In float32 the file's own scales are
+        kept aside until :meth:`use_panels` (:mod:`~modserve.plugins.platforms.cpu_int4_scales`)."""
         module = cls.__new__(cls)
         QuantizedLinear.__init__(module, layer)
         module._store(layer, q, scale, minimum, group_size, dtype)
+        if dtype == torch.float32:
+            from modserve.plugins.platforms.cpu_int4_scales import file_scales
+
+            module._file = file_scales(scale, minimum, levels)
         return module
 
     def _store(self, layer: nn.Linear, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, group_size: int,
@@ -354,7 +361,31 @@ class Int4WeightOnlyLinear(QuantizedLinear):
         self.register_buffer("scales_and_zeros", scales_and_zeros.to(dtype), False)
         self.register_buffer("_bias32", None if layer.bias is None else layer.bias.detach().float().contiguous(), False)  # panels
 
+    _file: FileScales | None = None  # a GGUF layer's own scales (float32 models), until use_panels decides
+    _file_held = False  # whether the panels hold them instead of scales_and_zeros
+
+    def use_panels(self, on: bool = True) -> None:
+        """Run every call of the module's dtype on the panel kernels (``on``; needs
+        ``out_features`` a multiple of 64), or not. A float32 GGUF layer on the panels then holds
+        its file's own scales (float16 ``(s, m)``, or Q4_K's two levels: 1 or 0.75 bits a weight)
+        instead of torch's float32 ``(s, z)`` pairs (2 bits); rows of another dtype are refused."""
+        self.panels = on
+        file, self._file = self._file, None
+        if on and file is not None and self.out_features % 64 == 0 and self.input_order is None:
+            self.register_buffer("file_pairs", file.pairs, False)
+            self.register_buffer("file_outer", file.outer, False)
+            self.scales_and_zeros, self._file_held = None, True
+            self._file_kind, self._super_groups = file.kind, file.super_groups
+
+    @property
+    def scales_dtype(self) -> torch.dtype:
+        return torch.float32 if self._file_held else self.scales_and_zeros.dtype
+
     def product(self, rows: torch.Tensor) -> torch.Tensor:
+        if self._file_held:
+            if rows.dtype != torch.float32:
+                raise TypeError(f"Int4WeightOnlyLinear holding a GGUF file's scales takes float32 rows, got {rows.dtype}")
+            return self._panel_product(rows)
         sz = self.scales_and_zeros if self.scales_and_zeros.dtype == rows.dtype else self.scales_and_zeros.to(rows.dtype)
         if self.amx and rows.shape[0] >= AMX_INT4_FROM_ROWS and rows.dtype == torch.bfloat16 and self.out_features % 64 == 0:
             from modserve.plugins.platforms.cpu_amx_linear import int4_product
@@ -365,25 +396,36 @@ class Int4WeightOnlyLinear(QuantizedLinear):
         return self.with_bias(torch._weight_int4pack_mm_for_cpu(rows.contiguous(), self.packed, self.group_size, sz))
 
     def product_into(self, rows: torch.Tensor, out: torch.Tensor) -> None:
-        if not self.records or rows.dtype != self.scales_and_zeros.dtype:
-            raise TypeError(f"Int4WeightOnlyLinear writes in place only on the panel kernels, with {self.scales_and_zeros.dtype} rows")
+        if not self.records or rows.dtype != self.scales_dtype:
+            raise TypeError(f"Int4WeightOnlyLinear writes in place only on the panel kernels, with {self.scales_dtype} rows")
         self._panel_product(rows, out)
 
     def _panel_product(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """One native call on the panel kernels of ``rows``' dtype, the bias inside."""
         from modserve.plugins.platforms import cpu_avx2_linear, cpu_avx512_linear
 
-        kernels = cpu_avx512_linear if rows.dtype == torch.bfloat16 else cpu_avx2_linear
-        return kernels.int4_product(rows, self.packed, self.scales_and_zeros, self.group_size, self._bias32, out=out)
+        if rows.dtype == torch.bfloat16:
+            return cpu_avx512_linear.int4_product(rows, self.packed, self.scales_and_zeros, self.group_size, self._bias32, out=out)
+        scales = self.scales_and_zeros
+        if self._file_held:
+            from modserve.plugins.platforms.cpu_int4_scales import FileScales
+
+            scales = FileScales(self._file_kind, self.file_pairs, self.file_outer, self._super_groups)
+        return cpu_avx2_linear.int4_product(rows, self.packed, scales, self.group_size, self._bias32, out=out)
 
     @property
     def records(self) -> bool:
         """Whether a call is one native call for any row count (no torch operator): a decode
         step through it can be recorded as a call list."""
-        return self.panels and self.out_features % 64 == 0 and self.input_order is None and self.scales_and_zeros.dtype in PANEL_DTYPES
+        return self.panels and self.out_features % 64 == 0 and self.input_order is None and self.scales_dtype in PANEL_DTYPES
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, group_size={self.group_size}"
+        held = ""
+        if self._file_held:
+            from modserve.plugins.platforms.cpu_int4_scales import FileScales
+
+            held = ", the file's scales: " + FileScales(self._file_kind, self.file_pairs, self.file_outer, self._super_groups).describe()
+        return f"{super().extra_repr()}, group_size={self.group_size}" + held
 
 
 class Int8GroupLinear(QuantizedLinear):
@@ -547,7 +589,8 @@ def gguf_linear(name: str, layer: nn.Module) -> nn.Module:
     parts = [group_codes(p) for p in layer.parts]
     if types <= GGUF_INT4 and layer.out_features % INT4_N_MULTIPLE == 0:
         q, d, m = (torch.cat(t) for t in zip(*((c.q.to(torch.int32), c.scale, c.minimum_or_center()) for c in parts)))
-        return Int4WeightOnlyLinear.from_codes(layer, q, d, m, 32, layer.dtype)
+        levels = TwoLevelScales.cat([c.two_levels(32, minima=True) for c in parts])  # Q4_K's
+        return Int4WeightOnlyLinear.from_codes(layer, q, d, m, 32, layer.dtype, levels)
     if types <= GGUF_INT4:
         log.info("gguf: %s has out_features %d, not a multiple of %d for torch's int4 packing: its %s blocks held as "
                  "int8 codes", name, layer.out_features, INT4_N_MULTIPLE, "+".join(sorted(types)))
