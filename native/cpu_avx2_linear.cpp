@@ -81,7 +81,7 @@ constexpr int64_t kInt4F32DirectRows = 2;
 void modserve_avx2_linear_int4(const float* x, int64_t x_stride, int64_t M, const uint8_t* q4, const void* pairs, int64_t N, int K,
                                int group, const float* bias, float* y, int64_t y_stride, int threads, int kind, const float* outer,
                                int super_groups) {
-    const modserve::Int4Scales sc(pairs, N, kind, outer, super_groups);
+    const modserve::Int4Scales sc(pairs, N, K / group, kind, outer, super_groups);
     if (M <= kInt4F32DirectRows) {
         const int groups = K / group;
         std::vector<float> xsum(M * groups);  // [row][group]: each group's inputs summed

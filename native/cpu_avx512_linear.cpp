@@ -66,14 +66,20 @@ void modserve_avx512_linear_int8(const uint16_t* x, int64_t x_stride, int64_t M,
 int modserve_avx512_linear_int8_available() { return 1; }
 
 // int4 weights as torch's CPU int4 kernel holds them (int4_panels.h; N a multiple of 64, K and the
-// group multiples of 32), bias float32 or null. Below kInt4WidenFrom rows each thread takes whole
-// 64-output blocks and multiplies their nibbles directly (int4_block_direct, two rows at a time);
-// from there on it widens its panels four at a time into a bfloat16 scratch of its own and
-// multiplies them as above, the widening paid once for all the rows.
+// group multiples of 32), with torch's bfloat16 scales_and_zeros (`kind` 0, at `pairs`) or a GGUF
+// layer's own scales (int4_scales.h's Int4Scales: `kind` 1 or 2, `outer`, `super_groups`), bias
+// float32 or null. Below kInt4WidenFrom rows each thread takes whole 64-output blocks and
+// multiplies their nibbles directly (int4_block_direct, up to four rows at a time); from there on
+// it widens its panels four at a time into a bfloat16 scratch of its own and multiplies them as
+// above, the widening paid once for all the rows.
 constexpr int64_t kInt4WidenFrom = 8;
 
-void modserve_avx512_linear_int4(const uint16_t* x, int64_t x_stride, int64_t M, const uint8_t* q4, const uint16_t* sz,
-                                 int64_t N, int K, int group, const float* bias, uint16_t* y, int64_t y_stride, int threads) {
+void modserve_avx512_linear_int4(const uint16_t* x, int64_t x_stride, int64_t M, const uint8_t* q4, const void* pairs,
+                                 int64_t N, int K, int group, const float* bias, uint16_t* y, int64_t y_stride, int threads, int kind,
+                                 const float* outer, int super_groups) {
+    const uint16_t* sz = static_cast<const uint16_t*>(pairs);
+    const modserve::Int4Scales file(pairs, N, K / group, kind, outer, super_groups);
+    const modserve::Int4Scales* own = kind != 0 ? &file : nullptr;
     if (M < kInt4WidenFrom) {
         const int groups = K / group;
         const int64_t blocks = N / 64;
@@ -91,7 +97,7 @@ void modserve_avx512_linear_int4(const uint16_t* x, int64_t x_stride, int64_t M,
                     const auto run = M - r >= 4 ? modserve::int4_block_direct<4> : M - r == 3 ? modserve::int4_block_direct<3>
                                      : M - r == 2 ? modserve::int4_block_direct<2> : modserve::int4_block_direct<1>;
                     run(x + r * x_stride, x_stride, sums + r * groups, groups, block, s, N, K, group, bb, y + r * y_stride + b * 64,
-                        y_stride);
+                        y_stride, own, b * 64);
                 }
             }
         }
@@ -99,7 +105,12 @@ void modserve_avx512_linear_int4(const uint16_t* x, int64_t x_stride, int64_t M,
     }
     const int64_t panel = static_cast<int64_t>(K / 32) * 512;  // elements of one widened panel
     modserve::for_panel_ranges(N, threads, [&](int64_t p0, int64_t p1) {
-        const auto widen = [&](int64_t p, int np, uint16_t* out) { modserve::widen_int4_panels(q4, sz, N, K, group, p, p + np, out); };
+        const auto widen = [&](int64_t p, int np, uint16_t* out) {
+            if (own != nullptr)
+                modserve::widen_int4_panels(q4, file, K, group, p, p + np, out);
+            else
+                modserve::widen_int4_panels(q4, sz, N, K, group, p, p + np, out);
+        };
         modserve::bf16_panels::widened_part(x, x_stride, M, widen, panel, N, K, bias, y, y_stride, p0, p1);
     });
 }
@@ -189,8 +200,8 @@ MODSERVE_PACKED(modserve_avx512_linear_int8) {
 
 MODSERVE_PACKED(modserve_avx512_linear_int4) {
     using modserve::packed::ptr;
-    modserve_avx512_linear_int4(ptr<const uint16_t*>(a[0]), a[1], a[2], ptr<const uint8_t*>(a[3]), ptr<const uint16_t*>(a[4]), a[5],
-                                a[6], a[7], ptr<const float*>(a[8]), ptr<uint16_t*>(a[9]), a[10], a[11]);
+    modserve_avx512_linear_int4(ptr<const uint16_t*>(a[0]), a[1], a[2], ptr<const uint8_t*>(a[3]), ptr<const void*>(a[4]), a[5],
+                                a[6], a[7], ptr<const float*>(a[8]), ptr<uint16_t*>(a[9]), a[10], a[11], a[12], ptr<const float*>(a[13]), a[14]);
     return 0;
 }
 

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "int4_scales.h"
 #include "prefetch.h"
 
 namespace modserve {
@@ -21,11 +22,12 @@ namespace modserve {
 // high one) with torch's scales_and_zeros ([K/group][N][2] bfloat16: w = (q - 8) s + z),
 // widened into the packed bfloat16 panels (cpu_panel_linear.py's pack) for 16-output panels
 // [panel0, panel1), panel0 written at `out`: each weight computed in float32 as q s + (z - 8 s),
-// rounded to nearest even.
-inline void widen_int4_panels(const uint8_t* q4, const uint16_t* sz, int64_t N, int K, int group, int64_t panel0,
-                              int64_t panel1, uint16_t* out) {
+// rounded to nearest even. `scales(g, n0, s, base)` gives group g's s and base for outputs n0 ..
+// n0 + 15: from torch's pairs (widen_int4_panels below) or a GGUF layer's own scales.
+template <typename Scales>
+void widen_int4_panels_with(const uint8_t* q4, Scales scales, int K, int group, int64_t panel0, int64_t panel1, uint16_t* out) {
     const int kb = K / 32;
-    const __m512i low_nibble = _mm512_set1_epi32(0xF), high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+    const __m512i low_nibble = _mm512_set1_epi32(0xF);
     const __m512i pair_order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
                                                  21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     for (int64_t p = panel0; p < panel1; ++p) {
@@ -34,12 +36,8 @@ inline void widen_int4_panels(const uint8_t* q4, const uint16_t* sz, int64_t N, 
         const int sub = static_cast<int>(n0 % 64) / 16, byte0 = (sub % 2) * 16;
         const bool high = sub >= 2;
         for (int kt = 0; kt < kb; ++kt) {
-            const int g = kt * 32 / group;
-            // 16 (scale, zero) bfloat16 pairs, one per output: a dword each
-            const __m512i pairs = _mm512_loadu_si512(sz + (static_cast<int64_t>(g) * N + n0) * 2);
-            const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
-            const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_half));
-            const __m512 base = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, z);  // z - 8 s
+            __m512 s, base;  // each weight q s + base
+            scales(kt * 32 / group, n0, s, base);
             uint16_t* tile = out + ((p - panel0) * kb + kt) * 512;
             for (int r = 0; r < 16; ++r) {
                 const int k = kt * 32 + 2 * r;
@@ -57,6 +55,22 @@ inline void widen_int4_panels(const uint8_t* q4, const uint16_t* sz, int64_t N, 
     }
 }
 
+inline void widen_int4_panels(const uint8_t* q4, const uint16_t* sz, int64_t N, int K, int group, int64_t panel0, int64_t panel1,
+                              uint16_t* out) {
+    const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+    widen_int4_panels_with(q4, [=](int g, int64_t n0, __m512& s, __m512& base) {
+        // 16 (scale, zero) bfloat16 pairs, one per output: a dword each
+        const __m512i pairs = _mm512_loadu_si512(sz + (static_cast<int64_t>(g) * N + n0) * 2);
+        s = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+        base = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, _mm512_castsi512_ps(_mm512_and_si512(pairs, high_half)));  // z - 8 s
+    }, K, group, panel0, panel1, out);
+}
+
+// The same widening from a GGUF layer's own scales (Int4Scales' kHalf or kTwoLevel): q s + m.
+inline void widen_int4_panels(const uint8_t* q4, const Int4Scales& sc, int K, int group, int64_t panel0, int64_t panel1, uint16_t* out) {
+    widen_int4_panels_with(q4, [&](int g, int64_t n0, __m512& s, __m512& base) { sc.of16(g, n0, s, base); }, K, group, panel0, panel1, out);
+}
+
 // Rows [0, R) (R 1 to 4) of x times one 64-output block of torch's int4 packing (`block`:
 // [K][32] bytes; `sz` its outputs' (scale, zero) pairs at group 0, groups N pairs apart), without
 // widening to memory: for the few-row calls where a widened scratch would be read too few times.
@@ -71,7 +85,8 @@ inline void widen_int4_panels(const uint8_t* q4, const uint16_t* sz, int64_t N, 
 // outputs 0-7 and 16-23, of the high halves for 8-15 and 24-31; high nibbles likewise for 32-63.
 template <int R>
 void int4_block_direct(const uint16_t* x, int64_t x_stride, const float* xsum, int groups, const uint8_t* block,
-                       const uint16_t* sz, int64_t N, int K, int group, const float* bias, uint16_t* y, int64_t y_stride) {
+                       const uint16_t* sz, int64_t N, int K, int group, const float* bias, uint16_t* y, int64_t y_stride,
+                       const Int4Scales* file = nullptr, int64_t n0 = 0) {
     const __m512i nibble = _mm512_set1_epi16(0xF), magic = _mm512_set1_epi16(0x4300);  // bfloat16 128.0
     const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
     const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
@@ -84,7 +99,9 @@ void int4_block_direct(const uint16_t* x, int64_t x_stride, const float* xsum, i
             for (int q = 0; q < 4; ++q) sums[r][q] = _mm512_setzero_ps();
         // The (scale, zero) pairs two groups ahead: N pairs apart, a line each where no hardware prefetch looks
         // (a Llama-1B-shaped pass at one row on a Zen 5: 2.10-2.21x bfloat16's speed before, 2.62-2.63x after).
-        if (g + 2 < groups)
+        if (file != nullptr)
+            prefetch_scales_ahead(*file, g, groups, n0);
+        else if (g + 2 < groups)
             for (int line = 0; line < 4; ++line) prefetch_line(sz + static_cast<int64_t>(g + 2) * N * 2 + line * 32);
         for (int k = g * group; k < (g + 1) * group; k += 2) {
             const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + static_cast<int64_t>(k) * 32));
@@ -106,12 +123,24 @@ void int4_block_direct(const uint16_t* x, int64_t x_stride, const float* xsum, i
         }
         const uint16_t* sg = sz + static_cast<int64_t>(g) * N * 2;
         for (int half = 0; half < 2; ++half) {  // outputs 0-31 (vectors 0, 1), then 32-63 (2, 3)
-            const __m512i p0 = _mm512_loadu_si512(sg + half * 64), p1 = _mm512_loadu_si512(sg + half * 64 + 32);
+            __m512i p0, p1;  // torch's pairs of outputs 32 half + 0-15, 16-31
+            __m512 s0, m0, s1, m1;  // or a GGUF layer's own scales and minima
+            if (file != nullptr) {
+                file->of16(g, n0 + 32 * half, s0, m0);
+                file->of16(g, n0 + 32 * half + 16, s1, m1);
+            } else {
+                p0 = _mm512_loadu_si512(sg + half * 64), p1 = _mm512_loadu_si512(sg + half * 64 + 32);
+            }
             for (int v = 0; v < 2; ++v) {
-                const __m512i pairs = _mm512_permutex2var_epi32(p0, v == 0 ? first : second, p1);  // the vector's outputs
-                const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
-                const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_half));
-                const __m512 c = _mm512_fnmadd_ps(_mm512_set1_ps(136.f), s, z);  // z - 136 s
+                __m512 s, c;  // c = m - 128 s = z - 136 s
+                if (file != nullptr) {  // the vector's outputs
+                    s = _mm512_permutex2var_ps(s0, v == 0 ? first : second, s1);
+                    c = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), s, _mm512_permutex2var_ps(m0, v == 0 ? first : second, m1));
+                } else {
+                    const __m512i pairs = _mm512_permutex2var_epi32(p0, v == 0 ? first : second, p1);
+                    s = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+                    c = _mm512_fnmadd_ps(_mm512_set1_ps(136.f), s, _mm512_castsi512_ps(_mm512_and_si512(pairs, high_half)));
+                }
                 const int q = 2 * half + v;
                 for (int r = 0; r < R; ++r) {
                     const __m512 before = _mm512_fmadd_ps(c, _mm512_set1_ps(xsum[r * groups + g]), _mm512_load_ps(acc[r][q]));
@@ -141,74 +170,10 @@ void int4_block_direct(const uint16_t* x, int64_t x_stride, const float* xsum, i
 
 #include <cstdint>
 
+#include "int4_scales.h"
 #include "prefetch.h"
 
 namespace modserve {
-
-// A float32 model's int4 scales: w = q s + m for each group of inputs of each output, in one of
-// three layouts: kTorch, torch's scales_and_zeros, [K/group][N][2] float32 (s, z) with z = m + 8 s
-// (m = z - 8 s, rounded once); kHalf, [K/group][2][N] float16, a group's s row then its m row, as
-// GGUF's Q4_0 / Q4_1 blocks give them (Q4_0: m = -8 s); kTwoLevel, the K-quants' [K/group][2][N]
-// int8 sc and mn rows times `outer`'s [K/(group super_groups)][2][N] float32 d and -dmin rows: s
-// = d sc, m = -dmin mn, each exact. 1 bit a weight for kHalf and 0.75 for kTwoLevel at groups of
-// 32, against kTorch's 2. The rows keep a group's 8 or 16 outputs side by side: a load and a
-// conversion each, where interleaved pairs took four more shuffles.
-struct Int4Scales {
-    enum Kind { kTorch = 0, kHalf = 1, kTwoLevel = 2 };
-    const void* pairs;
-    const float* outer;
-    int kind, super_shift;
-    int64_t N;
-
-    Int4Scales(const void* pairs, int64_t N, int kind = kTorch, const float* outer = nullptr, int super_groups = 1)
-        : pairs(pairs), outer(outer), kind(kind), super_shift(__builtin_ctz(super_groups)), N(N) {}
-
-    int64_t row(int g, int which) const { return (2 * static_cast<int64_t>(g) + which) * N; }  // kHalf, kTwoLevel
-    const float* outer_row(int g, int which) const { return outer + (2 * static_cast<int64_t>(g >> super_shift) + which) * N; }
-
-    // s and m of outputs n .. n + 7 in group g.
-    void of8(int g, int64_t n, __m256& s, __m256& m) const {
-        if (kind == kTorch) {
-            const float* at = static_cast<const float*>(pairs) + (static_cast<int64_t>(g) * N + n) * 2;
-            const __m256 a = _mm256_loadu_ps(at), b = _mm256_loadu_ps(at + 8);  // the pairs of outputs n .. n + 3, n + 4 .. n + 7
-            s = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8));
-            const __m256 z = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
-            m = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, z);  // z - 8 s
-        } else if (kind == kHalf) {
-            const uint16_t* h = static_cast<const uint16_t*>(pairs);
-            s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + row(g, 0) + n)));
-            m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + row(g, 1) + n)));
-        } else {
-            const int8_t* c = static_cast<const int8_t*>(pairs);
-            const auto widen = [](const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); };
-            s = _mm256_mul_ps(_mm256_loadu_ps(outer_row(g, 0) + n), widen(c + row(g, 0) + n));
-            m = _mm256_mul_ps(_mm256_loadu_ps(outer_row(g, 1) + n), widen(c + row(g, 1) + n));
-        }
-    }
-
-#if defined(__AVX512F__)
-    // s and m of outputs n .. n + 15 in group g.
-    void of16(int g, int64_t n, __m512& s, __m512& m) const {
-        if (kind == kTorch) {
-            const float* at = static_cast<const float*>(pairs) + (static_cast<int64_t>(g) * N + n) * 2;
-            const __m512 a = _mm512_loadu_ps(at), b = _mm512_loadu_ps(at + 16);
-            const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-            s = _mm512_permutex2var_ps(a, even, b);
-            const __m512 z = _mm512_permutex2var_ps(a, _mm512_add_epi32(even, _mm512_set1_epi32(1)), b);
-            m = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, z);
-        } else if (kind == kHalf) {
-            const uint16_t* h = static_cast<const uint16_t*>(pairs);
-            s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + row(g, 0) + n)));
-            m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + row(g, 1) + n)));
-        } else {
-            const int8_t* c = static_cast<const int8_t*>(pairs);
-            const auto widen = [](const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); };
-            s = _mm512_mul_ps(_mm512_loadu_ps(outer_row(g, 0) + n), widen(c + row(g, 0) + n));
-            m = _mm512_mul_ps(_mm512_loadu_ps(outer_row(g, 1) + n), widen(c + row(g, 1) + n));
-        }
-    }
-#endif
-};
 
 // int4 weights in torch's CPU packing (as widen_int4_panels reads them) with a float32 model's
 // scales (`sc`: Int4Scales), widened to float32 panels of 16 outputs, [K][16] each, for panels
@@ -234,23 +199,6 @@ inline void widen_int4_f32(const uint8_t* q4, const Int4Scales& sc, int K, int g
                 }
         }
     }
-}
-
-// Asks for a 64-output block's scale pairs two groups ahead of group g (and their outer pairs, at a
-// super block's start): N pairs apart, where no hardware prefetch looks.
-inline void prefetch_scales_ahead(const Int4Scales& sc, int g, int groups, int64_t n0) {
-    if (g + 2 >= groups) return;
-    const char* base = static_cast<const char*>(sc.pairs);
-    if (sc.kind == Int4Scales::kTorch) {
-        for (int line = 0; line < 8; ++line) prefetch_line(base + ((g + 2) * sc.N + n0) * 8 + line * 64);
-        return;
-    }
-    const int bytes = sc.kind == Int4Scales::kHalf ? 2 : 1;  // a value's
-    for (int which = 0; which < 2; ++which)
-        for (int at = 0; at < 64 * bytes; at += 64) prefetch_line(base + (sc.row(g + 2, which) + n0) * bytes + at);
-    if (sc.kind == Int4Scales::kTwoLevel && ((g + 2) & ((1 << sc.super_shift) - 1)) == 0)
-        for (int which = 0; which < 2; ++which)
-            for (int line = 0; line < 4; ++line) prefetch_line(sc.outer_row(g + 2, which) + n0 + line * 16);
 }
 
 // One row of float32 x times one 64-output block of torch's int4 packing (`block`: [K][32] bytes,

@@ -150,6 +150,21 @@ def test_kept_module_is_within_bound_of_linear_on_dequantized_weights(kind, dtyp
     assert module(torch.empty(0, 256, dtype=dtype)).shape == (0, 96)
 
 
+def _q4_on_the_panels(kind: T, dtype: torch.dtype, n: int = 128, k: int = 768):
+    """A Q4 GGUF layer as the platform puts it on the panel kernels of ``dtype``, with its tensor."""
+    torch.manual_seed(3)
+    part = gguf_tensor(torch.randn(n, k) * 0.05, kind)
+    module = gguf_linear("layers.0.mlp.down_proj", gguf_layer([part], dtype))
+    module.use_panels()
+    assert module.scales_and_zeros is None and module.records
+    two = kind == T.Q4_K
+    assert module.file_pairs.shape == (n // 64, k // 32, 2, 64) and module.file_pairs.dtype == (torch.int8 if two else torch.float16)
+    assert (module.file_outer is not None and module.file_outer.shape == (n // 64, k // 256, 2, 64)) == two
+    held_bits = sum(t.numel() * t.element_size() * 8 for t in (module.file_pairs, module.file_outer) if t is not None) / (n * k)
+    assert held_bits == (0.75 if two else 1.0)
+    return module, part
+
+
 @pytest.mark.parametrize("build", [(), ("-mno-avx512f",)], ids=["native", "avx2-width"])
 @pytest.mark.parametrize("kind", sorted(ON_INT4, key=lambda k: k.name), ids=lambda k: k.name)
 def test_a_float32_q4_layer_on_the_panels_holds_its_files_own_scales(kind, build):
@@ -161,30 +176,46 @@ def test_a_float32_q4_layer_on_the_panels_holds_its_files_own_scales(kind, build
     from test_cpu_experts import HAS_AVX2
 
     from modserve.plugins.platforms.cpu_avx2_linear import int4_product
-    from modserve.plugins.platforms.cpu_int4_scales import HALF, TWO_LEVEL, FileScales
 
     if not HAS_AVX2:
         pytest.skip("this CPU has no AVX2 (or no compiler targets it)")
-    torch.manual_seed(3)
-    n, k = 128, 768
-    part = gguf_tensor(torch.randn(n, k) * 0.05, kind)
-    module = gguf_linear("layers.0.mlp.down_proj", gguf_layer([part], torch.float32))
-    module.use_panels()
-    assert module.scales_and_zeros is None and module.records
-    two = kind == T.Q4_K
-    assert module.file_pairs.shape == (k // 32, 2, n) and module.file_pairs.dtype == (torch.int8 if two else torch.float16)
-    assert (module.file_outer is not None and module.file_outer.shape == (k // 256, 2, n)) == two
-    held_bits = sum(t.numel() * t.element_size() * 8 for t in (module.file_pairs, module.file_outer) if t is not None) / (n * k)
-    assert held_bits == (0.75 if two else 1.0)
-    scales = FileScales(TWO_LEVEL if two else HALF, module.file_pairs, module.file_outer, 8 if two else 1)
+    module, part = _q4_on_the_panels(kind, torch.float32)
     w = part.dequantize().double()
     for rows in (1, 2, 3, 37):
-        x = torch.randn(rows, k)
+        x = torch.randn(rows, 768)
         exact = x.double() @ w.T + module.bias.double()
-        for got in (module(x), int4_product(x, module.packed, scales, 32, module._bias32, build)):
+        for got in (module(x), int4_product(x, module.packed, module._held, 32, module._bias32, build)):
             assert (got.double() - exact).abs().max() <= 2e-6 * exact.abs().max(), rows
-    with pytest.raises(TypeError, match="Int4WeightOnlyLinear holding a GGUF file's scales takes float32 rows, got torch.bfloat16"):
-        module(torch.randn(2, k).to(torch.bfloat16))
+    with pytest.raises(TypeError, match="Int4WeightOnlyLinear holding a GGUF file's scales takes torch.float32 rows, got torch.bfloat16"):
+        module(torch.randn(2, 768).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("kind", sorted(ON_INT4, key=lambda k: k.name), ids=lambda k: k.name)
+def test_a_bfloat16_q4_layer_on_the_panels_holds_its_files_own_scales(kind):
+    """bfloat16 on the panels: the file's own scales as in float32 (not torch's bfloat16 pairs,
+    rounded to 8 bits each). Below 8 rows the weights d q + m are never rounded: the exact
+    product rounded once to bfloat16; from 8 rows they are widened to bfloat16 once (gguf's own
+    dequantized values, rounded): the bfloat16 panel kernel's product on those, bit for bit."""
+    from test_cpu_experts import TAKES_KERNEL
+
+    from modserve.plugins.platforms.cpu_avx512_linear import Avx512Linear
+
+    if not TAKES_KERNEL:
+        pytest.skip("this CPU has no AVX512_BF16 (or no compiler targets it)")
+    module, part = _q4_on_the_panels(kind, torch.bfloat16)
+    reference = nn.Linear(768, 128).to(torch.bfloat16)
+    with torch.no_grad():
+        reference.weight.copy_(part.dequantize().to(torch.bfloat16))
+        reference.bias.copy_(module.bias)
+    w = part.dequantize().double()
+    for rows in (1, 3, 5, 7):
+        x = torch.randn(rows, 768).to(torch.bfloat16)
+        exact = x.double() @ w.T + module.bias.double()
+        got = module(x).double()
+        assert ((got - exact).abs() <= exact.abs() * 2**-8 + 2e-6 * exact.abs().max()).all(), rows
+    for rows in (8, 37):
+        x = torch.randn(rows, 768).to(torch.bfloat16)
+        assert torch.equal(module(x), Avx512Linear(reference)(x)), rows
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

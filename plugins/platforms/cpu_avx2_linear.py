@@ -16,7 +16,6 @@ would change the model.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 
 import torch
@@ -26,7 +25,7 @@ from modserve.core.contract import NativeFunction
 from modserve.native.build import SOURCES
 from modserve.plugins.platforms.cpu_int8_panel_linear import load_int8
 from modserve.plugins.platforms.cpu_int4_scales import FileScales
-from modserve.plugins.platforms.cpu_panel_linear import WIDENED_ARGS, PanelLinear, product_output, load_kernel, tile_rows
+from modserve.plugins.platforms.cpu_panel_linear import WIDENED_ARGS, PanelLinear, load_kernel, widened_product
 
 SOURCE = SOURCES / "cpu_avx2_linear.cpp"
 
@@ -40,15 +39,11 @@ def load(extra_flags: tuple[str, ...] = ()) -> NativeFunction:
     return load_kernel(SOURCE, "the AVX2 linear kernel", "modserve_avx2_linear", "AVX2 and FMA", extra_flags)
 
 
-# The float32 int4 entry's: widened_product's, then the scales' kind, their outer pairs, groups per super block (FileScales).
-INT4_F32_ARGS = [*WIDENED_ARGS, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-
-
 @functools.cache
 def load_int4(extra_flags: tuple[str, ...] = ()) -> NativeFunction:
     """The same kernel's entry over int4 weights as torch's int4 kernel holds them, widened to
     float32 panels per call (:func:`int4_product`)."""
-    return load_kernel(SOURCE, "the AVX2 linear kernel", "modserve_avx2_linear_int4", "AVX2 and FMA", extra_flags, INT4_F32_ARGS)
+    return load_kernel(SOURCE, "the AVX2 linear kernel", "modserve_avx2_linear_int4", "AVX2 and FMA", extra_flags, WIDENED_ARGS)
 
 
 def int4_product(rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor | FileScales, group: int,
@@ -62,17 +57,7 @@ def int4_product(rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor 
     (SmolLM2's 576 -> 1536 layer: 648 us at one row, 40 ms at 64, against 22 us and 245 us for
     the bfloat16-held float32 layer). ``rows`` ``[M, K]`` float32; ``out``: where to write."""
     n, k = packed.shape[0], packed.shape[1] * 2
-    rows = tile_rows(rows)
-    out = product_output(rows, n, out, "int4_product")
-    file = scales if isinstance(scales, FileScales) else None
-    pairs = file.pairs if file is not None else scales
-    load_int4(extra_flags)(
-        rows.data_ptr(), rows.stride(0), rows.shape[0], packed.data_ptr(), pairs.data_ptr(), n, k, group,
-        None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), torch.get_num_threads(),
-        0 if file is None else file.kind, None if file is None or file.outer is None else file.outer.data_ptr(),
-        1 if file is None else file.super_groups,
-    )  # fmt: skip
-    return out
+    return widened_product(load_int4(extra_flags), rows, packed, scales, n, k, group, bias, out=out)
 
 
 @functools.cache

@@ -25,6 +25,7 @@ from torch import nn
 from modserve.core.contract import NativeFunction
 from modserve.native.build import SOURCES
 from modserve.plugins.platforms.cpu_int8_panel_linear import load_int8
+from modserve.plugins.platforms.cpu_int4_scales import FileScales
 from modserve.plugins.platforms.cpu_panel_linear import WIDENED_ARGS, PanelLinear, load_kernel, widened_product
 
 SOURCE = SOURCES / "cpu_avx512_linear.cpp"
@@ -44,17 +45,18 @@ def load_int4() -> NativeFunction:
     return load_kernel(SOURCE, "the AVX512_BF16 linear kernel", "modserve_avx512_linear_int4", "AVX512_BF16", argtypes=WIDENED_ARGS)
 
 
-def int4_product(rows: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int,
+def int4_product(rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor | FileScales, group: int,
                  bias: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``rows @ W.T + bias`` in bfloat16 for int4 ``W`` held as torch's CPU int4 kernel holds it
     (``packed`` from ``_convert_weight_to_int4pack_for_cpu``, ``[N, K/2]`` uint8, N a multiple
-    of 64; ``scales_and_zeros`` ``[K/group, N, 2]`` bfloat16; K and the group multiples of 32;
+    of 64; ``scales`` torch's ``scales_and_zeros`` ``[K/group, N, 2]`` bfloat16, or a GGUF
+    layer's own (:class:`FileScales`: ``q s + m``, exact); K and the group multiples of 32;
     ``bias`` ``[N]`` float32 or None), one native call (``native/int4_panels.h``): below 8 rows
     each thread multiplies its 64-output blocks' nibbles directly (the weights never rounded);
     from 8 rows on it widens four of its panels at a time to bfloat16 (``q s + (z - 8 s)``,
     rounded once, as the AMX tiles' widening) in a scratch that stays in its cache and
     multiplies them with VDPBF16PS. ``rows`` ``[M, K]`` bfloat16; ``out``: where to write (widened_product)."""
-    return widened_product(load_int4(), rows, packed, scales_and_zeros, packed.shape[0], packed.shape[1] * 2, group, bias, out=out)
+    return widened_product(load_int4(), rows, packed, scales, packed.shape[0], packed.shape[1] * 2, group, bias, out=out)
 
 
 @functools.cache

@@ -19,16 +19,17 @@ from torch import nn
 
 from modserve.core.contract import GatedLinear, NativeFunction
 from modserve.native.build import KernelUnavailable, compile_and_load
+from modserve.plugins.platforms.cpu_int4_scales import FileScales
 
 TILE_N, TILE_K = 16, 32  # outputs and inputs per packed weight tile
 
 
 PANEL_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
               ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int]  # a panel linear's, below
-# The int4 entries over weights widened per call: x, x_stride, M, codes, scales, N, K, group, bias, y, y_stride, threads
-# (widened_product).
+# The int4 entries over weights widened per call: x, x_stride, M, codes, scales, N, K, group, bias, y, y_stride, threads,
+# then the scales' kind (0: torch's scales_and_zeros), their outer rows, groups per super block (widened_product).
 WIDENED_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
-                ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+                ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
 
 
 def load_kernel(source, what: str, symbol: str, instructions: str, extra_flags: tuple[str, ...] = (), argtypes: list = PANEL_ARGS,
@@ -73,17 +74,22 @@ def gated_pairs(packed: torch.Tensor) -> torch.Tensor:
     return packed.index_select(0, order).contiguous()
 
 
-def widened_product(kernel: NativeFunction, rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int, k: int,
-                    group: int, bias: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``rows [M, k]`` (the kernel's dtype) times ``n`` outputs' int4 codes and group scales, plus
-    ``bias`` (``[n]`` float32 or None), by one call of an entry taking :data:`WIDENED_ARGS`.
-    ``out``: where to write ``[M, n]`` (unit stride along n, any row stride: a column slice of a
-    wider output), else a new tensor."""
+def widened_product(kernel: NativeFunction, rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor | FileScales, n: int,
+                    k: int, group: int, bias: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``rows [M, k]`` (the kernel's dtype) times ``n`` outputs' int4 codes and group scales
+    (torch's ``scales_and_zeros``, or a GGUF layer's own: :class:`FileScales`), plus ``bias``
+    (``[n]`` float32 or None), by one call of an entry taking :data:`WIDENED_ARGS`. ``out``:
+    where to write ``[M, n]`` (unit stride along n, any row stride: a column slice of a wider
+    output), else a new tensor."""
     rows = tile_rows(rows)
     out = product_output(rows, n, out, "widened_product")
+    file = scales if isinstance(scales, FileScales) else None
+    pairs = scales if file is None else file.pairs
+    kind, outer, per_block = (0, None, 1) if file is None else (file.kind, file.outer, file.super_groups)
     kernel(
-        rows.data_ptr(), rows.stride(0), rows.shape[0], codes.data_ptr(), scales.data_ptr(), n, k, group,
+        rows.data_ptr(), rows.stride(0), rows.shape[0], codes.data_ptr(), pairs.data_ptr(), n, k, group,
         None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), torch.get_num_threads(),
+        kind, None if outer is None else outer.data_ptr(), per_block,
     )  # fmt: skip
     return out
 

@@ -342,12 +342,12 @@ class Int4WeightOnlyLinear(QuantizedLinear):
         """The module for weights already in this form, ``w = q * scale + minimum`` (``q [N, K]``
         int32 in [0, 15], ``scale`` and ``minimum`` ``[N, K/g]``): GGUF Q4_0 / Q4_1 / Q4_K blocks
         (``levels``: Q4_K's two levels of the same scales and minima), packed without a float
-        weight (``layer`` gives the shape and the bias). In float32 the file's own scales are
-        kept aside until :meth:`use_panels` (:mod:`~modserve.plugins.platforms.cpu_int4_scales`)."""
+        weight (``layer`` gives the shape and the bias). The file's own scales are kept aside
+        until :meth:`use_panels` (:mod:`~modserve.plugins.platforms.cpu_int4_scales`)."""
         module = cls.__new__(cls)
         QuantizedLinear.__init__(module, layer)
         module._store(layer, q, scale, minimum, group_size, dtype)
-        if dtype == torch.float32:
+        if dtype in PANEL_DTYPES:
             from modserve.plugins.platforms.cpu_int4_scales import file_scales
 
             module._file = file_scales(scale, minimum, levels)
@@ -361,30 +361,31 @@ class Int4WeightOnlyLinear(QuantizedLinear):
         self.register_buffer("scales_and_zeros", scales_and_zeros.to(dtype), False)
         self.register_buffer("_bias32", None if layer.bias is None else layer.bias.detach().float().contiguous(), False)  # panels
 
-    _file: FileScales | None = None  # a GGUF layer's own scales (float32 models), until use_panels decides
-    _file_held = False  # whether the panels hold them instead of scales_and_zeros
+    _file: FileScales | None = None  # a GGUF layer's own scales, until use_panels decides
+    _held: FileScales | None = None  # ... held by the panels instead of scales_and_zeros
 
     def use_panels(self, on: bool = True) -> None:
         """Run every call of the module's dtype on the panel kernels (``on``; needs
-        ``out_features`` a multiple of 64), or not. A float32 GGUF layer on the panels then holds
-        its file's own scales (float16 ``(s, m)``, or Q4_K's two levels: 1 or 0.75 bits a weight)
-        instead of torch's float32 ``(s, z)`` pairs (2 bits); rows of another dtype are refused."""
+        ``out_features`` a multiple of 64), or not. A GGUF layer on the panels then holds its
+        file's own scales (float16 ``(s, m)``, or Q4_K's two levels: 1 or 0.75 bits a weight,
+        exact) instead of torch's ``(s, z)`` pairs (float32: 2 bits; bfloat16: 1, rounded);
+        rows of another dtype are refused."""
         self.panels = on
         file, self._file = self._file, None
         if on and file is not None and self.out_features % 64 == 0 and self.input_order is None:
             self.register_buffer("file_pairs", file.pairs, False)
             self.register_buffer("file_outer", file.outer, False)
-            self.scales_and_zeros, self._file_held = None, True
-            self._file_kind, self._super_groups = file.kind, file.super_groups
+            self._held_dtype, self.scales_and_zeros = self.scales_and_zeros.dtype, None
+            self._held = file
 
     @property
     def scales_dtype(self) -> torch.dtype:
-        return torch.float32 if self._file_held else self.scales_and_zeros.dtype
+        return self._held_dtype if self._held is not None else self.scales_and_zeros.dtype
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
-        if self._file_held:
-            if rows.dtype != torch.float32:
-                raise TypeError(f"Int4WeightOnlyLinear holding a GGUF file's scales takes float32 rows, got {rows.dtype}")
+        if self._held is not None:
+            if rows.dtype != self._held_dtype:
+                raise TypeError(f"Int4WeightOnlyLinear holding a GGUF file's scales takes {self._held_dtype} rows, got {rows.dtype}")
             return self._panel_product(rows)
         sz = self.scales_and_zeros if self.scales_and_zeros.dtype == rows.dtype else self.scales_and_zeros.to(rows.dtype)
         if self.amx and rows.shape[0] >= AMX_INT4_FROM_ROWS and rows.dtype == torch.bfloat16 and self.out_features % 64 == 0:
@@ -404,14 +405,9 @@ class Int4WeightOnlyLinear(QuantizedLinear):
         """One native call on the panel kernels of ``rows``' dtype, the bias inside."""
         from modserve.plugins.platforms import cpu_avx2_linear, cpu_avx512_linear
 
-        if rows.dtype == torch.bfloat16:
-            return cpu_avx512_linear.int4_product(rows, self.packed, self.scales_and_zeros, self.group_size, self._bias32, out=out)
-        scales = self.scales_and_zeros
-        if self._file_held:
-            from modserve.plugins.platforms.cpu_int4_scales import FileScales
-
-            scales = FileScales(self._file_kind, self.file_pairs, self.file_outer, self._super_groups)
-        return cpu_avx2_linear.int4_product(rows, self.packed, scales, self.group_size, self._bias32, out=out)
+        kernels = cpu_avx512_linear if rows.dtype == torch.bfloat16 else cpu_avx2_linear
+        scales = self.scales_and_zeros if self._held is None else self._held
+        return kernels.int4_product(rows, self.packed, scales, self.group_size, self._bias32, out=out)
 
     @property
     def records(self) -> bool:
@@ -420,11 +416,7 @@ class Int4WeightOnlyLinear(QuantizedLinear):
         return self.panels and self.out_features % 64 == 0 and self.input_order is None and self.scales_dtype in PANEL_DTYPES
 
     def extra_repr(self) -> str:
-        held = ""
-        if self._file_held:
-            from modserve.plugins.platforms.cpu_int4_scales import FileScales
-
-            held = ", the file's scales: " + FileScales(self._file_kind, self.file_pairs, self.file_outer, self._super_groups).describe()
+        held = "" if self._held is None else ", the file's scales: " + self._held.describe()
         return f"{super().extra_repr()}, group_size={self.group_size}" + held
 
 
