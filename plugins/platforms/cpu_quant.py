@@ -342,15 +342,14 @@ class Int4WeightOnlyLinear(QuantizedLinear):
         """The module for weights already in this form, ``w = q * scale + minimum`` (``q [N, K]``
         int32 in [0, 15], ``scale`` and ``minimum`` ``[N, K/g]``): GGUF Q4_0 / Q4_1 / Q4_K blocks
         (``levels``: Q4_K's two levels of the same scales and minima), packed without a float
-        weight (``layer`` gives the shape and the bias). The file's own scales are kept aside
-        until :meth:`use_panels` (:mod:`~modserve.plugins.platforms.cpu_int4_scales`)."""
+        weight (``layer`` gives the shape and the bias). The scales are kept aside until
+        :meth:`use_panels`, which may hold them as the file gave them
+        (:mod:`~modserve.plugins.platforms.cpu_int4_scales`)."""
         module = cls.__new__(cls)
         QuantizedLinear.__init__(module, layer)
         module._store(layer, q, scale, minimum, group_size, dtype)
         if dtype in PANEL_DTYPES:
-            from modserve.plugins.platforms.cpu_int4_scales import file_scales
-
-            module._file = file_scales(scale, minimum, levels)
+            module._file_source = (scale, minimum, levels)
         return module
 
     def _store(self, layer: nn.Linear, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, group_size: int,
@@ -361,8 +360,8 @@ class Int4WeightOnlyLinear(QuantizedLinear):
         self.register_buffer("scales_and_zeros", scales_and_zeros.to(dtype), False)
         self.register_buffer("_bias32", None if layer.bias is None else layer.bias.detach().float().contiguous(), False)  # panels
 
-    _file: FileScales | None = None  # a GGUF layer's own scales, until use_panels decides
-    _held: FileScales | None = None  # ... held by the panels instead of scales_and_zeros
+    _file_source: tuple | None = None  # from_codes' (scale, minimum, levels), until use_panels decides
+    _held: FileScales | None = None  # the file's own scales, held by the panels instead of scales_and_zeros
 
     def use_panels(self, on: bool = True) -> None:
         """Run every call of the module's dtype on the panel kernels (``on``; needs
@@ -371,8 +370,12 @@ class Int4WeightOnlyLinear(QuantizedLinear):
         exact) instead of torch's ``(s, z)`` pairs (float32: 2 bits; bfloat16: 1, rounded);
         rows of another dtype are refused."""
         self.panels = on
-        file, self._file = self._file, None
-        if on and file is not None and self.out_features % 64 == 0 and self.input_order is None:
+        source, self._file_source = self._file_source, None
+        if not on or source is None or self.out_features % 64 or self.input_order is not None:
+            return
+        from modserve.plugins.platforms.cpu_int4_scales import file_scales
+
+        if (file := file_scales(*source)) is not None:  # computed only here: not for layers off the panels (AMX CPUs)
             self.register_buffer("file_pairs", file.pairs, False)
             self.register_buffer("file_outer", file.outer, False)
             self._held_dtype, self.scales_and_zeros = self.scales_and_zeros.dtype, None
