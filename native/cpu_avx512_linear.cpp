@@ -155,10 +155,10 @@ extern "C" {
 
 void modserve_avx512_linear_group_int8(const uint16_t* x, int64_t x_stride, int64_t M, const int8_t* panels, int64_t N, int K, int group,
                                        const float* bias, uint16_t* y, int64_t y_stride, int threads, int zeros, float center, int packed,
-                                     int scale_bytes, int super_groups) {
+                                       int scale_bytes, int super_groups) {
     using modserve::Codes;
-    group_product<Codes::kInt8, Codes::kInt8>(x, x_stride, M, {panels, K, group, zeros != 0, center, packed != 0, scale_bytes, super_groups}, N, bias, y, y_stride, threads,
-                                              kGroupDirectRows);
+    const modserve::GroupPanels w{panels, K, group, zeros != 0, center, packed != 0, scale_bytes, super_groups};
+    group_product<Codes::kInt8, Codes::kInt8>(x, x_stride, M, w, N, bias, y, y_stride, threads, kGroupDirectRows);
 }
 
 // Unsigned codes below 128 (GGUF's 4- to 6-bit formats) with a scale and a minimum per group
@@ -174,8 +174,8 @@ void modserve_avx512_linear_group_u7(const uint16_t* x, int64_t x_stride, int64_
                                      const float* bias, uint16_t* y, int64_t y_stride, int threads, int minima, float center, int packed,
                                      int scale_bytes, int super_groups) {
     using modserve::Codes;
-    group_product<Codes::kInt8, Codes::kMagic>(x, x_stride, M, {panels, K, group, minima != 0, center, packed != 0, scale_bytes, super_groups}, N, bias, y, y_stride, threads,
-                                               kMagicDirectRows);
+    const modserve::GroupPanels w{panels, K, group, minima != 0, center, packed != 0, scale_bytes, super_groups};
+    group_product<Codes::kInt8, Codes::kMagic>(x, x_stride, M, w, N, bias, y, y_stride, threads, kMagicDirectRows);
 }
 
 int modserve_avx512_linear_group_u7_available() { return 1; }
