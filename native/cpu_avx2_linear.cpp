@@ -29,6 +29,7 @@
 // broadcast of x feeds two FMAs (one panel at a time lost 14-27% to oneDNN's 512-bit float32
 // product at 64-1,024 rows; two panels tie it); a gated pair is then one such block.
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "packed_call.h"
@@ -55,6 +56,29 @@ void modserve_avx2_linear(const float* x, int64_t x_stride, int64_t M, const uin
 }
 
 int modserve_avx2_linear_available() { return 1; }
+
+// The packed panels above widened back to a plain float32 [ceil(N/16) * 16][Kp] matrix (Kp the
+// padded K, a multiple of 32; row n output n in the panels' order), for the library's float32
+// product on many rows (Avx2Linear.forward). A tile [16 pairs][16 outputs] of 32-bit pairs is
+// read column by column: each output's 32 inputs, widened by a shift.
+void modserve_avx2_widen(const uint16_t* w, int64_t N, int Kp, float* out, int threads) {
+    const int64_t panels = (N + 15) / 16;
+    const int tiles = Kp / 32;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t p = 0; p < panels; ++p) {
+        for (int t = 0; t < tiles; ++t) {
+            const uint32_t* tile = reinterpret_cast<const uint32_t*>(w) + (p * tiles + t) * 256;
+            for (int j = 0; j < 16; ++j) {
+                uint32_t column[16];
+                for (int r = 0; r < 16; ++r) column[r] = tile[r * 16 + j];
+                uint16_t halves[32];
+                std::memcpy(halves, column, sizeof(column));
+                uint32_t* row = reinterpret_cast<uint32_t*>(out + (p * 16 + j) * static_cast<int64_t>(Kp) + t * 32);
+                for (int i = 0; i < 32; ++i) row[i] = static_cast<uint32_t>(halves[i]) << 16;
+            }
+        }
+    }
+}
 
 // The same product over int8 codes (device.quantization int8) packed in the same order
 // ([ceil(N/16)][ceil(K/32) * 16][16][2] int8), widened in registers: y = (x @ q.T) * scale + bias,

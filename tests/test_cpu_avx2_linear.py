@@ -86,6 +86,26 @@ def test_products_equal_float32_products_of_the_same_weights(rows, n, k, bias, b
 
 
 @needs_avx2
+@pytest.mark.parametrize("n,k", [(960, 576), (70, 33), (33, 96)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_many_rows_widen_the_panels_for_torchs_float32_product(n, k, bias, monkeypatch):
+    """From LIBRARY_FROM_ROWS rows the panels are widened back to the plain float32 weights
+    (every value exact, the rows in order, padding cut off) and torch's product multiplies
+    them; one row fewer stays on the kernel. Both equal F.linear up to summation order."""
+    lin = bf16_weights(n, k, bias, n + k)
+    layer = Avx2Linear(lin)
+    assert torch.equal(layer._widened(), lin.weight.detach())
+    rows = cpu_avx2_linear.LIBRARY_FROM_ROWS
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k))
+    for m, takes_library in ((rows, True), (rows - 1, False)):
+        widened = []
+        monkeypatch.setattr(layer, "_widened", lambda: widened.append(1) or Avx2Linear._widened(layer))
+        got = layer(x[:m].view(1, m, k))
+        assert bool(widened) == takes_library and got.shape == (1, m, n)
+        torch.testing.assert_close(got[0], F.linear(x[:m], lin.weight, lin.bias), atol=1e-4 * k**0.5, rtol=1e-5)
+
+
+@needs_avx2
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 12, 100])
 @pytest.mark.parametrize("inter", [48, 64])
 def test_gated_product_equals_the_fused_silu_mul_of_the_plain_product(rows, inter, build):

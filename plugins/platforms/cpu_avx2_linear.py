@@ -12,22 +12,34 @@ model's decode steps recordable as call lists (oneDNN's float32 product is not).
 
 A layer with any weight that bfloat16 cannot hold keeps oneDNN's float32 product: rounding it
 would change the model.
+
+From ``LIBRARY_FROM_ROWS`` rows (long prefill chunks) a plain layer's panels are widened back
+to float32 into one shared scratch matrix and torch's float32 product (oneDNN / MKL) multiplies
+them: there the product is bound by the FMAs, not by the weight bytes, and the library's blocking
+beats the panel kernel's (1.1-1.3x on a Cascade Lake at 512-1,024 rows, SmolLM2's qkv and down
+shapes) by more than the widening costs (0.1-0.3 ms a layer). A gated layer stays on the panels:
+the library's output twice as wide and a separate SiLU pass over it made it 0.7-0.8x slower.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from modserve.core.contract import NativeFunction
-from modserve.native.build import SOURCES
+from modserve.native.build import SOURCES, compile_and_load
 from modserve.plugins.platforms.cpu_int8_panel_linear import load_int8
 from modserve.plugins.platforms.cpu_int4_scales import FileScales
 from modserve.plugins.platforms.cpu_panel_linear import WIDENED_ARGS, PanelLinear, load_kernel, widened_product
 
 SOURCE = SOURCES / "cpu_avx2_linear.cpp"
+LIBRARY_FROM_ROWS = 512  # rows from which the widened weights go to torch's float32 product
+WIDEN_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+_scratch: list[torch.Tensor] = []  # the one float32 matrix every layer widens into, a product at a time
 
 
 @functools.cache
@@ -61,6 +73,16 @@ def int4_product(rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor 
 
 
 @functools.cache
+def load_widen(extra_flags: tuple[str, ...] = ()) -> ctypes._CFuncPtr:
+    """The kernel library's ``modserve_avx2_widen``: packed panels back to a plain float32 matrix
+    (never in a call list: only products of many rows use it)."""
+    load(extra_flags)  # built, and available on this CPU
+    widen = compile_and_load(SOURCE, "the AVX2 linear kernel", extra_flags).modserve_avx2_widen
+    widen.argtypes, widen.restype = WIDEN_ARGS, None
+    return widen
+
+
+@functools.cache
 def load_codes(extra_flags: tuple[str, ...] = ()) -> NativeFunction:
     """The same kernel's entry over int8 codes (:class:`~modserve.plugins.platforms.cpu_int8_panel_linear.Int8PanelLinear`)."""
     return load_int8(SOURCE, "the AVX2 linear kernel", "modserve_avx2_linear_int8", "AVX2 and FMA", extra_flags)
@@ -81,3 +103,21 @@ class Avx2Linear(PanelLinear):
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__(linear, load())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k = self.in_features
+        if self.gated or x.dtype != self.dtype or x.shape[-1] != k or x.numel() < LIBRARY_FROM_ROWS * k:
+            return super().forward(x)  # (which also refuses what it must)
+        y = F.linear(x.reshape(-1, k), self._widened(), self._buffers["_bias32"])
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def _widened(self) -> torch.Tensor:
+        """This layer's weights as a plain float32 ``[out_features, in_features]`` view of the
+        shared scratch, widened from its panels (rows in the panels' order)."""
+        packed = self._buffers["packed"]
+        panels, k_padded = packed.shape[0], packed.shape[1] * 32
+        if not _scratch or _scratch[0].numel() < panels * 16 * k_padded:
+            _scratch[:] = [torch.empty(panels * 16 * k_padded, dtype=torch.float32)]
+        plain = _scratch[0][: panels * 16 * k_padded].view(panels * 16, k_padded)
+        load_widen()(packed.data_ptr(), self.out_features, k_padded, plain.data_ptr(), torch.get_num_threads())
+        return plain[: self.out_features, : self.in_features]
