@@ -209,7 +209,7 @@ void block(const float* x, int64_t x_stride, const W* w, int64_t panel, int K, c
         } else {
             for (int q = 0; q < P; ++q) {
                 const int64_t c0 = n0 + 16 * q, cols = N - c0 < 16 ? N - c0 : 16;
-                if (cols == 16 && bias == nullptr) {  // whole panels as vectors: element by element cost ~5% at 96 rows
+                if (cols == 16 && bias == nullptr) {  // whole panels as vectors
 #pragma omp simd
                     for (int j = 0; j < 16; ++j) out[c0 + j] = sums[q][j];
                 } else if (cols == 16) {

@@ -14,7 +14,7 @@ A layer with any weight that bfloat16 cannot hold keeps oneDNN's float32 product
 would change the model.
 
 From ``LIBRARY_FROM_ROWS`` rows (long prefill chunks) a plain layer's panels are widened back
-to float32 into one shared scratch matrix and torch's float32 product (oneDNN / MKL) multiplies
+to float32 into one scratch matrix a thread and torch's float32 product (oneDNN / MKL) multiplies
 them: there the product is bound by the FMAs, not by the weight bytes, and the library's blocking
 beats the panel kernel's (1.1-1.3x on a Cascade Lake at 512-1,024 rows, SmolLM2's qkv and down
 shapes) by more than the widening costs (0.1-0.3 ms a layer). A gated layer stays on the panels:
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +40,7 @@ from modserve.plugins.platforms.cpu_panel_linear import WIDENED_ARGS, PanelLinea
 SOURCE = SOURCES / "cpu_avx2_linear.cpp"
 LIBRARY_FROM_ROWS = 512  # rows from which the widened weights go to torch's float32 product
 WIDEN_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-_scratch: list[torch.Tensor] = []  # the one float32 matrix every layer widens into, a product at a time
+_scratch = threading.local()  # .matrix: the float32 matrix every layer widens into, a product at a time (per thread: engines may share a process)
 
 
 @functools.cache
@@ -116,8 +117,9 @@ class Avx2Linear(PanelLinear):
         shared scratch, widened from its panels (rows in the panels' order)."""
         packed = self._buffers["packed"]
         panels, k_padded = packed.shape[0], packed.shape[1] * 32
-        if not _scratch or _scratch[0].numel() < panels * 16 * k_padded:
-            _scratch[:] = [torch.empty(panels * 16 * k_padded, dtype=torch.float32)]
-        plain = _scratch[0][: panels * 16 * k_padded].view(panels * 16, k_padded)
+        matrix = getattr(_scratch, "matrix", None)
+        if matrix is None or matrix.numel() < panels * 16 * k_padded:
+            matrix = _scratch.matrix = torch.empty(panels * 16 * k_padded, dtype=torch.float32)
+        plain = matrix[: panels * 16 * k_padded].view(panels * 16, k_padded)
         load_widen()(packed.data_ptr(), self.out_features, k_padded, plain.data_ptr(), torch.get_num_threads())
         return plain[: self.out_features, : self.in_features]
