@@ -481,6 +481,80 @@ void attend_avx512(const QIO& io, int64_t token, const T* kc, const T* vc, const
     if (!keep_part(part, nh, D, acc, m, l)) finish_heads(io, token, h0 * G, nh, D, acc, l);
 }
 
+constexpr int kSegment = 256;  // positions a decode row's segment sweeps take at a time (attend_bf16dot, attend_segments)
+
+// What a decode row's segment sweeps read next, asked for ahead: the two chunks after the
+// current one (their rows' lines for the item's heads), in nh shares of whole rows, one share
+// per step of the current sweep, so that the lines arrive while this chunk and the next
+// compute (the hardware prefetchers stop at each scattered block). Two ahead rather than one:
+// over scattered blocks, 0.88x the time at 64 rows x 450 positions, 0.81x at 16 rows, 0.93x
+// at one (the bfloat16-dot path). Shares of whole rows: integer divisions per line cost more
+// than the lines. The scores sweep reads its K chunks, then the P.V sweep the segment's V
+// chunks, then the next segment's K chunks.
+template <typename T>
+struct SegmentAhead {
+    struct Rows {
+        const char* base;
+        int rows;
+    };
+    const T* kc;
+    const T* vc;
+    const int32_t* table;
+    int bs, chunk, n_tokens, nh, lines_per_row;
+    int64_t row_stride, first;  // elements between cache rows; the item's first element of a row
+
+    SegmentAhead(const T* kc, const T* vc, const int32_t* table, int bs, int chunk, int n_tokens, int nh, int h0, int heads,
+                 int D, int64_t row_stride)
+        : kc(kc), vc(vc), table(table), bs(bs), chunk(chunk), n_tokens(n_tokens), nh(nh),
+          lines_per_row(static_cast<int>(heads * D * sizeof(T) / 64)), row_stride(row_stride), first(static_cast<int64_t>(h0) * D) {}
+    const T* rows_at(const T* cache, int start) const { return cache + slot_of(table, start, bs) * row_stride; }
+    Rows at(const T* cache, int start) const {
+        if (start >= n_tokens) return {nullptr, 0};
+        return {reinterpret_cast<const char*>(rows_at(cache, start) + first), std::min(chunk, n_tokens - start)};
+    }
+    // The chunk k chunks after chunk c of the segment at seg (seg_n positions), in the scores
+    // sweep (after_k) or the P.V sweep (after_v).
+    Rows after_k(int seg, int seg_n, int c, int k) const {
+        const int a = c + k * chunk;
+        return a < seg_n ? at(kc, seg + a) : at(vc, seg + a - seg_n);
+    }
+    Rows after_v(int seg, int seg_n, int c, int k) const {
+        const int a = c + k * chunk;
+        return a < seg_n ? at(vc, seg + a) : at(kc, seg + kSegment + a - seg_n);
+    }
+    void fetch_share(const Rows& r, int share) const {
+        for (int t = share * r.rows / nh; t < (share + 1) * r.rows / nh; ++t) {
+            const char* row = r.base + t * row_stride * static_cast<int64_t>(sizeof(T));
+            for (int x = 0; x < lines_per_row; ++x) modserve::prefetch_line(row + 64 * x);
+        }
+    }
+};
+
+// Sweep (2) of a segment, for one query head: the max of its scores si[0, seg_n); each 16
+// lanes' weights exp(score - max) handed to keep(k, w) (lanes k .. k + 15), which stores them
+// and returns what the sum adds; then the running max m and sum l advanced and the head's D
+// accumulators rescaled (~0 on the first segment, where m is -inf).
+template <typename Keep>
+inline void segment_weights(const float* si, int seg_n, float& m, float& l, float* acc, int D, const Keep& keep) {
+    const auto lanes_from = [&](int k) {  // the segment's positions among lanes k .. k + 15
+        return static_cast<__mmask16>(seg_n - k >= 16 ? 0xFFFFu : (1u << (seg_n - k)) - 1u);
+    };
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    for (int k = 0; k < seg_n; k += 16) vmax = _mm512_mask_max_ps(vmax, lanes_from(k), vmax, _mm512_loadu_ps(si + k));
+    const float mx = std::fmax(m, _mm512_reduce_max_ps(vmax));
+    const float correction = exp_nonpositive(m - mx);
+    const __m512 vmx = _mm512_set1_ps(mx);
+    __m512 sum = _mm512_setzero_ps();
+    for (int k = 0; k < seg_n; k += 16) {
+        const __m512 w = modserve::exp512_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(si + k), vmx));
+        sum = _mm512_add_ps(sum, keep(k, _mm512_maskz_mov_ps(lanes_from(k), w)));
+    }
+    l = l * correction + _mm512_reduce_add_ps(sum);
+    m = mx;
+    const __m512 corr = _mm512_set1_ps(correction);
+    for (int j = 0; j < D / 16; ++j) _mm512_storeu_ps(acc + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * j), corr));
+}
+
 #if defined(__AVX512BF16__)
 // One head's output from the bf16-dot paths' accumulators, over its sum of weights `l`:
 // each 32-element half of the row is two vectors in unpacklo/unpackhi order (lane 4L + e
@@ -508,7 +582,6 @@ inline void put_interleaved(const QIO& io, int64_t token, int64_t first, const f
 // accumulators hold each 32-element half of a row as two vectors of interleaved
 // 4-element groups (unpacklo/unpackhi order), put back in order at the end. Block sizes
 // of 2 and up (a pair of keys never crosses a block).
-constexpr int kSegment = 256;
 
 // Positions [from, to) only (default: all, 0 .. pos), from a multiple of 16; with `part`, the
 // unnormalized state goes there instead of the output.
@@ -542,48 +615,16 @@ void attend_bf16dot(const QIO& io, int64_t token, const uint16_t* kc, const uint
     const __m512 vscale = _mm512_set1_ps(scale);
     const int n_tokens = to < 0 ? pos + 1 : to;  // the end of this call's positions
     const int chunk = bs < 16 ? bs : 16;
-    const auto rows_at = [&](const uint16_t* cache, int start) { return cache + slot_of(table, start, bs) * row_stride; };
-    // The two chunks read next (their rows' lines for the item's heads) are fetched in nh
-    // shares of whole rows, one share per step of the current sweep, so the lines arrive
-    // while this chunk and the next compute (the hardware prefetchers stop at each scattered
-    // block). Two ahead rather than one: over scattered blocks, 0.88x the time at 64 rows x
-    // 450 positions, 0.81x at 16 rows, 0.93x at one. Shares of whole rows: integer divisions
-    // per line cost more than the lines.
-    struct Ahead {
-        const char* base;
-        int rows;
-    };
-    const int lines_per_row = heads * D * 2 / 64;
-    const auto ahead = [&](const uint16_t* cache, int start) -> Ahead {
-        if (start >= n_tokens) return {nullptr, 0};
-        return {reinterpret_cast<const char*>(rows_at(cache, start) + static_cast<int64_t>(h0) * D),
-                std::min(chunk, n_tokens - start)};
-    };
-    const auto fetch_share = [&](const Ahead& a, int part) {
-        for (int t = part * a.rows / nh; t < (part + 1) * a.rows / nh; ++t) {
-            const char* row = a.base + t * row_stride * 2;
-            for (int x = 0; x < lines_per_row; ++x) modserve::prefetch_line(row + 64 * x);
-        }
-    };
-    // The chunk k chunks after chunk c of a segment's sweep (at seg): the scores sweep reads
-    // its K chunks, then the P.V sweep its V chunks, then the next segment's K chunks.
-    const auto after_k = [&](int seg, int seg_n, int c, int k) {
-        const int at = c + k * chunk;
-        return at < seg_n ? ahead(kc, seg + at) : ahead(vc, seg + at - seg_n);
-    };
-    const auto after_v = [&](int seg, int seg_n, int c, int k) {
-        const int at = c + k * chunk;
-        return at < seg_n ? ahead(vc, seg + at) : ahead(kc, seg + kSegment + at - seg_n);
-    };
+    const SegmentAhead<uint16_t> ahead(kc, vc, table, bs, chunk, n_tokens, nh, h0, heads, D, row_stride);
     for (int seg = from; seg < n_tokens; seg += kSegment) {
         const int seg_n = std::min(kSegment, n_tokens - seg);
         for (int c = 0; c < seg_n; c += chunk) {  // (1) scores
             const int n = std::min(chunk, seg_n - c);
-            const uint16_t* kb = rows_at(kc, seg + c);
-            const Ahead next = after_k(seg, seg_n, c, 1), then = after_k(seg, seg_n, c, 2);
+            const uint16_t* kb = ahead.rows_at(kc, seg + c);
+            const auto next = ahead.after_k(seg, seg_n, c, 1), then = ahead.after_k(seg, seg_n, c, 2);
             for (int i = 0; i < nh; ++i) {
-                fetch_share(next, i);
-                fetch_share(then, i);
+                ahead.fetch_share(next, i);
+                ahead.fetch_share(then, i);
                 const uint16_t* kh = kb + static_cast<int64_t>(h0 + i / G) * D;
                 __m512bh qv[NB];
                 for (int j = 0; j < NB; ++j) qv[j] = modserve::load_bh(qb + i * D + 32 * j);
@@ -595,35 +636,18 @@ void attend_bf16dot(const QIO& io, int64_t token, const uint16_t* kc, const uint
                 _mm512_storeu_ps(s + i * kRow + c, _mm512_mul_ps(scores, vscale));
             }
         }
-        const auto lanes_from = [&](int k) {  // the segment's positions among lanes k .. k + 15
-            return static_cast<__mmask16>(seg_n - k >= 16 ? 0xFFFFu : (1u << (seg_n - k)) - 1u);
-        };
         for (int i = 0; i < nh; ++i) {  // (2) max, weights, sum
-            float* si = s + i * kRow;
-            __m512 vmax = _mm512_set1_ps(-INFINITY);
-            for (int k = 0; k < seg_n; k += 16) {
-                vmax = _mm512_mask_max_ps(vmax, lanes_from(k), vmax, _mm512_loadu_ps(si + k));
-            }
-            const float mx = std::fmax(m[i], _mm512_reduce_max_ps(vmax));
-            const float correction = exp_nonpositive(m[i] - mx);  // ~0 on the first segment (m = -inf)
-            const __m512 vmx = _mm512_set1_ps(mx);
-            __m512 sum = _mm512_setzero_ps();
-            for (int k = 0; k < seg_n; k += 16) {
-                const __m512 w = _mm512_maskz_mov_ps(lanes_from(k), modserve::exp512_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(si + k), vmx)));
+            segment_weights(s + i * kRow, seg_n, m[i], l[i], acc + i * D, D, [&](int k, __m512 w) {
                 const __m256bh wb = _mm512_cvtneps_pbh(w);  // the weights P.V uses; l sums the same
                 _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + i * kRow + k), (__m256i)wb);
-                sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(wb));
-            }
-            l[i] = l[i] * correction + _mm512_reduce_add_ps(sum);
-            m[i] = mx;
-            const __m512 corr = _mm512_set1_ps(correction);
-            for (int j = 0; j < 2 * NB; ++j) _mm512_storeu_ps(acc + i * D + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(acc + i * D + 16 * j), corr));
+                return _mm512_cvtpbh_ps(wb);
+            });
         }
         for (int c = 0; c < seg_n; c += chunk) {  // (3) P.V
             const int n = std::min(chunk, seg_n - c);
             const int pairs = (n + 1) / 2;
-            const uint16_t* vb = rows_at(vc, seg + c);
-            const Ahead next = after_v(seg, seg_n, c, 1), then = after_v(seg, seg_n, c, 2);
+            const uint16_t* vb = ahead.rows_at(vc, seg + c);
+            const auto next = ahead.after_v(seg, seg_n, c, 1), then = ahead.after_v(seg, seg_n, c, 2);
             for (int hh = 0; hh < heads; ++hh) {
                 const int64_t col = static_cast<int64_t>(h0 + hh) * D;
                 for (int u = 0; u < pairs; ++u) {
@@ -638,8 +662,8 @@ void attend_bf16dot(const QIO& io, int64_t token, const uint16_t* kc, const uint
                 }
                 for (int g = 0; g < G; ++g) {
                     const int i = hh * G + g;
-                    fetch_share(next, i);
-                    fetch_share(then, i);
+                    ahead.fetch_share(next, i);
+                    ahead.fetch_share(then, i);
                     int32_t w2[8];  // the chunk's weights, a pair of keys per element
                     std::memcpy(w2, p + i * kRow + c, sizeof w2);
                     __m512 a[2 * NB];
@@ -659,6 +683,106 @@ void attend_bf16dot(const QIO& io, int64_t token, const uint16_t* kc, const uint
 }
 
 #endif  // __AVX512BF16__
+
+// attend_avx512 for a layer without window or soft-cap (any cache: float32, bfloat16 with
+// float32 products, int8 with its scales), in segments of up to kSegment positions and three
+// sweeps as attend_bf16dot runs them, in float32 throughout: (1) the segment's scores (q
+// pre-scaled, as attend_avx512's; an int8 key's scale on its score); (2) the segment's max,
+// weights (in place of the scores) and sum, vectorized over the segment; (3) P.V, each weight
+// (times an int8 value row's scale) broadcast, even and odd keys into separate accumulators.
+// The running max and the rescale of the accumulators come once a segment, not once per 16
+// keys as in attend_avx512, whose per-chunk chain (a reduction, a scalar exp, then the
+// weights) each query head waits on.
+template <typename T, int D>
+void attend_segments(const QIO& io, int64_t token, const T* kc, const T* vc, const float* ks, const float* vs,
+                     const int32_t* table, int32_t pos, int KVH, int G, int bs, float scale, int h0, int h1, int from = 0,
+                     int to = -1, const Partial* part = nullptr) {
+    using modserve::load16;
+    constexpr int NV = D / 16;  // vectors per row
+    constexpr int kRow = kSegment + 16;  // a head's scores / weights, padded for a chunk's full-vector store
+    const int heads = h1 - h0;
+    const int nh = heads * G;
+    const int64_t row_stride = static_cast<int64_t>(KVH) * D;
+    static thread_local std::vector<float> work;
+    work.resize(static_cast<size_t>(nh) * (2 * D + 2 + kRow));
+    float* qs = work.data();  // [nh][D], pre-scaled
+    float* acc = qs + nh * D;  // [nh][D]
+    float* m = acc + nh * D;
+    float* l = m + nh;
+    float* s = l + nh;  // [nh][kRow] the segment's scores, then its weights
+    start_heads(io, token, h0 * G, nh, D, scale, qs, acc, m, l);
+    const int n_tokens = to < 0 ? pos + 1 : to;  // the end of this call's positions
+    const int chunk = bs < 16 ? bs : 16;
+    const SegmentAhead<T> ahead(kc, vc, table, bs, chunk, n_tokens, nh, h0, heads, D, row_stride);
+    const auto scale_of = [&](const float* scales, int start, int t, int h) {  // an int8 row's, for head h
+        return scales[(slot_of(table, start, bs) + t) * KVH + h];
+    };
+    for (int seg = from; seg < n_tokens; seg += kSegment) {
+        const int seg_n = std::min(kSegment, n_tokens - seg);
+        for (int c = 0; c < seg_n; c += chunk) {  // (1) scores
+            const int n = std::min(chunk, seg_n - c);
+            const T* kb = ahead.rows_at(kc, seg + c);
+            const auto next = ahead.after_k(seg, seg_n, c, 1), then = ahead.after_k(seg, seg_n, c, 2);
+            for (int i = 0; i < nh; ++i) {
+                ahead.fetch_share(next, i);
+                ahead.fetch_share(then, i);
+                const int h = h0 + i / G;
+                const T* kh = kb + static_cast<int64_t>(h) * D;
+                __m512 qv[NV];
+                for (int j = 0; j < NV; ++j) qv[j] = _mm512_loadu_ps(qs + i * D + 16 * j);
+                __m512 scores = chunk_scores(n, [&](int t) {
+                    __m512 dot = _mm512_mul_ps(qv[0], load16(kh + t * row_stride));
+                    for (int j = 1; j < NV; ++j) dot = _mm512_fmadd_ps(qv[j], load16(kh + t * row_stride + 16 * j), dot);
+                    return dot;
+                });
+                if (ks != nullptr) {
+                    alignas(64) float k16[16] = {};
+                    for (int t = 0; t < n; ++t) k16[t] = scale_of(ks, seg + c, t, h);
+                    scores = _mm512_mul_ps(scores, _mm512_load_ps(k16));
+                }
+                _mm512_storeu_ps(s + i * kRow + c, scores);
+            }
+        }
+        for (int i = 0; i < nh; ++i) {  // (2) max, weights (over the scores), sum
+            float* si = s + i * kRow;
+            segment_weights(si, seg_n, m[i], l[i], acc + i * D, D, [&](int k, __m512 w) {
+                _mm512_storeu_ps(si + k, w);
+                return w;
+            });
+        }
+        for (int c = 0; c < seg_n; c += chunk) {  // (3) P.V
+            const int n = std::min(chunk, seg_n - c);
+            const T* vb = ahead.rows_at(vc, seg + c);
+            const auto next = ahead.after_v(seg, seg_n, c, 1), then = ahead.after_v(seg, seg_n, c, 2);
+            for (int i = 0; i < nh; ++i) {
+                ahead.fetch_share(next, i);
+                ahead.fetch_share(then, i);
+                const int h = h0 + i / G;
+                const T* vh = vb + static_cast<int64_t>(h) * D;
+                float* p = s + i * kRow + c;
+                if (vs != nullptr) {
+                    for (int t = 0; t < n; ++t) p[t] *= scale_of(vs, seg + c, t, h);
+                }
+                __m512 a[NV], b[NV];  // even and odd keys: twice the independent FMA chains
+                for (int j = 0; j < NV; ++j) a[j] = _mm512_loadu_ps(acc + i * D + 16 * j), b[j] = _mm512_setzero_ps();
+                int t = 0;
+                for (; t + 1 < n; t += 2) {
+                    const __m512 p0 = _mm512_set1_ps(p[t]), p1 = _mm512_set1_ps(p[t + 1]);
+                    for (int j = 0; j < NV; ++j) {
+                        a[j] = _mm512_fmadd_ps(p0, load16(vh + t * row_stride + 16 * j), a[j]);
+                        b[j] = _mm512_fmadd_ps(p1, load16(vh + (t + 1) * row_stride + 16 * j), b[j]);
+                    }
+                }
+                if (t < n) {
+                    const __m512 p0 = _mm512_set1_ps(p[t]);
+                    for (int j = 0; j < NV; ++j) a[j] = _mm512_fmadd_ps(p0, load16(vh + t * row_stride + 16 * j), a[j]);
+                }
+                for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + i * D + 16 * j, _mm512_add_ps(a[j], b[j]));
+            }
+        }
+    }
+    if (!keep_part(part, nh, D, acc, m, l)) finish_heads(io, token, h0 * G, nh, D, acc, l);
+}
 
 // The tiles' online softmax, first half, for 16 row-heads: their scores (one vector of the
 // chunk's 16 keys per row-head, at `scores`) come back transposed in `st` (one vector per
@@ -1273,6 +1397,11 @@ void run(const QIO& io, const void* k_cache, const void* v_cache, const float* k
                     }
                 }
 #endif
+                if (plain) {
+                    attend_segments<T, FixedD>(io, rows[i], kc, vc, k_scale, v_scale, table, row_pos[i], KVH, H / KVH, bs, scale,
+                                               it.h0, it.h1, it.from, it.to, part);
+                    continue;
+                }
                 attend_avx512<T, FixedD>(io, rows[i], kc, vc, k_scale, v_scale, table, row_pos[i], KVH, H / KVH, bs,
                                          scale, it.h0, it.h1, window, softcap, it.from, it.to, part);
             }

@@ -39,7 +39,7 @@ BUILDS = {"native": (), "avx2": ("-mno-avx512f",), "portable": ("-mno-avx512f", 
 # positions (tiles of 3 rows); "prefill" takes all of the first three and positions 37..99
 # of the fourth, a chunk after cached context (tiles of 16 rows crossing 16-key chunks and
 # blocks); "decode" the last position of each (single rows, each item all KV heads; the
-# 600-token one crosses the bf16 path's 256-key segments); "decode_one" only the 600-token
+# 600-token one crosses the bf16 and float32 paths' 256-key segments); "decode_one" only the 600-token
 # one's (a lone row: its positions cut in one part per thread, merged afterwards, on every
 # path); "decode_two" the 100- and 600-token ones', run on four threads (the long row in two
 # parts, the short one, too short for two parts, by KV head).
