@@ -73,8 +73,9 @@ void modserve_avx2_widen(const uint16_t* w, int64_t N, int Kp, float* out, int t
                 for (int r = 0; r < 16; ++r) column[r] = tile[r * 16 + j];
                 uint16_t halves[32];
                 std::memcpy(halves, column, sizeof(column));
-                uint32_t* row = reinterpret_cast<uint32_t*>(out + (p * 16 + j) * static_cast<int64_t>(Kp) + t * 32);
-                for (int i = 0; i < 32; ++i) row[i] = static_cast<uint32_t>(halves[i]) << 16;
+                uint32_t bits[32];  // each input's float32 bit pattern, copied (not written through a cast) to out
+                for (int i = 0; i < 32; ++i) bits[i] = static_cast<uint32_t>(halves[i]) << 16;
+                std::memcpy(out + (p * 16 + j) * static_cast<int64_t>(Kp) + t * 32, bits, sizeof(bits));
             }
         }
     }

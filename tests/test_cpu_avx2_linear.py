@@ -123,6 +123,21 @@ def test_gated_product_equals_the_fused_silu_mul_of_the_plain_product(rows, inte
 
 
 @needs_avx2
+def test_a_gated_layer_stays_on_the_panels_at_many_rows(monkeypatch):
+    """The library path's output would be twice as wide with a separate SiLU pass: a gated
+    layer keeps the panel kernel's epilogue at LIBRARY_FROM_ROWS rows and beyond."""
+    from modserve.core.models import cpu_fused
+
+    layer = Avx2Linear(bf16_weights(2 * 48, 96, False, 3))
+    rows = cpu_avx2_linear.LIBRARY_FROM_ROWS + 5
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(1))
+    want = cpu_fused.silu_mul(F.linear(x, layer._widened()))  # the plain product, before the pairs are reordered
+    assert layer.enable_silu_mul()
+    monkeypatch.setattr(layer, "_widened", lambda: pytest.fail("a gated layer widened its panels"))
+    torch.testing.assert_close(layer(x), want, atol=1e-4, rtol=1e-4)
+
+
+@needs_avx2
 def test_strided_and_batched_inputs_no_rows_and_wrong_inputs():
     lin = bf16_weights(48, 64, True, 0)
     module = Avx2Linear(lin)
