@@ -881,32 +881,30 @@ void attend_tile_avx512(const QIO& io, const int64_t* rows, int n_rows, int32_t 
             _mm512_store_ps(l + g0, _mm512_fmadd_ps(_mm512_load_ps(l + g0), corr, sum));
             _mm512_store_ps(corrs + g0, corr);
         }
-        // P.V, PG row-heads at a time: each V vector loaded once for the group (one at a time,
-        // the loads of V and of the weights outnumbered the FMAs); a key a row may not see has
-        // weight 0 (valid masked it), so the group runs to the keys its last row sees.
-        constexpr int PG = NV <= 4 ? 4 : 2;  // PG x NV accumulators in registers
-        for (int r0 = 0; r0 < R; r0 += PG) {
-            const int rows_here = R - r0 < PG ? R - r0 : PG;
-            const int visible = first_pos + (r0 + rows_here - 1) / G - start + 1;  // keys of this chunk the group's last row sees
+        for (int rh = 0; rh < R; ++rh) {  // P.V: each row-head's weights broadcast from ptile
+            const int visible = first_pos + rh / G - start + 1;  // keys of this chunk the row may see
             const int count = visible < n ? visible : n;
             if (count <= 0) continue;
-            __m512 a[PG][NV];
-            const float* pw[PG];  // row-head r0 + r's weight of key t: pw[r][16 * t]
-            for (int r = 0; r < PG; ++r) {
-                const int rh = r0 + (r < rows_here ? r : 0);  // past R: a copy of the first, never stored
-                pw[r] = ptile + (rh / 16) * 256 + rh % 16;
-                const __m512 corr = _mm512_set1_ps(corrs[rh]);
-                for (int j = 0; j < NV; ++j) a[r][j] = _mm512_mul_ps(_mm512_load_ps(acc + rh * D + 16 * j), corr);
+            const float* pw = ptile + (rh / 16) * 256 + rh % 16;  // key t's weight: pw[16 * t]
+            __m512 a[NV], b[NV];
+            const __m512 corr = _mm512_set1_ps(corrs[rh]);
+            for (int j = 0; j < NV; ++j) {
+                a[j] = _mm512_mul_ps(_mm512_load_ps(acc + rh * D + 16 * j), corr);
+                b[j] = _mm512_setzero_ps();
             }
-            for (int t = 0; t < count; ++t) {
+            int t = 0;
+            for (; t + 1 < count; t += 2) {
+                const __m512 p0 = _mm512_set1_ps(pw[16 * t]), p1 = _mm512_set1_ps(pw[16 * (t + 1)]);
                 for (int j = 0; j < NV; ++j) {
-                    const __m512 v = _mm512_load_ps(vbuf + t * D + 16 * j);
-                    for (int r = 0; r < PG; ++r) a[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(pw[r][16 * t]), v, a[r][j]);
+                    a[j] = _mm512_fmadd_ps(p0, _mm512_load_ps(vbuf + t * D + 16 * j), a[j]);
+                    b[j] = _mm512_fmadd_ps(p1, _mm512_load_ps(vbuf + (t + 1) * D + 16 * j), b[j]);
                 }
             }
-            for (int r = 0; r < rows_here; ++r) {
-                for (int j = 0; j < NV; ++j) _mm512_store_ps(acc + (r0 + r) * D + 16 * j, a[r][j]);
+            if (t < count) {
+                const __m512 p0 = _mm512_set1_ps(pw[16 * t]);
+                for (int j = 0; j < NV; ++j) a[j] = _mm512_fmadd_ps(p0, _mm512_load_ps(vbuf + t * D + 16 * j), a[j]);
             }
+            for (int j = 0; j < NV; ++j) _mm512_store_ps(acc + rh * D + 16 * j, _mm512_add_ps(a[j], b[j]));
         }
     }
     for (int rh = 0; rh < R; ++rh) {
