@@ -714,20 +714,17 @@ void attend_segments(const QIO& io, int64_t token, const T* kc, const T* vc, con
     const int n_tokens = to < 0 ? pos + 1 : to;  // the end of this call's positions
     const int chunk = bs < 16 ? bs : 16;
     const SegmentAhead<T> ahead(kc, vc, table, bs, chunk, n_tokens, nh, h0, heads, D, row_stride);
-    const auto scale_of = [&](const float* scales, int start, int t, int h) {  // an int8 row's, for head h
-        return scales[(slot_of(table, start, bs) + t) * KVH + h];
-    };
     for (int seg = from; seg < n_tokens; seg += kSegment) {
         const int seg_n = std::min(kSegment, n_tokens - seg);
         for (int c = 0; c < seg_n; c += chunk) {  // (1) scores
             const int n = std::min(chunk, seg_n - c);
-            const T* kb = ahead.rows_at(kc, seg + c);
+            const ChunkRows<T> rows = chunk_rows(kc, vc, ks, vs, table, seg + c, bs, KVH, row_stride);
             const auto next = ahead.after_k(seg, seg_n, c, 1), then = ahead.after_k(seg, seg_n, c, 2);
             for (int i = 0; i < nh; ++i) {
                 ahead.fetch_share(next, i);
                 ahead.fetch_share(then, i);
                 const int h = h0 + i / G;
-                const T* kh = kb + static_cast<int64_t>(h) * D;
+                const T* kh = rows.k + static_cast<int64_t>(h) * D;
                 __m512 qv[NV];
                 for (int j = 0; j < NV; ++j) qv[j] = _mm512_loadu_ps(qs + i * D + 16 * j);
                 __m512 scores = chunk_scores(n, [&](int t) {
@@ -737,7 +734,7 @@ void attend_segments(const QIO& io, int64_t token, const T* kc, const T* vc, con
                 });
                 if (ks != nullptr) {
                     alignas(64) float k16[16] = {};
-                    for (int t = 0; t < n; ++t) k16[t] = scale_of(ks, seg + c, t, h);
+                    for (int t = 0; t < n; ++t) k16[t] = rows.k_scale[t * KVH + h];
                     scores = _mm512_mul_ps(scores, _mm512_load_ps(k16));
                 }
                 _mm512_storeu_ps(s + i * kRow + c, scores);
@@ -752,16 +749,16 @@ void attend_segments(const QIO& io, int64_t token, const T* kc, const T* vc, con
         }
         for (int c = 0; c < seg_n; c += chunk) {  // (3) P.V
             const int n = std::min(chunk, seg_n - c);
-            const T* vb = ahead.rows_at(vc, seg + c);
+            const ChunkRows<T> rows = chunk_rows(kc, vc, ks, vs, table, seg + c, bs, KVH, row_stride);
             const auto next = ahead.after_v(seg, seg_n, c, 1), then = ahead.after_v(seg, seg_n, c, 2);
             for (int i = 0; i < nh; ++i) {
                 ahead.fetch_share(next, i);
                 ahead.fetch_share(then, i);
                 const int h = h0 + i / G;
-                const T* vh = vb + static_cast<int64_t>(h) * D;
+                const T* vh = rows.v + static_cast<int64_t>(h) * D;
                 float* p = s + i * kRow + c;
                 if (vs != nullptr) {
-                    for (int t = 0; t < n; ++t) p[t] *= scale_of(vs, seg + c, t, h);
+                    for (int t = 0; t < n; ++t) p[t] *= rows.v_scale[t * KVH + h];
                 }
                 __m512 a[NV], b[NV];  // even and odd keys: twice the independent FMA chains
                 for (int j = 0; j < NV; ++j) a[j] = _mm512_loadu_ps(acc + i * D + 16 * j), b[j] = _mm512_setzero_ps();
