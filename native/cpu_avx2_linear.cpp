@@ -60,7 +60,8 @@ int modserve_avx2_linear_available() { return 1; }
 // The packed panels above widened back to a plain float32 [ceil(N/16) * 16][Kp] matrix (Kp the
 // padded K, a multiple of 32; row n output n in the panels' order), for the library's float32
 // product on many rows (Avx2Linear.forward). A tile [16 pairs][16 outputs] of 32-bit pairs is
-// read column by column: each output's 32 inputs, widened by a shift.
+// read column by column: each output's 16 pairs, input 2r's weight shifted up and input
+// 2r + 1's with its low half masked off, as the kernel widens them in registers.
 void modserve_avx2_widen(const uint16_t* w, int64_t N, int Kp, float* out, int threads) {
     const int64_t panels = (N + 15) / 16;
     const int tiles = Kp / 32;
@@ -69,12 +70,11 @@ void modserve_avx2_widen(const uint16_t* w, int64_t N, int Kp, float* out, int t
         for (int t = 0; t < tiles; ++t) {
             const uint32_t* tile = reinterpret_cast<const uint32_t*>(w) + (p * tiles + t) * 256;
             for (int j = 0; j < 16; ++j) {
-                uint32_t column[16];
-                for (int r = 0; r < 16; ++r) column[r] = tile[r * 16 + j];
-                uint16_t halves[32];
-                std::memcpy(halves, column, sizeof(column));
                 uint32_t bits[32];  // each input's float32 bit pattern, copied (not written through a cast) to out
-                for (int i = 0; i < 32; ++i) bits[i] = static_cast<uint32_t>(halves[i]) << 16;
+                for (int r = 0; r < 16; ++r) {
+                    const uint32_t pair = tile[r * 16 + j];
+                    bits[2 * r] = pair << 16, bits[2 * r + 1] = pair & 0xFFFF0000u;
+                }
                 std::memcpy(out + (p * 16 + j) * static_cast<int64_t>(Kp) + t * 32, bits, sizeof(bits));
             }
         }
