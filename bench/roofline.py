@@ -194,11 +194,7 @@ def read_model_spec(source, registry=None):
     from modserve.core.models import gguf_reader
 
     reader = gguf_reader._open(source.path)
-    meta = {
-        name: f.contents()
-        for name, f in reader.fields.items()
-        if not name.startswith("tokenizer.ggml.") or name.endswith("_id")  # skip the vocabulary lists
-    }
+    meta = reader.metadata
     arch = meta.get("general.architecture")
     if arch not in gguf_reader._ARCHITECTURES:
         raise ValueError(f"{source.path}: unsupported GGUF architecture {arch!r}")

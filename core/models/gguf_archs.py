@@ -28,8 +28,9 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from gguf import ReaderTensor
 from gguf.quants import dequantize
+
+from modserve.core.models.gguf_file import GGUFTensorInfo
 
 # GGUF general.architecture -> HF model_type (a llama file with experts is Mixtral)
 ARCHITECTURES = {
@@ -70,7 +71,7 @@ def stored_norm_offset(arch: str, gguf_name: str) -> float:
     return 1.0 if arch in NORM_PLUS_ONE and gguf_name.endswith("norm.weight") else 0.0
 
 
-def arch_config(meta: dict[str, Any], arch: str, config: dict[str, Any], tensors: dict[str, ReaderTensor]) -> dict[str, Any]:
+def arch_config(meta: dict[str, Any], arch: str, config: dict[str, Any], tensors: dict[str, GGUFTensorInfo]) -> dict[str, Any]:
     """HF config keys beyond the Llama-family ones ``gguf_reader._config`` reads (to update it with)."""
     if arch in _GEMMA_GLOBAL_EVERY:
         return _gemma(meta, arch, config)
@@ -109,7 +110,7 @@ def _gemma(meta: dict[str, Any], arch: str, config: dict[str, Any]) -> dict[str,
     return extra
 
 
-def _phi3(meta: dict[str, Any], config: dict[str, Any], tensors: dict[str, ReaderTensor]) -> dict[str, Any]:
+def _phi3(meta: dict[str, Any], config: dict[str, Any], tensors: dict[str, GGUFTensorInfo]) -> dict[str, Any]:
     head_dim = config["hidden_size"] // config["num_attention_heads"]  # rope.dimension_count is the rotated part
     extra: dict[str, Any] = {"head_dim": head_dim, "sliding_window": meta.get("phi3.attention.sliding_window") or None}
     rotated = meta.get("phi3.rope.dimension_count", head_dim)
@@ -133,5 +134,5 @@ def _phi3(meta: dict[str, Any], config: dict[str, Any], tensors: dict[str, Reade
     return extra
 
 
-def _values(tensor: ReaderTensor) -> list[float]:
+def _values(tensor: GGUFTensorInfo) -> list[float]:
     return np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float64).ravel().tolist()

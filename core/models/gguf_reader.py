@@ -15,12 +15,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader, ReaderTensor, TokenType
+from gguf import TokenType
 from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from modserve.core.models import gguf_archs
 from modserve.core.models.gguf_archs import ARCHITECTURES as _ARCHITECTURES
+from modserve.core.models.gguf_file import GGUFFile, GGUFTensorInfo
 from modserve.core.models.gguf_quantized import GGUFTensor
 from modserve.core.models.gguf_spm import build_spm_tokenizer, spm_tokens
 
@@ -105,7 +106,7 @@ def read_gguf(path: str, dtype: torch.dtype = torch.float32, keep_blocks: bool =
     later, one at a time, by :func:`~modserve.core.models.kept_weights.load_keeping_weights`
     or kept as they are by a platform (``quantization: gguf``)."""
     reader = _open(path)
-    meta = {name: field.contents() for name, field in reader.fields.items()}
+    meta = reader.metadata
     arch = meta.get("general.architecture")
     if arch not in _ARCHITECTURES:
         raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHITECTURES)}")
@@ -132,21 +133,21 @@ def read_gguf(path: str, dtype: torch.dtype = torch.float32, keep_blocks: bool =
     )
 
 
-def _open(path: str) -> GGUFReader:
-    """A reader for `path`, with errors that name the file (gguf's own say only 'magic invalid')."""
+def _open(path: str) -> GGUFFile:
+    """The parsed file, with errors that name it."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
     with open(path, "rb") as file:
         if file.read(4) != b"GGUF":
             raise ValueError(f"{path}: not a GGUF file (no GGUF magic)")
     try:
-        return GGUFReader(path)
-    except (ValueError, IndexError) as error:
+        return GGUFFile(path)
+    except ValueError as error:
         raise ValueError(f"{path}: unreadable GGUF file: {error}") from error
 
 
 def _config(
-    meta: dict[str, Any], arch: str, tensor_names: set[str], path: str, tensors: dict[str, ReaderTensor] | None = None
+    meta: dict[str, Any], arch: str, tensor_names: set[str], path: str, tensors: dict[str, GGUFTensorInfo] | None = None
 ) -> dict[str, Any]:
     """The HF `config.json` that describes the same model as the GGUF's `{arch}.*` metadata
     (``tensors``: the file's tensors by name, for settings stored as tensors: Phi-3's LongRoPE)."""
@@ -222,7 +223,7 @@ def _hf_name(gguf_name: str, path: str, arch: str = "llama") -> str:
     raise ValueError(f"{path}: unsupported GGUF tensor {gguf_name!r}")
 
 
-def _hf_tensors(tensor: ReaderTensor, arch: str, config: dict[str, Any], dtype: torch.dtype, path: str, keep_blocks: bool = False):
+def _hf_tensors(tensor: GGUFTensorInfo, arch: str, config: dict[str, Any], dtype: torch.dtype, path: str, keep_blocks: bool = False):
     """The HF-named tensors one GGUF tensor holds: itself, or one per expert for a stacked
     ``blk.N.ffn_*_exps`` tensor (views of one dequantized array)."""
     module, _, kind = tensor.name.rpartition(".")
@@ -236,7 +237,7 @@ def _hf_tensors(tensor: ReaderTensor, arch: str, config: dict[str, Any], dtype: 
     return {_hf_name(tensor.name, path, arch): _load_tensor(tensor, arch, config, dtype)}
 
 
-def _kept_tensor(tensor: ReaderTensor, arch: str, config: dict[str, Any]) -> GGUFTensor:
+def _kept_tensor(tensor: GGUFTensorInfo, arch: str, config: dict[str, Any]) -> GGUFTensor:
     """One 2-D tensor as the file stores it (a view of the mmap), its rows in HF order: the
     q/k un-permutation moves whole rows, and every block lies within one row."""
     data = tensor.data
@@ -251,7 +252,7 @@ def _kept_tensor(tensor: ReaderTensor, arch: str, config: dict[str, Any]) -> GGU
     return GGUFTensor(data, tensor.tensor_type, (rows, int(tensor.shape[0])))
 
 
-def _load_tensor(tensor: ReaderTensor, arch: str, config: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
+def _load_tensor(tensor: GGUFTensorInfo, arch: str, config: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
     """One tensor dequantized to an owned fp32 array (not a view of the mmap), in HF layout, cast."""
     weights = torch.from_numpy(np.require(dequantize(tensor.data, tensor.tensor_type), np.float32, ["C", "W"]))
     offset = gguf_archs.stored_norm_offset(arch, tensor.name)
