@@ -65,7 +65,8 @@ class DecoderLM(CausalLM):
         self.spec = spec
         self.tp = tp
         if tp is None:
-            self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+            # given its (empty) weight: no random init, which on the meta device imports torch._dynamo (2-3 s)
+            self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, _weight=torch.empty(spec.vocab_size, spec.hidden_size))
         else:
             from modserve.core.distributed.tp import VocabParallelEmbedding
 
