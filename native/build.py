@@ -15,7 +15,10 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 SOURCES = HEADERS = Path(__file__).parent  # every kernel source and the shared headers (#include "fast_exp.h")
@@ -92,3 +95,28 @@ def _compile(cxx: str, flags: list[str], source: Path, path: Path, what: str) ->
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def prebuild(workers: int | None = None) -> dict[str, str | None]:
+    """Compile every kernel source for this machine now, ``workers`` at a time (default: one a
+    core), so the first ``serve`` does not wait for g++ (the largest kernels take 30-60 s each
+    at ``-O3`` on a 2.5 GHz core); ``{source name: None, or why it cannot be built}``."""
+    sources = sorted(SOURCES.glob("*.cpp"))
+
+    def build(source: Path) -> str | None:
+        try:
+            compile_and_load(source, source.name)
+            return None
+        except KernelUnavailable as e:
+            return str(e)
+
+    with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
+        return dict(zip((s.name for s in sources), pool.map(build, sources)))
+
+
+if __name__ == "__main__":  # python -m modserve.native.build: scripts/setup.sh runs it
+    start = time.perf_counter()
+    failed = {name: why for name, why in prebuild().items() if why}
+    for name, why in failed.items():
+        print(f"modserve: {name} not built ({why}); the platform falls back where it needs it", file=sys.stderr)
+    print(f"modserve: CPU kernels built in {time.perf_counter() - start:.0f} s, cached in {_cache_dir()}")

