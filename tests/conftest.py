@@ -58,14 +58,11 @@ def tiny_llama(tiny_models):
 @pytest.fixture(scope="session")
 def smollm2_hf():
     """transformers loading the embedded SmolLM2 GGUF itself (the oracle for the real model)."""
-    from transformers import AutoModelForCausalLM
+    from hf_gguf_oracle import smollm2_from_transformers
 
     from modserve.core.models.gguf_reader import find_smollm2_gguf
 
-    path = find_smollm2_gguf()
-    return AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype="float32"
-    ).eval()
+    return smollm2_from_transformers(find_smollm2_gguf())
 
 
 @pytest.fixture(scope="session")

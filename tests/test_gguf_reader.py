@@ -16,6 +16,7 @@ import gguf
 import pytest
 import torch
 import transformers
+from hf_gguf_oracle import remembering_gguf_reads
 from tokenizers import pre_tokenizers
 
 from modserve.core.models import gguf_reader
@@ -56,15 +57,15 @@ def ours(smollm2_path):
 
 
 @pytest.fixture(scope="module")
-def hf_model(smollm2_path):
-    directory, name = os.path.split(smollm2_path)
-    return transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+def hf_model(smollm2_hf):
+    return smollm2_hf  # transformers' own read of the file (conftest.py: one per session, 20-25 s)
 
 
 @pytest.fixture(scope="module")
 def hf_tokenizer(smollm2_path):
     directory, name = os.path.split(smollm2_path)
-    return transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    with remembering_gguf_reads():
+        return transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
 
 
 def test_tensors_match_transformers(ours, hf_model):
