@@ -147,10 +147,11 @@ def test_missing_file(tmp_path):
         read_gguf(path)
 
 
-def test_not_a_gguf_file(tmp_path):
+@pytest.mark.parametrize("content", [b'{"this is": "json, not GGUF"}', b"", b"GG"], ids=["json", "empty", "short"])
+def test_not_a_gguf_file(tmp_path, content):
     path = tmp_path / "model.gguf"
-    path.write_bytes(b'{"this is": "json, not GGUF"}')
-    with pytest.raises(ValueError, match="model.gguf.*not a GGUF file"):
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match="model.gguf: not a GGUF file"):
         read_gguf(str(path))
 
 

@@ -3,8 +3,8 @@
 Why not gguf-py's ``GGUFReader``: it builds a numpy view for every metadata value, which takes
 4-5 s for SmolLM2's 49,152-token vocabulary and 48,900 merges, a third of the default model's
 start-up (llama.cpp's pull request 13378, which would fix it, is still open). Here the header is
-decoded from one ``bytes`` read with :mod:`struct` (numeric arrays with ``np.frombuffer``) in
-about 0.1 s. gguf-py still supplies the type constants, the block sizes and the dequantization.
+decoded from megabyte-sized reads with :mod:`struct` (numeric arrays with ``np.frombuffer``) in
+a fraction of a second. gguf-py still supplies the type constants, the block sizes and the dequantization.
 """
 
 from __future__ import annotations
@@ -30,6 +30,10 @@ _PLAIN = {  # tensor types stored as plain numbers, not blocks
 }
 
 
+class NotAGGUFFile(ValueError):
+    """The file does not start with the GGUF magic."""
+
+
 @dataclass(frozen=True)
 class GGUFTensorInfo:
     """One tensor of the file: ``shape`` in GGUF order (innermost first, as gguf-py gives it),
@@ -51,9 +55,10 @@ class GGUFFile:
         size = os.path.getsize(path)
         with open(path, "rb") as file:
             head = file.read(min(size, 1 << 20))
+            if head[:4] != b"GGUF":  # an empty or 3-byte file too
+                raise NotAGGUFFile("no GGUF magic")
             cursor = _Cursor(head, file, size)
-            if cursor.take(4) != b"GGUF":
-                raise ValueError("no GGUF magic")
+            cursor.at = 4
             raw_version = cursor.take(4)
             little = struct.unpack("<I", raw_version)[0] & 0xFFFF != 0  # a byte-swapped file reads 0 in its low half
             cursor.order = "<" if little else ">"

@@ -21,7 +21,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 from modserve.core.models import gguf_archs
 from modserve.core.models.gguf_archs import ARCHITECTURES as _ARCHITECTURES
-from modserve.core.models.gguf_file import GGUFFile, GGUFTensorInfo
+from modserve.core.models.gguf_file import GGUFFile, GGUFTensorInfo, NotAGGUFFile
 from modserve.core.models.gguf_quantized import GGUFTensor
 from modserve.core.models.gguf_spm import build_spm_tokenizer, spm_tokens
 
@@ -137,11 +137,10 @@ def _open(path: str) -> GGUFFile:
     """The parsed file, with errors that name it."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
-    with open(path, "rb") as file:
-        if file.read(4) != b"GGUF":
-            raise ValueError(f"{path}: not a GGUF file (no GGUF magic)")
     try:
         return GGUFFile(path)
+    except NotAGGUFFile:
+        raise ValueError(f"{path}: not a GGUF file (no GGUF magic)") from None
     except ValueError as error:
         raise ValueError(f"{path}: unreadable GGUF file: {error}") from error
 
