@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 import torch
 from gguf import TokenType
-from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from modserve.core.models import gguf_archs
@@ -253,7 +252,9 @@ def _kept_tensor(tensor: GGUFTensorInfo, arch: str, config: dict[str, Any]) -> G
 
 def _load_tensor(tensor: GGUFTensorInfo, arch: str, config: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
     """One tensor dequantized to an owned fp32 array (not a view of the mmap), in HF layout, cast."""
-    weights = torch.from_numpy(np.require(dequantize(tensor.data, tensor.tensor_type), np.float32, ["C", "W"]))
+    columns = tensor.shape[0]  # (as rows of its innermost dimension: GGUFTensor.dequantize's fast path)
+    rows = GGUFTensor(tensor.data, tensor.tensor_type, (tensor.n_elements // columns, columns))
+    weights = rows.dequantize().view(tuple(reversed(tensor.shape)))
     offset = gguf_archs.stored_norm_offset(arch, tensor.name)
     if offset:  # Gemma's norms: stored as 1 + weight, HF's weight back
         weights -= offset
