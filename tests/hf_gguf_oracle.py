@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from unittest import mock
 
 import gguf
@@ -24,8 +25,6 @@ def remembering_gguf_reads():
 
 def smollm2_from_transformers(path: str):
     """transformers' float32 model read from the GGUF file at ``path``, in eval mode."""
-    import os
-
     from transformers import AutoModelForCausalLM
 
     with remembering_gguf_reads():
