@@ -8,7 +8,9 @@
 #   scripts/host-cpu-check.sh            # from a checkout, with modserve importable by $PYTHON
 #
 # Env (defaults): PYTHON (python3; .venv/bin/python where it exists), CORES (2), OUT
-# (benchmarks/results/host-cpu-<time>, ignored by git). The tests and benchmarks run from a
+# (benchmarks/results/host-cpu-<time>, ignored by git), CONFIGS ("graphs parts": the roofline
+# runs with decode call lists, then without), PYTEST_ARGS (none; e.g. "-n 8" where pytest-xdist
+# is installed and the host has the cores: the tests are not pinned). The tests and benchmarks run from a
 # copy outside the checkout, so that an installed modserve (a wheel) is not shadowed by the
 # checkout's modserve/ folder. Raw output goes to OUT; the summary to stdout.
 set -uo pipefail
@@ -17,7 +19,11 @@ ROOT=$PWD
 PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo "$ROOT/.venv/bin/python" || echo python3)}
 CORES=${CORES:-2}
 OUT=${OUT:-$ROOT/benchmarks/results/host-cpu-$(date +%Y%m%d-%H%M%S)}
+CONFIGS=${CONFIGS:-graphs parts}
 [[ "$CORES" =~ ^[1-9][0-9]*$ ]] || { echo "CORES: expected a whole number >= 1, got '$CORES'" >&2; exit 2; }
+for cfg in $CONFIGS; do
+  [[ "$cfg" == graphs || "$cfg" == parts ]] || { echo "CONFIGS: expected graphs and/or parts, got '$cfg'" >&2; exit 2; }
+done
 mkdir -p "$OUT"
 {
   lscpu | grep -E "Model name|^CPU\(s\)|Thread|Core\(s\)|Socket|L2|L3"
@@ -35,10 +41,17 @@ trap 'rm -rf "$WORK"' EXIT
 cp -r tests benchmarks "$WORK/"
 cd "$WORK"
 
+echo "== CPU kernels built"
+"$PYTHON" -m modserve.native.build > "$OUT/build.txt" 2>&1
+tail -n 2 "$OUT/build.txt"
+
 echo "== CPU kernel tests"
-timeout 600 "$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/test_cpu_amx_linear.py tests/test_cpu_amx_prefill.py \
-  tests/test_cpu_attention.py tests/test_cpu_panel_linear.py tests/test_cpu_linear.py tests/test_cpu_avx2_linear.py \
-  tests/test_cpu_decode_graphs.py > "$OUT/tests.txt" 2>&1
+# shellcheck disable=SC2086
+timeout 600 "$PYTHON" -m pytest -q -p no:cacheprovider -rs ${PYTEST_ARGS:-} tests/test_cpu_amx_linear.py \
+  tests/test_cpu_amx_prefill.py tests/test_cpu_attention.py tests/test_cpu_panel_linear.py tests/test_cpu_linear.py \
+  tests/test_cpu_avx2_linear.py tests/test_cpu_decode_graphs.py tests/test_cpu_int8_panel_linear.py \
+  tests/test_cpu_group_int8_panels.py tests/test_cpu_int4_panels.py tests/test_cpu_experts.py \
+  tests/test_cpu_int8_experts.py tests/test_cpu_fused.py > "$OUT/tests.txt" 2>&1
 echo "rc $?" >> "$OUT/tests.txt"
 tail -n 3 "$OUT/tests.txt"
 
@@ -61,7 +74,7 @@ for name, device in (("graphs", "cpu"), ("parts", {"plugin": "cpu", "decode_grap
 EOF
 
 # call lists on (as served), then off (every part of the forward timed)
-for cfg in graphs parts; do
+for cfg in $CONFIGS; do
   for c in "1 4" "64 128"; do
     set -- $c
     echo "== bench roofline, $1 client(s), $cfg"

@@ -174,7 +174,11 @@ def test_the_platform_names_the_quantized_kernels_it_chose():
     )
     assert kernels(quantization="w8a8")[1] == "quantized linears (w8a8): AMX-INT8 tiles in bfloat16, oneDNN int8 in float32"
     assert kernels(quantization="w8a8", linear_kernel="onednn")[1] == "quantized linears (w8a8): oneDNN int8"
-    assert kernels(quantization="int4")[1] == "quantized linears (int4): torch's int4 kernel, AMX tiles from 8 bfloat16 rows"
+    assert kernels(quantization="int4")[1] == (  # float32 models: the panels over bfloat16-held weights
+        "quantized linears (int4): int4 and group-scaled int8 (Q8_0, Q6_K, Q5_x) layers: one native call on the panel "
+        "kernels in float32 where their shapes fit; torch's int4 kernel, AMX tiles from 8 bfloat16 rows")
+    assert kernels(quantization="int4", linear_kernel="amx")[1] == (  # float32 models on oneDNN
+        "quantized linears (int4): torch's int4 kernel, AMX tiles from 8 bfloat16 rows")
 
 
 @needs_amx
