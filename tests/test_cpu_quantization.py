@@ -285,10 +285,21 @@ def test_weight_only_engine_equals_float_engine_on_the_dequantized_weights(calm_
     fake = str(tmp_path / "fake")
     _fake_quantized_checkpoint(path, fake, scheme)
     sequences, _ = float_reference["float32"]
-    want = teacher_forced(_llm(fake), sequences)
-    got = teacher_forced(_llm(path, quantization=scheme), sequences)
-    assert max(abs(w[1] - g[1]) for w, g in zip(want, got)) <= 1e-4
-    assert [w[0] for w in want] == [g[0] for g in got]
+    want = _top_two(_llm(fake), sequences)
+    got = _top_two(_llm(path, quantization=scheme), sequences)
+    assert max(abs(w[t] - g[t]) for w, g in zip(want, got) for t in w.keys() & g.keys()) <= 1e-4
+    # the same likeliest token, except where the float engine's two likeliest are a tie within
+    # float32 summation order (an AMX host's oneDNN sums in another order: one flip in 400)
+    for i, (w, g) in enumerate(zip(want, got)):
+        top_w, top_g = max(w, key=w.get), max(g, key=g.get)
+        assert top_w == top_g or (top_g in w and w[top_w] - w[top_g] <= 2e-4), (i, w, g)
+
+
+def _top_two(llm: LLM, sequences: list[list[int]]) -> list[dict[int, float]]:
+    """Per position after the first of each sequence: {token: logprob} of the two likeliest
+    tokens and the sequence's own, from one prompt_logprobs pass."""
+    outs = llm.generate([{"prompt_token_ids": s} for s in sequences], SamplingParams(max_tokens=1, prompt_logprobs=2))
+    return [{t: lp.logprob for t, lp in lps.items()} for out in outs for lps in out.prompt_logprobs if lps is not None]
 
 
 def test_quantized_tied_head_leaves_the_embedding_alone(calm_llama):
