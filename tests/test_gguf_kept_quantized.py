@@ -202,7 +202,7 @@ def test_a_bfloat16_q4_layer_on_the_panels_holds_its_files_own_scales(kind):
     from modserve.plugins.platforms.cpu_avx512_linear import Avx512Linear
 
     if not TAKES_KERNEL:
-        pytest.skip("this CPU has no AVX512_BF16 (or no compiler targets it)")
+        pytest.skip("bfloat16 layers take the panels on AVX512_BF16 CPUs without AMX (AMX CPUs: the tiles), where a compiler targets them")
     module, part = _q4_on_the_panels(kind, torch.bfloat16)
     reference = nn.Linear(768, 128).to(torch.bfloat16)
     with torch.no_grad():
