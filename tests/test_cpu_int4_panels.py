@@ -76,13 +76,16 @@ def test_the_direct_product_equals_the_exact_int4_product(k, n, group, rows):
 
 @needs_avx2
 @pytest.mark.parametrize("build", [(), ("-mno-avx512f",)], ids=["native", "avx2-width"])
-@pytest.mark.parametrize("k,n,rows,group", [(576, 192, 1, 32), (576, 320, 2, 64), (256, 64, 37, 64), (1536, 128, 300, 128), (512, 320, 5, 256)])
+@pytest.mark.parametrize("k,n,rows,group", [(576, 192, 1, 32), (576, 320, 2, 64), (256, 64, 37, 64), (576, 192, 127, 32),
+                                              (1536, 128, 300, 128), (512, 320, 5, 256)])
 def test_the_float32_product_equals_torchs_int4_kernel(k, n, rows, group, build):
-    """float32 rows (both widths): the weights widened to float32 panels give torch's own float32
-    int4 product (the weights in float32, never rounded to bfloat16) to float32 summation order,
-    with the bias."""
-    from modserve.plugins.platforms.cpu_avx2_linear import int4_product
+    """float32 rows (both widths): the weights widened to float32 panels (below
+    INT4_LIBRARY_FROM_ROWS rows), or to a plain matrix for torch's product (from it: 300 rows),
+    give torch's own float32 int4 product (the weights in float32, never rounded to bfloat16) to
+    float32 summation order, with the bias, into a new tensor or a column slice of a wider one."""
+    from modserve.plugins.platforms.cpu_avx2_linear import INT4_LIBRARY_FROM_ROWS, int4_product
 
+    assert 127 < INT4_LIBRARY_FROM_ROWS <= 300  # both sides of it above
     torch.manual_seed(k + rows)
     layer = nn.Linear(k, n)
     module = Int4WeightOnlyLinear(layer, group)
@@ -90,6 +93,10 @@ def test_the_float32_product_equals_torchs_int4_kernel(k, n, rows, group, build)
     want = torch._weight_int4pack_mm_for_cpu(x, module.packed, group, module.scales_and_zeros) + layer.bias
     got = int4_product(x, module.packed, module.scales_and_zeros, group, layer.bias.detach(), build)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    wide = torch.full((rows, n + 64), float("nan"))
+    int4_product(x, module.packed, module.scales_and_zeros, group, layer.bias.detach(), build, out=wide[:, 32 : 32 + n])
+    torch.testing.assert_close(wide[:, 32 : 32 + n], want, rtol=1e-5, atol=1e-5)
+    assert wide[:, :32].isnan().all() and wide[:, 32 + n :].isnan().all()  # nothing written beside its columns
 
 
 @pytest.mark.parametrize(

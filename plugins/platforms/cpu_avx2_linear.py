@@ -35,10 +35,11 @@ from modserve.core.contract import NativeFunction
 from modserve.native.build import SOURCES, compile_and_load
 from modserve.plugins.platforms.cpu_int8_panel_linear import load_int8
 from modserve.plugins.platforms.cpu_int4_scales import FileScales
-from modserve.plugins.platforms.cpu_panel_linear import WIDENED_ARGS, PanelLinear, load_kernel, widened_product
+from modserve.plugins.platforms.cpu_panel_linear import WIDENED_ARGS, PanelLinear, load_kernel, product_output, scale_args, widened_product
 
 SOURCE = SOURCES / "cpu_avx2_linear.cpp"
 LIBRARY_FROM_ROWS = 512  # rows from which the widened weights go to torch's float32 product
+INT4_LIBRARY_FROM_ROWS = 128  # the same for int4 weights (widened to float32 panels, the FMA blocks lose more)
 WIDEN_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
 _scratch = threading.local()  # .matrix: the float32 matrix every layer widens into, a product at a time (per thread: engines may share a process)
 
@@ -70,7 +71,41 @@ def int4_product(rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor 
     (SmolLM2's 576 -> 1536 layer: 648 us at one row, 40 ms at 64, against 22 us and 245 us for
     the bfloat16-held float32 layer). ``rows`` ``[M, K]`` float32; ``out``: where to write."""
     n, k = packed.shape[0], packed.shape[1] * 2
+    if rows.dim() == 2 and rows.shape[0] >= INT4_LIBRARY_FROM_ROWS:  # many rows: torch's product on the weights widened once
+        y = F.linear(rows, int4_widened(packed, scales, group, extra_flags), bias)
+        return y if out is None else product_output(rows, n, out, "int4_product").copy_(y)
     return widened_product(load_int4(extra_flags), rows, packed, scales, n, k, group, bias, out=out)
+
+
+@functools.cache
+def load_int4_widen(extra_flags: tuple[str, ...] = ()) -> ctypes._CFuncPtr:
+    """The kernel library's ``modserve_avx2_int4_widen_plain``: int4 weights to a plain float32
+    matrix (never in a call list: only products of many rows use it)."""
+    load_int4(extra_flags)  # built, and available on this CPU
+    widen = compile_and_load(SOURCE, "the AVX2 linear kernel", extra_flags).modserve_avx2_int4_widen_plain
+    widen.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    widen.restype = None
+    return widen
+
+
+def int4_widened(packed: torch.Tensor, scales: torch.Tensor | FileScales, group: int, extra_flags: tuple[str, ...] = ()) -> torch.Tensor:
+    """int4 weights (as :func:`int4_product` takes them) as a plain float32 ``[N, K]`` view of the
+    shared scratch, each weight ``q s + m`` as the panels widen it."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    plain = _scratch_matrix(n * k).view(n, k)
+    pairs, kind, outer, per_block = scale_args(scales)
+    load_int4_widen(extra_flags)(packed.data_ptr(), pairs, n, k, group, kind, outer, per_block, plain.data_ptr(),
+                                 torch.get_num_threads())
+    return plain
+
+
+def _scratch_matrix(numel: int) -> torch.Tensor:
+    """The first ``numel`` floats of this thread's widening scratch (grown as needed)."""
+    matrix = getattr(_scratch, "matrix", None)
+    if matrix is None or matrix.numel() < numel:
+        matrix = _scratch.matrix = torch.empty(numel, dtype=torch.float32)
+    return matrix[:numel]
 
 
 @functools.cache
@@ -117,9 +152,6 @@ class Avx2Linear(PanelLinear):
         shared scratch, widened from its panels (rows in the panels' order)."""
         packed = self._buffers["packed"]
         panels, k_padded = packed.shape[0], packed.shape[1] * 32
-        matrix = getattr(_scratch, "matrix", None)
-        if matrix is None or matrix.numel() < panels * 16 * k_padded:
-            matrix = _scratch.matrix = torch.empty(panels * 16 * k_padded, dtype=torch.float32)
-        plain = matrix[: panels * 16 * k_padded].view(panels * 16, k_padded)
+        plain = _scratch_matrix(panels * 16 * k_padded).view(panels * 16, k_padded)
         load_widen()(packed.data_ptr(), self.out_features, k_padded, plain.data_ptr(), torch.get_num_threads())
         return plain[: self.out_features, : self.in_features]

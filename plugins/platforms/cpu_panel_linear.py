@@ -83,15 +83,21 @@ def widened_product(kernel: NativeFunction, rows: torch.Tensor, codes: torch.Ten
     output), else a new tensor."""
     rows = tile_rows(rows)
     out = product_output(rows, n, out, "widened_product")
-    file = scales if isinstance(scales, FileScales) else None
-    pairs = scales if file is None else file.pairs
-    kind, outer, per_block = (0, None, 1) if file is None else (file.kind, file.outer, file.super_groups)
+    pairs, kind, outer, per_block = scale_args(scales)
     kernel(
-        rows.data_ptr(), rows.stride(0), rows.shape[0], codes.data_ptr(), pairs.data_ptr(), n, k, group,
+        rows.data_ptr(), rows.stride(0), rows.shape[0], codes.data_ptr(), pairs, n, k, group,
         None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), torch.get_num_threads(),
-        kind, None if outer is None else outer.data_ptr(), per_block,
+        kind, outer, per_block,
     )  # fmt: skip
     return out
+
+
+def scale_args(scales: torch.Tensor | FileScales) -> tuple[int, int, int | None, int]:
+    """An int4 entry's scale arguments: the pairs' address, their kind (0: torch's
+    ``scales_and_zeros``), the outer scales' address (or None) and the groups a super block holds."""
+    if not isinstance(scales, FileScales):
+        return scales.data_ptr(), 0, None, 1
+    return scales.pairs.data_ptr(), scales.kind, None if scales.outer is None else scales.outer.data_ptr(), scales.super_groups
 
 
 def product_output(rows: torch.Tensor, n: int, out: torch.Tensor | None, caller: str) -> torch.Tensor:
