@@ -131,3 +131,25 @@ def test_an_int4_model_replays_its_decode_steps_with_the_eager_tokens(tmp_path, 
         assert graphs is None  # a linear through torch: the platform captures nothing
     eager = engine(str(tmp_path), dtype, graphs=False, quantization="int4", int4_group_size=32)
     assert [o.outputs[0].token_ids for o in eager.generate([{"prompt_token_ids": p} for p in ps], params)] == got
+
+
+@needs_avx2
+@pytest.mark.parametrize("options,library_from", [({}, 128), ({"graph_max_batch": 200}, 201), ({"decode_graphs": False}, 128)])
+def test_int4_layers_take_torchs_product_only_past_the_recorded_decode_batches(monkeypatch, options, library_from):
+    """A call list cannot replay torch's product, and one such step would turn every decode list
+    off: the platform moves a float32 int4 layer's switch to torch's product past its largest
+    recorded decode batch, and below the switch the layer never widens to a plain matrix."""
+    from modserve.plugins.platforms import cpu, cpu_avx2_linear
+
+    platform = cpu.CPUPlatform(cpu.CPUConfig(quantization="int4", **options), None)
+    torch.manual_seed(0)
+    module = platform.linear("layers.0.mlp.down_proj", nn.Linear(256, 64))
+    assert isinstance(module, Int4WeightOnlyLinear) and module.records and module.library_from_rows == library_from
+    widened = []
+    real = cpu_avx2_linear.int4_widened
+    monkeypatch.setattr(cpu_avx2_linear, "int4_widened", lambda *a, **k: widened.append(1) or real(*a, **k))
+    for rows in (library_from - 1, library_from):
+        x = torch.randn(rows, 256)
+        want = torch._weight_int4pack_mm_for_cpu(x, module.packed, module.group_size, module.scales_and_zeros.float()) + module._bias32
+        torch.testing.assert_close(module(x), want, rtol=1e-5, atol=1e-5)
+    assert widened == [1]  # only at library_from rows

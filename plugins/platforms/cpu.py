@@ -148,6 +148,12 @@ class CPUPlatform(Platform):
             return "torch"
         return "cpu"
 
+    def _int4_library_from_rows(self) -> int:
+        """float32 rows from which int4 layers on the panels take torch's product: past every
+        decode batch a call list records (one torch operator in a step would turn them all off)."""
+        recorded = (self.config.graph_max_batch or GRAPH_MAX_BATCH) if self.config.decode_graphs else 0
+        return max(avx2_linear.INT4_LIBRARY_FROM_ROWS, recorded + 1)
+
     def graph_batch_sizes(self) -> tuple[int, ...]:
         """Every size from 1 to ``graph_max_batch``: on a CPU a padded row costs its full share
         of the products, so each batch size gets a call list of its own. none where a linear
@@ -181,6 +187,7 @@ class CPUPlatform(Platform):
                 if isinstance(piece, Int4WeightOnlyLinear):
                     piece.amx = self.amx_linears  # many rows: widened to bfloat16 tiles on AMX
                     piece.use_panels(self._panels_for(piece.scales_and_zeros.dtype))  # ... or one native call on our panel kernels
+                    piece.library_from_rows = self._int4_library_from_rows()
                 if isinstance(piece, Int8GroupLinear) and self._panels_for(layer.dtype):  # kept: GGUF Q8_0 / Q6_K / Q5_x, GPTQ 8-bit
                     piece.use_panels(group_int8_kernel(layer.dtype, below_128=piece.below_128), layer.dtype)
             return module

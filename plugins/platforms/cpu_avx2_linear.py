@@ -61,7 +61,8 @@ def load_int4(extra_flags: tuple[str, ...] = ()) -> NativeFunction:
 
 
 def int4_product(rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor | FileScales, group: int,
-                 bias: torch.Tensor | None = None, extra_flags: tuple[str, ...] = (), out: torch.Tensor | None = None) -> torch.Tensor:
+                 bias: torch.Tensor | None = None, extra_flags: tuple[str, ...] = (), out: torch.Tensor | None = None,
+                 library_from: int | None = None) -> torch.Tensor:
     """``rows @ W.T + bias`` in float32 for int4 ``W`` held as torch's CPU int4 kernel holds it
     (``packed`` ``[N, K/2]`` uint8, N a multiple of 64; ``scales`` torch's ``scales_and_zeros``
     ``[K/group, N, 2]`` float32, or the file's own (:class:`FileScales`); K and the group
@@ -69,9 +70,12 @@ def int4_product(rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor 
     of its panels at a time to float32 (``q s + m``) in a scratch that stays in its cache and
     runs the FMA blocks on them. torch's int4 kernel takes a slow path with float32 rows
     (SmolLM2's 576 -> 1536 layer: 648 us at one row, 40 ms at 64, against 22 us and 245 us for
-    the bfloat16-held float32 layer). ``rows`` ``[M, K]`` float32; ``out``: where to write."""
+    the bfloat16-held float32 layer). From ``library_from`` rows (default
+    ``INT4_LIBRARY_FROM_ROWS``) the weights are widened once to a plain float32 matrix for
+    torch's product instead (:func:`int4_widened`; not one native call: no call list records
+    it). ``rows`` ``[M, K]`` float32; ``out``: where to write."""
     n, k = packed.shape[0], packed.shape[1] * 2
-    if rows.dim() == 2 and rows.shape[0] >= INT4_LIBRARY_FROM_ROWS:  # many rows: torch's product on the weights widened once
+    if rows.dim() == 2 and rows.shape[0] >= (library_from or INT4_LIBRARY_FROM_ROWS):  # many rows: torch's product on the weights widened once
         y = F.linear(rows, int4_widened(packed, scales, group, extra_flags), bias)
         return y if out is None else product_output(rows, n, out, "int4_product").copy_(y)
     return widened_product(load_int4(extra_flags), rows, packed, scales, n, k, group, bias, out=out)

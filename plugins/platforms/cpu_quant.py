@@ -330,6 +330,7 @@ class Int4WeightOnlyLinear(QuantizedLinear):
 
     amx = False
     panels = False
+    library_from_rows: int | None = None  # float32 rows from which a call on the panels takes torch's product (None: the kernel's default; the platform sets it past its largest recorded decode batch)
 
     def __init__(self, layer: nn.Linear, group_size: int) -> None:
         super().__init__(layer)
@@ -408,9 +409,11 @@ class Int4WeightOnlyLinear(QuantizedLinear):
         """One native call on the panel kernels of ``rows``' dtype, the bias inside."""
         from modserve.plugins.platforms import cpu_avx2_linear, cpu_avx512_linear
 
-        kernels = cpu_avx512_linear if rows.dtype == torch.bfloat16 else cpu_avx2_linear
         scales = self.scales_and_zeros if self._held is None else self._held
-        return kernels.int4_product(rows, self.packed, scales, self.group_size, self._bias32, out=out)
+        if rows.dtype == torch.bfloat16:
+            return cpu_avx512_linear.int4_product(rows, self.packed, scales, self.group_size, self._bias32, out=out)
+        return cpu_avx2_linear.int4_product(rows, self.packed, scales, self.group_size, self._bias32, out=out,
+                                            library_from=self.library_from_rows)
 
     @property
     def records(self) -> bool:
