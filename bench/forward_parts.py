@@ -42,8 +42,9 @@ class ForwardParts:
 
         from modserve.plugins.platforms.cpu_linear import PackedLinear
         from modserve.plugins.platforms.cpu_panel_linear import PanelLinear
+        from modserve.plugins.platforms.cpu_quant import QuantizedLinear
 
-        targets = [(m, "linears") for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear, PanelLinear))]
+        targets = [(m, "linears") for m in _outermost(model, (nn.Linear, PackedLinear, PanelLinear, QuantizedLinear))]
         targets.append((attention, "attention"))
         for obj, part in targets:
             obj.forward = self._timed(obj.forward, part)
@@ -64,6 +65,15 @@ class ForwardParts:
                 self.calls[part] += 1
 
         return timed
+
+
+def _outermost(module: nn.Module, kinds: tuple[type, ...]) -> list[nn.Module]:
+    """The modules of ``kinds`` under ``module`` that no other such module holds: a quantized
+    layer held as pieces (a GGUF layer mixing kinds) is one linear call, not one per piece."""
+    found = []
+    for child in module.children():
+        found += [child] if isinstance(child, kinds) else _outermost(child, kinds)
+    return found
 
 
 def report(parts: ForwardParts, model_time_s: float, wall_s: float, output_tokens: int,

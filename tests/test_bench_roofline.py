@@ -195,3 +195,35 @@ def test_bad_arguments_exit_2_naming_the_flag(tiny_config, args, message, capsys
     err = capsys.readouterr().err
     assert err.startswith("modserve bench: error: ") and message in err
     assert err.count("\n") == 1
+
+
+def test_forward_parts_time_each_outermost_linear_once():
+    """Quantized linears are linears too (all of a GGUF model's are), and a layer held as pieces
+    (a GGUF layer mixing kinds) is one timed call, not one more for each piece."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch import nn
+
+    from modserve.bench.forward_parts import ForwardParts
+    from modserve.plugins.platforms.cpu_quant import Int4WeightOnlyLinear, QuantizedLinear
+
+    class Pieces(QuantizedLinear):
+        def __init__(self, layer: nn.Linear) -> None:
+            super().__init__(layer)
+            self.pieces = nn.ModuleList([nn.Linear(64, 16) for _ in range(4)])
+
+        def product(self, rows):
+            return torch.cat([p(rows) for p in self.pieces], -1)
+
+    model = nn.Sequential(Int4WeightOnlyLinear(nn.Linear(64, 64), 32), Pieces(nn.Linear(64, 64)), nn.Linear(64, 8))
+    parts = ForwardParts()
+    attention = SimpleNamespace(forward=lambda: None)
+    detach = parts.attach(model, attention)
+    with torch.inference_mode():
+        model(torch.randn(3, 64))
+    attention.forward()
+    assert parts.calls == {"linears": 3, "attention": 1}
+    detach()
+    model(torch.randn(3, 64))
+    assert parts.calls == {"linears": 3, "attention": 1}  # detached: nothing timed any more
