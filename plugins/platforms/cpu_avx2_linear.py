@@ -40,7 +40,9 @@ from modserve.plugins.platforms.cpu_panel_linear import WIDENED_ARGS, PanelLinea
 SOURCE = SOURCES / "cpu_avx2_linear.cpp"
 LIBRARY_FROM_ROWS = 512  # rows from which the widened weights go to torch's float32 product
 INT4_LIBRARY_FROM_ROWS = 128  # the same for int4 weights (widened to float32 panels, the FMA blocks lose more)
-WIDEN_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+WIDEN_ARGS = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int)
+INT4_WIDEN_ARGS = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                   ctypes.c_int, ctypes.c_void_p, ctypes.c_int)
 _scratch = threading.local()  # .matrix: the float32 matrix every layer widens into, a product at a time (per thread: engines may share a process)
 
 
@@ -81,26 +83,14 @@ def int4_product(rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor 
     return widened_product(load_int4(extra_flags), rows, packed, scales, n, k, group, bias, out=out)
 
 
-@functools.cache
-def load_int4_widen(extra_flags: tuple[str, ...] = ()) -> ctypes._CFuncPtr:
-    """The kernel library's ``modserve_avx2_int4_widen_plain``: int4 weights to a plain float32
-    matrix (never in a call list: only products of many rows use it)."""
-    load_int4(extra_flags)  # built, and available on this CPU
-    widen = compile_and_load(SOURCE, "the AVX2 linear kernel", extra_flags).modserve_avx2_int4_widen_plain
-    widen.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                      ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-    widen.restype = None
-    return widen
-
-
 def int4_widened(packed: torch.Tensor, scales: torch.Tensor | FileScales, group: int, extra_flags: tuple[str, ...] = ()) -> torch.Tensor:
     """int4 weights (as :func:`int4_product` takes them) as a plain float32 ``[N, K]`` view of the
     shared scratch, each weight ``q s + m`` as the panels widen it."""
     n, k = packed.shape[0], packed.shape[1] * 2
     plain = _scratch_matrix(n * k).view(n, k)
     pairs, kind, outer, per_block = scale_args(scales)
-    load_int4_widen(extra_flags)(packed.data_ptr(), pairs, n, k, group, kind, outer, per_block, plain.data_ptr(),
-                                 torch.get_num_threads())
+    widen = widen_entry("modserve_avx2_int4_widen_plain", INT4_WIDEN_ARGS, extra_flags)
+    widen(packed.data_ptr(), pairs, n, k, group, kind, outer, per_block, plain.data_ptr(), torch.get_num_threads())
     return plain
 
 
@@ -113,12 +103,14 @@ def _scratch_matrix(numel: int) -> torch.Tensor:
 
 
 @functools.cache
-def load_widen(extra_flags: tuple[str, ...] = ()) -> ctypes._CFuncPtr:
-    """The kernel library's ``modserve_avx2_widen``: packed panels back to a plain float32 matrix
-    (never in a call list: only products of many rows use it)."""
+def widen_entry(symbol: str, argtypes: tuple, extra_flags: tuple[str, ...] = ()) -> ctypes._CFuncPtr:
+    """One of the kernel library's widenings to a plain float32 matrix as a ctypes function:
+    ``modserve_avx2_widen`` (packed bfloat16 panels, :data:`WIDEN_ARGS`) or
+    ``modserve_avx2_int4_widen_plain`` (int4 weights, :data:`INT4_WIDEN_ARGS`); never in a call
+    list: only products of many rows use them."""
     load(extra_flags)  # built, and available on this CPU
-    widen = compile_and_load(SOURCE, "the AVX2 linear kernel", extra_flags).modserve_avx2_widen
-    widen.argtypes, widen.restype = WIDEN_ARGS, None
+    widen = getattr(compile_and_load(SOURCE, "the AVX2 linear kernel", extra_flags), symbol)
+    widen.argtypes, widen.restype = list(argtypes), None
     return widen
 
 
@@ -157,5 +149,6 @@ class Avx2Linear(PanelLinear):
         packed = self._buffers["packed"]
         panels, k_padded = packed.shape[0], packed.shape[1] * 32
         plain = _scratch_matrix(panels * 16 * k_padded).view(panels * 16, k_padded)
-        load_widen()(packed.data_ptr(), self.out_features, k_padded, plain.data_ptr(), torch.get_num_threads())
+        widen = widen_entry("modserve_avx2_widen", WIDEN_ARGS)
+        widen(packed.data_ptr(), self.out_features, k_padded, plain.data_ptr(), torch.get_num_threads())
         return plain[: self.out_features, : self.in_features]
