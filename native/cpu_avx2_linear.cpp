@@ -99,24 +99,21 @@ int modserve_avx2_linear_int8_available() { return 1; }
 // times `outer`'s float32 (d, -dmin) per `super_groups` groups for 2; N a multiple of 64, K and the
 // group multiples of 32), bias float32 or null (torch's int4 kernel takes a slow path in float32):
 // up to kInt4F32DirectRows rows each thread takes whole 64-output blocks and multiplies their
-// nibbles directly, a row at a time (int4_f32_block_row); with more it widens its panels four at a
-// time to float32 in a scratch of its own and runs the FMA blocks above on them.
-constexpr int64_t kInt4F32DirectRows = 2;
-
+// nibbles directly (int4_f32_block); with more it widens its panels four at a time to float32 in
+// a scratch of its own and runs the FMA blocks above on them.
 void modserve_avx2_linear_int4(const float* x, int64_t x_stride, int64_t M, const uint8_t* q4, const void* pairs, int64_t N, int K,
                                int group, const float* bias, float* y, int64_t y_stride, int threads, int kind, const float* outer,
                                int super_groups) {
     const modserve::Int4Scales sc(pairs, N, K / group, kind, outer, super_groups);
-    if (M <= kInt4F32DirectRows) {
+    if (M <= modserve::kInt4F32DirectRows) {
         const int groups = K / group;
         std::vector<float> xsum(M * groups);  // [row][group]: each group's inputs summed
         modserve::group_input_sums(x, x_stride, M, K, group, xsum.data());
         const int64_t blocks = N / 64;
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t b = 0; b < blocks; ++b)
-            for (int64_t r = 0; r < M; ++r)
-                modserve::int4_f32_block_row(x + r * x_stride, xsum.data() + r * groups, groups, q4 + b * 32 * static_cast<int64_t>(K), sc,
-                                             b * 64, group, bias != nullptr ? bias + b * 64 : nullptr, y + r * y_stride + b * 64);
+            modserve::int4_f32_block(x, x_stride, M, xsum.data(), groups, q4 + b * 32 * static_cast<int64_t>(K), sc, b * 64, group,
+                                     bias != nullptr ? bias + b * 64 : nullptr, y + b * 64, y_stride);
         return;
     }
     modserve::for_panel_ranges(N, threads, [&](int64_t p0, int64_t p1) {

@@ -201,48 +201,91 @@ inline void widen_int4_f32(const uint8_t* q4, const Int4Scales& sc, int K, int g
     }
 }
 
-// One row of float32 x times one 64-output block of torch's int4 packing (`block`: [K][32] bytes,
-// byte j holding output j in its low nibble and output j + 32 in its high one; `sc` the layer's
-// scales, `n0` the block's first output), without widening to memory: for one or two rows,
-// where the float32 scratch of widen_int4_f32, written and read once, cost more than the
-// product. Each input's 32 bytes become 64 float32 nibbles in registers, summed against the
-// input by FMAs per group (D = sum x q); the group then adds s D + m X, X its inputs' sum
-// (`xsum`): sum x (q s + m). y gets the sums plus the bias. With AVX-512, 16 outputs a vector:
-// half the instructions of the 8-wide loop, which bounds this path (on a Zen 5 a Llama-1B-shaped
-// pass at one row ran at the same speed with 2 bits of scales a weight as with 0.75).
+// Rows [0, R) of float32 x times one 64-output block of torch's int4 packing (`block`: [K][32]
+// bytes, byte j holding output j in its low nibble and output j + 32 in its high one; `sc` the
+// layer's scales, `n0` the block's first output), without widening to memory: for the few-row
+// calls, where the float32 scratch of widen_int4_f32, written and read once or twice, cost more
+// than the product. Each input's 32 bytes become 64 float32 nibbles in registers once, summed
+// against each row's input by FMAs per group (D = sum x q); the group then adds s D + m X, X its
+// inputs' sum (`xsum`, [R][groups]): sum x (q s + m). y gets the sums plus the bias.
+//
+// With AVX-512, 16 outputs a vector (half the instructions of the 8-wide loop), and a nibble
+// becomes float32 by VPERMPS over the table 0..15, which reads only the low 4 bits of each
+// 32-bit index: no mask and no conversion, 12 vector instructions an input instead of 14 (the
+// loop is bound by them: on a Cascade Lake one row of SmolLM2's shapes in cache ran at about
+// 7 cycles an input). The decoded nibbles serve all R rows, so from 2 rows an input costs 8
+// instructions plus 4 FMAs a row (SmolLM2's gate_up from cache, 4 rows: 3.8 cycles a row and
+// input against 8.5 one row at a time). The group sums stay in registers (4 R of them; R up to
+// 6 leaves 8 for the nibbles, the table and the broadcast), the running sums in memory,
+// updated once a group. Every loop over rows and vectors is unrolled: otherwise GCC kept each
+// group sum in memory too, a store per FMA.
 #if defined(__AVX512F__)
-inline void int4_f32_block_row(const float* x, const float* xsum, int groups, const uint8_t* block, const Int4Scales& sc, int64_t n0,
-                               int group, const float* bias, float* y) {
-    const __m512i low_nibble = _mm512_set1_epi32(0xF);
-    __m512 acc[4];  // outputs 16 i .. 16 i + 15: the low nibbles of bytes 0-15, 16-31, then the high ones
-    for (int i = 0; i < 4; ++i) acc[i] = _mm512_setzero_ps();
+template <int R>
+void int4_f32_block_rows(const float* x, int64_t x_stride, const float* xsum, int groups, const uint8_t* block, const Int4Scales& sc,
+                         int64_t n0, int group, const float* bias, float* y, int64_t y_stride) {
+    const __m512 nibbles = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    alignas(64) float acc[R][4][16] = {};  // outputs 16 i .. 16 i + 15: the low nibbles of bytes 0-15, 16-31, then the high ones
     for (int g = 0; g < groups; ++g) {
-        __m512 sums[4];
-        for (int i = 0; i < 4; ++i) sums[i] = _mm512_setzero_ps();
+        __m512 sums[R][4];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; ++i) sums[r][i] = _mm512_setzero_ps();
         prefetch_scales_ahead(sc, g, groups, n0);
         for (int k = g * group; k < (g + 1) * group; ++k) {
-            const __m512 xb = _mm512_set1_ps(x[k]);
             const uint8_t* row = block + static_cast<int64_t>(k) * 32;
             const __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
             const __m512i v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16)));
-            sums[0] = _mm512_fmadd_ps(xb, _mm512_cvtepi32_ps(_mm512_and_si512(v0, low_nibble)), sums[0]);
-            sums[1] = _mm512_fmadd_ps(xb, _mm512_cvtepi32_ps(_mm512_and_si512(v1, low_nibble)), sums[1]);
-            sums[2] = _mm512_fmadd_ps(xb, _mm512_cvtepi32_ps(_mm512_srli_epi32(v0, 4)), sums[2]);
-            sums[3] = _mm512_fmadd_ps(xb, _mm512_cvtepi32_ps(_mm512_srli_epi32(v1, 4)), sums[3]);
+            const __m512 w[4] = {_mm512_permutexvar_ps(v0, nibbles), _mm512_permutexvar_ps(v1, nibbles),
+                                 _mm512_permutexvar_ps(_mm512_srli_epi32(v0, 4), nibbles),
+                                 _mm512_permutexvar_ps(_mm512_srli_epi32(v1, 4), nibbles)};
+#pragma GCC unroll 8
+            for (int r = 0; r < R; ++r) {
+                const __m512 xb = _mm512_set1_ps(x[r * x_stride + k]);
+#pragma GCC unroll 4
+                for (int i = 0; i < 4; ++i) sums[r][i] = _mm512_fmadd_ps(xb, w[i], sums[r][i]);
+            }
         }
-        const __m512 xs = _mm512_set1_ps(xsum[g]);
+#pragma GCC unroll 4
         for (int i = 0; i < 4; ++i) {
             __m512 s, m;
             sc.of16(g, n0 + 16 * i, s, m);
-            acc[i] = _mm512_fmadd_ps(m, xs, _mm512_fmadd_ps(s, sums[i], acc[i]));
+#pragma GCC unroll 8
+            for (int r = 0; r < R; ++r) {
+                const __m512 before = _mm512_fmadd_ps(s, sums[r][i], _mm512_load_ps(acc[r][i]));
+                _mm512_store_ps(acc[r][i], _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * groups + g]), before));
+            }
         }
     }
-    for (int i = 0; i < 4; ++i) {
-        const __m512 b = bias != nullptr ? _mm512_loadu_ps(bias + 16 * i) : _mm512_setzero_ps();
-        _mm512_storeu_ps(y + 16 * i, _mm512_add_ps(acc[i], b));
+    for (int r = 0; r < R; ++r)
+        for (int i = 0; i < 4; ++i) {
+            const __m512 b = bias != nullptr ? _mm512_loadu_ps(bias + 16 * i) : _mm512_setzero_ps();
+            _mm512_storeu_ps(y + r * y_stride + 16 * i, _mm512_add_ps(_mm512_load_ps(acc[r][i]), b));
+        }
+}
+
+// The most rows the direct path takes (beyond, widened panels; measured in docs/cpu_linears.md).
+constexpr int64_t kInt4F32DirectRows = 24;
+
+// Rows [0, M) times one 64-output block: int4_f32_block_rows, up to 6 rows at a time.
+inline void int4_f32_block(const float* x, int64_t x_stride, int64_t M, const float* xsum, int groups, const uint8_t* block,
+                           const Int4Scales& sc, int64_t n0, int group, const float* bias, float* y, int64_t y_stride) {
+    for (int64_t r = 0; r < M; r += 6) {
+        const float* xr = x + r * x_stride;
+        const float* sr = xsum + r * groups;
+        float* yr = y + r * y_stride;
+        switch (M - r) {
+            case 1: int4_f32_block_rows<1>(xr, x_stride, sr, groups, block, sc, n0, group, bias, yr, y_stride); break;
+            case 2: int4_f32_block_rows<2>(xr, x_stride, sr, groups, block, sc, n0, group, bias, yr, y_stride); break;
+            case 3: int4_f32_block_rows<3>(xr, x_stride, sr, groups, block, sc, n0, group, bias, yr, y_stride); break;
+            case 4: int4_f32_block_rows<4>(xr, x_stride, sr, groups, block, sc, n0, group, bias, yr, y_stride); break;
+            case 5: int4_f32_block_rows<5>(xr, x_stride, sr, groups, block, sc, n0, group, bias, yr, y_stride); break;
+            default: int4_f32_block_rows<6>(xr, x_stride, sr, groups, block, sc, n0, group, bias, yr, y_stride);
+        }
     }
 }
 #else
+// The 8-wide loop: one row at a time (its 8 sums of a row fill half the 16 registers).
 inline void int4_f32_block_row(const float* x, const float* xsum, int groups, const uint8_t* block, const Int4Scales& sc, int64_t n0,
                                int group, const float* bias, float* y) {
     const __m256i low_nibble = _mm256_set1_epi32(0xF);
@@ -270,6 +313,13 @@ inline void int4_f32_block_row(const float* x, const float* xsum, int groups, co
         const __m256 b = bias != nullptr ? _mm256_loadu_ps(bias + 8 * i) : _mm256_setzero_ps();
         _mm256_storeu_ps(y + 8 * i, _mm256_add_ps(_mm256_load_ps(acc + 8 * i), b));
     }
+}
+
+constexpr int64_t kInt4F32DirectRows = 2;
+
+inline void int4_f32_block(const float* x, int64_t x_stride, int64_t M, const float* xsum, int groups, const uint8_t* block,
+                           const Int4Scales& sc, int64_t n0, int group, const float* bias, float* y, int64_t y_stride) {
+    for (int64_t r = 0; r < M; ++r) int4_f32_block_row(x + r * x_stride, xsum + r * groups, groups, block, sc, n0, group, bias, y + r * y_stride);
 }
 #endif
 

@@ -77,10 +77,13 @@ def test_the_direct_product_equals_the_exact_int4_product(k, n, group, rows):
 @needs_avx2
 @pytest.mark.parametrize("build", [(), ("-mno-avx512f",)], ids=["native", "avx2-width"])
 @pytest.mark.parametrize("k,n,rows,group", [(576, 192, 1, 32), (576, 320, 2, 64), (256, 64, 37, 64), (576, 192, 127, 32),
-                                              (1536, 128, 300, 128), (512, 320, 5, 256)])
+                                              (1536, 128, 300, 128), (512, 320, 5, 256), (256, 128, 13, 32), (576, 192, 24, 32),
+                                              (576, 192, 25, 32)])
 def test_the_float32_product_equals_torchs_int4_kernel(k, n, rows, group, build):
-    """float32 rows (both widths): the weights widened to float32 panels (below
-    INT4_LIBRARY_FROM_ROWS rows), or to a plain matrix for torch's product (from it: 300 rows),
+    """float32 rows (both widths): the nibbles multiplied directly (up to 24 rows 512 bits wide,
+    in blocks of 6 rows: 13 = 6 + 6 + 1; 2 rows at the AVX2 width), the weights widened to float32
+    panels (beyond, below INT4_LIBRARY_FROM_ROWS rows), or to a plain matrix for torch's product
+    (from it: 300 rows),
     give torch's own float32 int4 product (the weights in float32, never rounded to bfloat16) to
     float32 summation order, with the bias, into a new tensor or a column slice of a wider one."""
     from modserve.plugins.platforms.cpu_avx2_linear import INT4_LIBRARY_FROM_ROWS, int4_product

@@ -172,9 +172,10 @@ def test_a_float32_q4_layer_on_the_panels_holds_its_files_own_scales(kind, build
     """float32 on the panels: Q4_0 / Q4_1 keep their float16 (d, m) (1 bit a weight), Q4_K its two
     levels, int8 (sc, mn) per 32 and float32 (d, -dmin) per 256 (0.75 bits), instead of torch's
     float32 (s, m + 8 s) pairs (2 bits); every weight is then exactly d q + m, as gguf
-    dequantizes it: the product within float32 summation order of the float64 one, directly (1,
-    2 rows), widened to panels (3, 37 rows) and widened to a plain matrix for torch's product
-    (130 rows: bit for bit gguf's weights), at both widths."""
+    dequantizes it: the product within float32 summation order of the float64 one, directly (1 to
+    24 rows 512 bits wide, blocks of 6 rows and their remainders; 1 and 2 rows at the AVX2 width),
+    widened to panels (25 and 37 rows; from 3 at the AVX2 width) and widened to a plain matrix for
+    torch's product (130 rows: bit for bit gguf's weights), at both widths."""
     from test_cpu_experts import HAS_AVX2
 
     from modserve.plugins.platforms.cpu_avx2_linear import int4_product, int4_widened
@@ -184,7 +185,7 @@ def test_a_float32_q4_layer_on_the_panels_holds_its_files_own_scales(kind, build
     module, part = _q4_on_the_panels(kind, torch.float32)
     w = part.dequantize().double()
     assert torch.equal(int4_widened(module.packed, module._held, 32, build), w.float())
-    for rows in (1, 2, 3, 37, 130):
+    for rows in (1, 2, 3, 11, 24, 25, 37, 130):
         x = torch.randn(rows, 768)
         exact = x.double() @ w.T + module.bias.double()
         for got in (module(x), int4_product(x, module.packed, module._held, 32, module._bias32, build)):
