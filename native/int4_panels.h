@@ -234,8 +234,13 @@ inline void widen_int4_f32(const uint8_t* q4, const Int4Scales& sc, int K, int g
 // input against 8.5 one row at a time). The group sums stay in registers (4 R of them; R up to
 // 6 leaves 8 for the nibbles, the table and the broadcast), the running sums in memory,
 // updated once a group. Every loop over rows and vectors is unrolled: otherwise GCC kept each
-// group sum in memory too, a store per FMA.
+// group sum in memory too, a store per FMA. Each line of codes asks for the line
+// kInt4AheadBytes on: a thread's blocks are one stream, but its decoding keeps the core busy
+// between loads, and the hardware prefetcher alone left one row at 0.85x (2,048 to 8,192 bytes
+// ahead measured alike on the Cascade Lake; no effect from 8 rows, bound by the FMAs).
 #if defined(__AVX512F__)
+constexpr int64_t kInt4AheadBytes = 4096;
+
 template <int R>
 void int4_f32_block_rows(const float* x, int64_t x_stride, const float* xsum, int groups, const uint8_t* block, const Int4Scales& sc,
                          int64_t n0, int group, const float* bias, float* y, int64_t y_stride) {
@@ -248,18 +253,22 @@ void int4_f32_block_rows(const float* x, int64_t x_stride, const float* xsum, in
 #pragma GCC unroll 4
             for (int i = 0; i < 4; ++i) sums[r][i] = _mm512_setzero_ps();
         prefetch_scales_ahead(sc, g, groups, n0);
-        for (int k = g * group; k < (g + 1) * group; ++k) {
-            const uint8_t* row = block + static_cast<int64_t>(k) * 32;
-            const __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
-            const __m512i v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16)));
-            const __m512 w[4] = {_mm512_permutexvar_ps(v0, nibbles), _mm512_permutexvar_ps(v1, nibbles),
-                                 _mm512_permutexvar_ps(_mm512_srli_epi32(v0, 4), nibbles),
-                                 _mm512_permutexvar_ps(_mm512_srli_epi32(v1, 4), nibbles)};
+        for (int k2 = g * group; k2 < (g + 1) * group; k2 += 2) {  // two inputs (a 64-byte line) a step
+            prefetch_line(block + static_cast<int64_t>(k2) * 32 + kInt4AheadBytes);
+#pragma GCC unroll 2
+            for (int k = k2; k < k2 + 2; ++k) {
+                const uint8_t* row = block + static_cast<int64_t>(k) * 32;
+                const __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
+                const __m512i v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16)));
+                const __m512 w[4] = {_mm512_permutexvar_ps(v0, nibbles), _mm512_permutexvar_ps(v1, nibbles),
+                                     _mm512_permutexvar_ps(_mm512_srli_epi32(v0, 4), nibbles),
+                                     _mm512_permutexvar_ps(_mm512_srli_epi32(v1, 4), nibbles)};
 #pragma GCC unroll 8
-            for (int r = 0; r < R; ++r) {
-                const __m512 xb = _mm512_set1_ps(x[r * x_stride + k]);
+                for (int r = 0; r < R; ++r) {
+                    const __m512 xb = _mm512_set1_ps(x[r * x_stride + k]);
 #pragma GCC unroll 4
-                for (int i = 0; i < 4; ++i) sums[r][i] = _mm512_fmadd_ps(xb, w[i], sums[r][i]);
+                    for (int i = 0; i < 4; ++i) sums[r][i] = _mm512_fmadd_ps(xb, w[i], sums[r][i]);
+                }
             }
         }
 #pragma GCC unroll 4
