@@ -289,13 +289,16 @@ void int4_f32_block_rows(const float* x, int64_t x_stride, const float* xsum, in
         }
 }
 
-// The most rows the direct path takes (beyond, widened panels; measured in docs/cpu_linears.md).
+// The most rows the direct path takes (beyond, widened panels; measured in docs/cpu_linears.md),
+// and the rows a register block takes at once (int4_f32_block_rows' R: 4 R sums of 32 registers).
 constexpr int64_t kInt4F32DirectRows = 24;
+constexpr int64_t kInt4F32BlockRows = 6;
 
-// Rows [0, M) times one 64-output block: int4_f32_block_rows, up to 6 rows at a time.
+// Rows [0, M) times one 64-output block: int4_f32_block_rows, kInt4F32BlockRows rows at a time.
 inline void int4_f32_block(const float* x, int64_t x_stride, int64_t M, const float* xsum, int groups, const uint8_t* block,
                            const Int4Scales& sc, int64_t n0, int group, const float* bias, float* y, int64_t y_stride) {
-    for (int64_t r = 0; r < M; r += 6) {
+    static_assert(kInt4F32BlockRows == 6, "the cases below");
+    for (int64_t r = 0; r < M; r += kInt4F32BlockRows) {
         const float* xr = x + r * x_stride;
         const float* sr = xsum + r * groups;
         float* yr = y + r * y_stride;
@@ -340,8 +343,10 @@ inline void int4_f32_block_row(const float* x, const float* xsum, int groups, co
     }
 }
 
+// The 8-wide loop decodes the nibbles again for each row, so from 3 rows the widened panels win.
 constexpr int64_t kInt4F32DirectRows = 2;
 
+// Rows [0, M) times one 64-output block, a row at a time.
 inline void int4_f32_block(const float* x, int64_t x_stride, int64_t M, const float* xsum, int groups, const uint8_t* block,
                            const Int4Scales& sc, int64_t n0, int group, const float* bias, float* y, int64_t y_stride) {
     for (int64_t r = 0; r < M; ++r) int4_f32_block_row(x + r * x_stride, xsum + r * groups, groups, block, sc, n0, group, bias, y + r * y_stride);
