@@ -175,11 +175,19 @@ void int4_block_direct(const uint16_t* x, int64_t x_stride, const float* xsum, i
 
 namespace modserve {
 
+#if defined(__AVX512F__)
+// The low 4 bits of each 32-bit lane of `v` (a nibble, whatever the bits above) as float32:
+// VPERMPS over the table 0..15 reads only those bits of an index, so no mask and no conversion.
+inline __m512 nibbles_as_floats(__m512i v) {
+    return _mm512_permutexvar_ps(v, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+}
+#endif
+
 // int4 weights in torch's CPU packing (as widen_int4_panels reads them) with a float32 model's
 // scales (`sc`: Int4Scales), widened to float32 panels of 16 outputs, [K][16] each, for panels
 // [panel0, panel1), panel0 written at `out`: each weight q s + m in float32 (one FMA). With
-// AVX-512 a panel's input is one vector: its 16 nibbles by VPERMPS (as int4_f32_block_rows), one
-// FMA, one store; the 8-wide loop takes twice the instructions and a mask and a conversion more.
+// AVX-512 a panel's input is one vector: its 16 nibbles by nibbles_as_floats, one FMA, one store;
+// the 8-wide loop takes twice the instructions and a mask and a conversion more.
 inline void widen_int4_f32(const uint8_t* q4, const Int4Scales& sc, int K, int group, int64_t panel0, int64_t panel1, float* out) {
     for (int64_t p = panel0; p < panel1; ++p) {
         const int64_t n0 = p * 16;
@@ -188,7 +196,6 @@ inline void widen_int4_f32(const uint8_t* q4, const Int4Scales& sc, int K, int g
         const bool high = sub >= 2;
         float* panel = out + (p - panel0) * static_cast<int64_t>(K) * 16;
 #if defined(__AVX512F__)
-        const __m512 nibbles = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
         const int shift = high ? 4 : 0;
         for (int g = 0; g < K / group; ++g) {
             __m512 s, base;
@@ -196,7 +203,7 @@ inline void widen_int4_f32(const uint8_t* q4, const Int4Scales& sc, int K, int g
             for (int k = g * group; k < (g + 1) * group; ++k) {
                 const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + static_cast<int64_t>(k) * 32 + byte0));
                 const __m512i q = _mm512_srli_epi32(_mm512_cvtepu8_epi32(bytes), shift);
-                _mm512_storeu_ps(panel + k * 16, _mm512_fmadd_ps(_mm512_permutexvar_ps(q, nibbles), s, base));
+                _mm512_storeu_ps(panel + k * 16, _mm512_fmadd_ps(nibbles_as_floats(q), s, base));
             }
         }
 #else
@@ -226,8 +233,7 @@ inline void widen_int4_f32(const uint8_t* q4, const Int4Scales& sc, int K, int g
 // inputs' sum (`xsum`, [R][groups]): sum x (q s + m). y gets the sums plus the bias.
 //
 // With AVX-512, 16 outputs a vector (half the instructions of the 8-wide loop), and a nibble
-// becomes float32 by VPERMPS over the table 0..15, which reads only the low 4 bits of each
-// 32-bit index: no mask and no conversion, 12 vector instructions an input instead of 14 (the
+// becomes float32 by nibbles_as_floats: 12 vector instructions an input instead of 14 (the
 // loop is bound by them: on a Cascade Lake one row of SmolLM2's shapes in cache ran at about
 // 7 cycles an input). The decoded nibbles serve all R rows, so from 2 rows an input costs 8
 // instructions plus 4 FMAs a row (SmolLM2's gate_up from cache, 4 rows: 3.8 cycles a row and
@@ -244,7 +250,6 @@ constexpr int64_t kInt4AheadBytes = 4096;
 template <int R>
 void int4_f32_block_rows(const float* x, int64_t x_stride, const float* xsum, int groups, const uint8_t* block, const Int4Scales& sc,
                          int64_t n0, int group, const float* bias, float* y, int64_t y_stride) {
-    const __m512 nibbles = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     alignas(64) float acc[R][4][16] = {};  // outputs 16 i .. 16 i + 15: the low nibbles of bytes 0-15, 16-31, then the high ones
     for (int g = 0; g < groups; ++g) {
         __m512 sums[R][4];
@@ -260,9 +265,8 @@ void int4_f32_block_rows(const float* x, int64_t x_stride, const float* xsum, in
                 const uint8_t* row = block + static_cast<int64_t>(k) * 32;
                 const __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
                 const __m512i v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16)));
-                const __m512 w[4] = {_mm512_permutexvar_ps(v0, nibbles), _mm512_permutexvar_ps(v1, nibbles),
-                                     _mm512_permutexvar_ps(_mm512_srli_epi32(v0, 4), nibbles),
-                                     _mm512_permutexvar_ps(_mm512_srli_epi32(v1, 4), nibbles)};
+                const __m512 w[4] = {nibbles_as_floats(v0), nibbles_as_floats(v1), nibbles_as_floats(_mm512_srli_epi32(v0, 4)),
+                                     nibbles_as_floats(_mm512_srli_epi32(v1, 4))};
 #pragma GCC unroll 8
                 for (int r = 0; r < R; ++r) {
                     const __m512 xb = _mm512_set1_ps(x[r * x_stride + k]);
