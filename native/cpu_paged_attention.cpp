@@ -72,6 +72,10 @@ struct QIO {
         }
     }
 #if defined(__AVX512F__)
+    __m512 q16(int64_t token, int64_t i) const {  // q_at() for elements i .. i + 15
+        return bf16 ? modserve::load16(static_cast<const uint16_t*>(q) + token * q_stride + i)
+                    : modserve::load16(static_cast<const float*>(q) + token * q_stride + i);
+    }
     void put16(int64_t token, int64_t i, __m512 v) const {  // put() for elements i .. i + 15
         if (bf16) {
             modserve::store16(static_cast<uint16_t*>(out) + token * out_stride + i, v);
@@ -340,8 +344,19 @@ struct TileWork {
         vbuf = kt + L * D;
         for (int rh = 0; rh < R_pad; ++rh) {
             const int64_t qi = static_cast<int64_t>(h * G + rh % G) * D;
-            for (int d = 0; d < D; ++d) qs[rh * D + d] = rh < R ? io.q_at(rows[rh / G], qi + d) * scale : 0.f;
-            for (int d = 0; d < D; ++d) acc[rh * D + d] = 0.f;
+#if defined(__AVX512F__)
+            if (D % 16 == 0) {  // 16 lanes at a time: element by element, this was a tenth of a prefill tile's time
+                for (int d = 0; d < D; d += 16) {
+                    _mm512_storeu_ps(qs + rh * D + d, rh < R ? _mm512_mul_ps(io.q16(rows[rh / G], qi + d), _mm512_set1_ps(scale))
+                                                           : _mm512_setzero_ps());
+                    _mm512_storeu_ps(acc + rh * D + d, _mm512_setzero_ps());
+                }
+            } else
+#endif
+            {
+                for (int d = 0; d < D; ++d) qs[rh * D + d] = rh < R ? io.q_at(rows[rh / G], qi + d) * scale : 0.f;
+                for (int d = 0; d < D; ++d) acc[rh * D + d] = 0.f;
+            }
             m[rh] = -INFINITY;
             l[rh] = 0.f;
             rpos[rh] = rh < R ? first_pos + rh / G : -1;
@@ -781,16 +796,13 @@ void attend_segments(const QIO& io, int64_t token, const T* kc, const T* vc, con
     if (!keep_part(part, nh, D, acc, m, l)) finish_heads(io, token, h0 * G, nh, D, acc, l);
 }
 
-// The tiles' online softmax, first half, for 16 row-heads: their scores (one vector of the
-// chunk's 16 keys per row-head, at `scores`) come back transposed in `st` (one vector per
-// key, a lane per row-head) and masked to the keys each row may see (key t exists, t < n,
-// and its position start + t is at most the row's, `rpos`); `m_new` is the running max
-// advanced over them (rows that see no key here keep theirs), `corr` the rescale of what
-// was accumulated under the old max (~0 on the first chunk).
-inline void tile_scores_by_key(const float* scores, const int32_t* rpos, const float* m, int start, int n, __m512* st,
-                               __mmask16* valid, __m512& m_new, __m512& corr, int window = 0) {
-    for (int r = 0; r < 16; ++r) st[r] = _mm512_load_ps(scores + r * 16);
-    modserve::transpose16x16(st);
+// The tiles' online softmax, first half, for 16 row-heads: `st` holds their scores by key (one
+// vector per key of the chunk, a lane per row-head), masked here to the keys each row may see
+// (key t exists, t < n, and its position start + t is at most the row's, `rpos`); `m_new` is
+// the running max advanced over them (rows that see no key here keep theirs), `corr` the
+// rescale of what was accumulated under the old max (~0 on the first chunk).
+inline void tile_mask_and_max(__m512* st, const int32_t* rpos, const float* m, int start, int n, __mmask16* valid,
+                              __m512& m_new, __m512& corr, int window = 0) {
     const __m512i pos = _mm512_loadu_si512(rpos);
     __m512 rowmax = _mm512_set1_ps(-INFINITY);
     for (int t = 0; t < 16; ++t) {
@@ -807,13 +819,95 @@ inline void tile_scores_by_key(const float* scores, const int32_t* rpos, const f
     }
 }
 
+// ... from scores by row-head (one vector of the chunk's 16 keys per row-head, at `scores`),
+// transposed into `st` first.
+inline void tile_scores_by_key(const float* scores, const int32_t* rpos, const float* m, int start, int n, __m512* st,
+                               __mmask16* valid, __m512& m_new, __m512& corr, int window = 0) {
+    for (int r = 0; r < 16; ++r) st[r] = _mm512_load_ps(scores + r * 16);
+    modserve::transpose16x16(st);
+    tile_mask_and_max(st, rpos, m, start, n, valid, m_new, corr, window);
+}
+
+// A float32 tile's scores by key for NG groups of 16 row-heads: out[g][t] (a vector, a lane
+// per row-head) = q . k_t, from q transposed (qT: each group's [D][16], groups D * 16 apart)
+// and the chunk's 16 K rows (kstride apart), 8 keys at a time. Each K element is broadcast
+// once for all NG groups and each q vector feeds 8 keys, so at NG 3 a d step is 11 loads for
+// 24 FMAs; by row-head (a K vector and 8 broadcasts of q for 8 FMAs) the loads held it back,
+// and the scores then needed a transpose per 16 row-heads, K one per 16 dimensions.
+template <int NG, int D>
+inline void key_scores(const float* qT, const float* k, int64_t kstride, float* out) {
+    for (int half = 0; half < 16; half += 8) {
+        const float* kh = k + half * kstride;
+        __m512 s[NG][8];
+#pragma GCC unroll 3
+        for (int g = 0; g < NG; ++g) {
+#pragma GCC unroll 8
+            for (int t = 0; t < 8; ++t) s[g][t] = _mm512_setzero_ps();
+        }
+        for (int d = 0; d < D; ++d) {
+            __m512 q[NG];
+#pragma GCC unroll 3
+            for (int g = 0; g < NG; ++g) q[g] = _mm512_load_ps(qT + (g * D + d) * 16);
+#pragma GCC unroll 8
+            for (int t = 0; t < 8; ++t) {
+                const __m512 kv = _mm512_set1_ps(kh[t * kstride + d]);
+#pragma GCC unroll 3
+                for (int g = 0; g < NG; ++g) s[g][t] = _mm512_fmadd_ps(q[g], kv, s[g][t]);
+            }
+        }
+#pragma GCC unroll 3
+        for (int g = 0; g < NG; ++g) {
+#pragma GCC unroll 8
+            for (int t = 0; t < 8; ++t) _mm512_store_ps(out + (g * 16 + half + t) * 16, s[g][t]);
+        }
+    }
+}
+
+// P.V for NG groups of 16 row-heads, by key as the scores: accT (each group's [D][16], a lane
+// per row-head) = accT * corr + sum over the chunk's 16 keys of p_t * v_t, with p by key
+// (each group's [16 keys][16]) and the V rows vstride apart; 8 dimensions at a time, so each
+// V element is broadcast once for the NG groups (24 sums at NG 3). By row-head (V vectors and
+// a broadcast weight) it was load-bound and ran at a quarter of the FMA rate. Keys a row may
+// not see have weight 0 (and finite V rows).
+template <int NG, int D>
+inline void key_pv(float* accT, const float* p, const float* corr, const float* v, int64_t vstride) {
+    __m512 c[NG];
+#pragma GCC unroll 3
+    for (int g = 0; g < NG; ++g) c[g] = _mm512_load_ps(corr + 16 * g);
+    for (int d0 = 0; d0 < D; d0 += 8) {
+        __m512 a[NG][8];
+#pragma GCC unroll 3
+        for (int g = 0; g < NG; ++g) {
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; ++i) a[g][i] = _mm512_mul_ps(_mm512_load_ps(accT + (g * D + d0 + i) * 16), c[g]);
+        }
+        for (int t = 0; t < 16; ++t) {
+            __m512 pv[NG];
+#pragma GCC unroll 3
+            for (int g = 0; g < NG; ++g) pv[g] = _mm512_load_ps(p + (g * 16 + t) * 16);
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; ++i) {
+                const __m512 vb = _mm512_set1_ps(v[t * vstride + d0 + i]);
+#pragma GCC unroll 3
+                for (int g = 0; g < NG; ++g) a[g][i] = _mm512_fmadd_ps(pv[g], vb, a[g][i]);
+            }
+        }
+#pragma GCC unroll 3
+        for (int g = 0; g < NG; ++g) {
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; ++i) _mm512_store_ps(accT + (g * D + d0 + i) * 16, a[g][i]);
+        }
+    }
+}
+
 // Causal attention for a tile: up to kTileRows consecutive query rows of one sequence
-// (a prefill chunk, speculative verify rows) against KV head h. Each 16-key chunk of the
-// head's K is widened and transposed once to [D][16], so every (row, query head) of the
-// tile gets its 16 scores from D FMAs, kRowGroup row-heads at a time sharing each K load;
-// V is widened once. The online softmax runs on 16 row-heads at a time, their scores
-// transposed so that each vector is one key across the 16 (the causal mask is one compare
-// of the row positions, the maxima, exps and sums are lane-wise: no scalar chains).
+// (a prefill chunk, speculative verify rows) against KV head h. q is transposed once per tile
+// (16 row-heads a vector); each 16-key chunk's scores then come by key (key_scores), the
+// layout the online softmax wants, from K rows read in place in a float32 cache (widened
+// once into kt otherwise, or where the chunk is short). The online softmax runs on 16
+// row-heads at a time, each vector one key across the 16 (the causal mask is one compare of
+// the row positions, the maxima, exps and sums are lane-wise: no scalar chains). P.V reads
+// V rows in place too (widened once otherwise).
 template <typename T, int D>
 void attend_tile_avx512(const QIO& io, const int64_t* rows, int n_rows, int32_t first_pos, const T* kc, const T* vc, const float* ks, const float* vs,
                         const int32_t* table, int KVH, int G, int bs, float scale, int h, int window, float softcap) {
@@ -821,10 +915,21 @@ void attend_tile_avx512(const QIO& io, const int64_t* rows, int n_rows, int32_t 
     using modserve::load16;
     constexpr int NV = D / 16;
     const TileWork<16> w(io, rows, n_rows, first_pos, G, h, D, scale);
-    const int R = w.R, R_pad = w.R_pad;
+    const int R = w.R, R_pad = w.R_pad, groups = R_pad / 16;
     const int64_t row_stride = static_cast<int64_t>(KVH) * D;
     float *qs = w.qs, *acc = w.acc, *sbuf = w.sbuf, *ptile = w.ptile, *m = w.m, *l = w.l, *corrs = w.corrs, *kt = w.kt, *vbuf = w.vbuf;
     const int32_t* rpos = w.rpos;
+    static thread_local std::vector<float> q_work;  // qT: [groups][D][16], each group of 16 row-heads' q transposed
+    q_work.resize(static_cast<size_t>(R_pad) * D + 16);
+    float* qT = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(q_work.data()) + 63) & ~uintptr_t{63});
+    for (int g = 0; g < groups; ++g) {
+        for (int j = 0; j < NV; ++j) {
+            __m512 blk[16];
+            for (int i = 0; i < 16; ++i) blk[i] = _mm512_load_ps(qs + (g * 16 + i) * D + 16 * j);
+            modserve::transpose16x16(blk);
+            for (int d = 0; d < 16; ++d) _mm512_store_ps(qT + (g * D + 16 * j + d) * 16, blk[d]);
+        }
+    }
     const int n_keys = first_pos + n_rows;  // the last row sees keys 0 .. first_pos + n_rows - 1
     const int chunk = bs < 16 ? bs : 16;
     for (int start = window_start(first_pos, window) / chunk * chunk; start < n_keys; start += chunk) {
@@ -833,79 +938,72 @@ void attend_tile_avx512(const QIO& io, const int64_t* rows, int n_rows, int32_t 
         const int64_t offset = srow * row_stride + h * D;
         const T* kb = kc + offset;
         const T* vb = vc + offset;
-        __m512 kscale = _mm512_set1_ps(1.f), vscale = _mm512_set1_ps(1.f);
+        alignas(64) float k16[16] = {}, v16[16];
+        for (int t = 0; t < 16; ++t) v16[t] = 1.f;
         if (ks) {
-            alignas(64) float k16[16] = {}, v16[16] = {};
             for (int t = 0; t < n; ++t) k16[t] = ks[(srow + t) * KVH + h], v16[t] = vs[(srow + t) * KVH + h];
-            kscale = _mm512_load_ps(k16), vscale = _mm512_load_ps(v16);
         }
-        for (int j = 0; j < NV; ++j) {  // K: 16 keys x 16 dims per block, transposed into kt
-            __m512 blk[16];
-            for (int t = 0; t < 16; ++t) blk[t] = t < n ? load16(kb + t * row_stride + 16 * j) : _mm512_setzero_ps();
-            modserve::transpose16x16(blk);
-            for (int d = 0; d < 16; ++d) _mm512_store_ps(kt + (16 * j + d) * 16, blk[d]);
-        }
-        for (int t = 0; t < n; ++t) {
-            for (int j = 0; j < NV; ++j) _mm512_store_ps(vbuf + t * D + 16 * j, load16(vb + t * row_stride + 16 * j));
-        }
-        for (int g0 = 0; g0 < R_pad; g0 += kRowGroup) {  // scores: kRowGroup row-heads share each K load
-            __m512 s[kRowGroup];
-            for (int r = 0; r < kRowGroup; ++r) s[r] = _mm512_setzero_ps();
-            for (int d = 0; d < D; ++d) {
-                const __m512 kd = _mm512_load_ps(kt + d * 16);
-                for (int r = 0; r < kRowGroup; ++r) s[r] = _mm512_fmadd_ps(_mm512_set1_ps(qs[(g0 + r) * D + d]), kd, s[r]);
-            }
-            for (int r = 0; r < kRowGroup; ++r) {
-                __m512 sr = _mm512_mul_ps(s[r], kscale);
-                if (softcap > 0.f) sr = cap_scores16(sr, softcap);
-                _mm512_store_ps(sbuf + (g0 + r) * 16, sr);
+        const float *kr = kt, *vr = vbuf;  // the chunk's K and V rows as float32, kstride and vstride apart
+        int64_t kstride = D, vstride = D;
+        if (std::is_same_v<T, float> && n == 16) {  // in place: 16 rows exist in the block
+            kr = reinterpret_cast<const float*>(kb), vr = reinterpret_cast<const float*>(vb);
+            kstride = vstride = row_stride;
+        } else {
+            for (int t = 0; t < 16; ++t) {  // rows past n: zeros (their scores are masked)
+                for (int j = 0; j < NV; ++j) {
+                    _mm512_store_ps(kt + t * D + 16 * j, t < n ? load16(kb + t * row_stride + 16 * j) : _mm512_setzero_ps());
+                    _mm512_store_ps(vbuf + t * D + 16 * j, t < n ? load16(vb + t * row_stride + 16 * j) : _mm512_setzero_ps());
+                }
             }
         }
-        alignas(64) float vs16[16];
-        _mm512_store_ps(vs16, vscale);
+        for (int g = 0; g < groups; g += 3) {  // scores by key: up to 3 groups of 16 row-heads share each K broadcast
+            if (groups - g >= 3)
+                key_scores<3, D>(qT + g * D * 16, kr, kstride, sbuf + g * 256);
+            else if (groups - g == 2)
+                key_scores<2, D>(qT + g * D * 16, kr, kstride, sbuf + g * 256);
+            else
+                key_scores<1, D>(qT + g * D * 16, kr, kstride, sbuf + g * 256);
+        }
         for (int g0 = 0; g0 < R_pad; g0 += 16) {  // online softmax, 16 row-heads a vector
             __m512 st[16], m_new, corr;
             __mmask16 valid[16];
-            tile_scores_by_key(sbuf + g0 * 16, rpos + g0, m + g0, start, n, st, valid, m_new, corr, window);
+            for (int t = 0; t < 16; ++t) {
+                st[t] = _mm512_load_ps(sbuf + (g0 + t) * 16);  // group g0 / 16's key t
+                if (ks) st[t] = _mm512_mul_ps(st[t], _mm512_set1_ps(k16[t]));
+                if (softcap > 0.f) st[t] = cap_scores16(st[t], softcap);
+            }
+            tile_mask_and_max(st, rpos + g0, m + g0, start, n, valid, m_new, corr, window);
             __m512 sum = _mm512_setzero_ps();
             float* pt = ptile + g0 * 16;
             for (int t = 0; t < 16; ++t) {
                 const __m512 p = _mm512_maskz_mov_ps(valid[t], exp512_nonpositive(_mm512_sub_ps(st[t], m_new)));
                 sum = _mm512_add_ps(sum, p);
-                _mm512_store_ps(pt + t * 16, _mm512_mul_ps(p, _mm512_set1_ps(vs16[t])));  // int8: V's scales folded in
+                _mm512_store_ps(pt + t * 16, _mm512_mul_ps(p, _mm512_set1_ps(v16[t])));  // int8: V's scales folded in
             }
             _mm512_store_ps(m + g0, m_new);
             _mm512_store_ps(l + g0, _mm512_fmadd_ps(_mm512_load_ps(l + g0), corr, sum));
             _mm512_store_ps(corrs + g0, corr);
         }
-        for (int rh = 0; rh < R; ++rh) {  // P.V: each row-head's weights broadcast from ptile
-            const int visible = first_pos + rh / G - start + 1;  // keys of this chunk the row may see
-            const int count = visible < n ? visible : n;
-            if (count <= 0) continue;
-            const float* pw = ptile + (rh / 16) * 256 + rh % 16;  // key t's weight: pw[16 * t]
-            __m512 a[NV], b[NV];
-            const __m512 corr = _mm512_set1_ps(corrs[rh]);
-            for (int j = 0; j < NV; ++j) {
-                a[j] = _mm512_mul_ps(_mm512_load_ps(acc + rh * D + 16 * j), corr);
-                b[j] = _mm512_setzero_ps();
-            }
-            int t = 0;
-            for (; t + 1 < count; t += 2) {
-                const __m512 p0 = _mm512_set1_ps(pw[16 * t]), p1 = _mm512_set1_ps(pw[16 * (t + 1)]);
-                for (int j = 0; j < NV; ++j) {
-                    a[j] = _mm512_fmadd_ps(p0, _mm512_load_ps(vbuf + t * D + 16 * j), a[j]);
-                    b[j] = _mm512_fmadd_ps(p1, _mm512_load_ps(vbuf + (t + 1) * D + 16 * j), b[j]);
-                }
-            }
-            if (t < count) {
-                const __m512 p0 = _mm512_set1_ps(pw[16 * t]);
-                for (int j = 0; j < NV; ++j) a[j] = _mm512_fmadd_ps(p0, _mm512_load_ps(vbuf + t * D + 16 * j), a[j]);
-            }
-            for (int j = 0; j < NV; ++j) _mm512_store_ps(acc + rh * D + 16 * j, _mm512_add_ps(a[j], b[j]));
+        for (int g = 0; g < groups; g += 3) {  // P.V by key, as the scores
+            if (groups - g >= 3)
+                key_pv<3, D>(acc + g * D * 16, ptile + g * 256, corrs + g * 16, vr, vstride);
+            else if (groups - g == 2)
+                key_pv<2, D>(acc + g * D * 16, ptile + g * 256, corrs + g * 16, vr, vstride);
+            else
+                key_pv<1, D>(acc + g * D * 16, ptile + g * 256, corrs + g * 16, vr, vstride);
+        }
+    }
+    float* out = qs;  // acc by row-head ([R_pad][D]), where q was
+    for (int g = 0; g < groups; ++g) {
+        for (int j = 0; j < NV; ++j) {
+            __m512 blk[16];
+            for (int d = 0; d < 16; ++d) blk[d] = _mm512_load_ps(acc + (g * D + 16 * j + d) * 16);
+            modserve::transpose16x16(blk);
+            for (int i = 0; i < 16; ++i) _mm512_store_ps(out + (g * 16 + i) * D + 16 * j, blk[i]);
         }
     }
     for (int rh = 0; rh < R; ++rh) {
-        put_head(io, rows[rh / G], static_cast<int64_t>(h * G + rh % G) * D, acc + rh * D, D, l[rh]);
+        put_head(io, rows[rh / G], static_cast<int64_t>(h * G + rh % G) * D, out + rh * D, D, l[rh]);
     }
 }
 
