@@ -71,6 +71,12 @@ struct QIO {
             static_cast<float*>(out)[token * out_stride + i] = v;
         }
     }
+#if defined(__AVX2__)
+    __m256 q8(int64_t token, int64_t i) const {  // q_at() for elements i .. i + 7
+        return bf16 ? modserve::load8(static_cast<const uint16_t*>(q) + token * q_stride + i)
+                    : modserve::load8(static_cast<const float*>(q) + token * q_stride + i);
+    }
+#endif
 #if defined(__AVX512F__)
     __m512 q16(int64_t token, int64_t i) const {  // q_at() for elements i .. i + 15
         return bf16 ? modserve::load16(static_cast<const uint16_t*>(q) + token * q_stride + i)
@@ -350,6 +356,14 @@ struct TileWork {
                     _mm512_storeu_ps(qs + rh * D + d, rh < R ? _mm512_mul_ps(io.q16(rows[rh / G], qi + d), _mm512_set1_ps(scale))
                                                            : _mm512_setzero_ps());
                     _mm512_storeu_ps(acc + rh * D + d, _mm512_setzero_ps());
+                }
+            } else
+#elif defined(__AVX2__)
+            if (D % 8 == 0) {
+                for (int d = 0; d < D; d += 8) {
+                    _mm256_storeu_ps(qs + rh * D + d, rh < R ? _mm256_mul_ps(io.q8(rows[rh / G], qi + d), _mm256_set1_ps(scale))
+                                                           : _mm256_setzero_ps());
+                    _mm256_storeu_ps(acc + rh * D + d, _mm256_setzero_ps());
                 }
             } else
 #endif
@@ -1283,26 +1297,95 @@ void attend_avx2(const QIO& io, int64_t token, const T* kc, const T* vc, const f
     if (!keep_part(part, nh, D, acc, m, l)) finish_heads(io, token, h0 * G, nh, D, acc, l);
 }
 
+// key_scores and key_pv with 8 lanes (AVX2): groups of 8 row-heads, NG of them sharing each
+// broadcast, 4 keys (or dimensions) at a time, so that the sums (4 NG) and the vectors they
+// need fit the 16 ymm registers.
+template <int NG, int D>
+inline void key_scores8(const float* qT, const float* k, int64_t kstride, float* out) {
+    for (int k0 = 0; k0 < 8; k0 += 4) {
+        const float* kh = k + k0 * kstride;
+        __m256 s[NG][4];
+#pragma GCC unroll 2
+        for (int g = 0; g < NG; ++g) {
+#pragma GCC unroll 4
+            for (int t = 0; t < 4; ++t) s[g][t] = _mm256_setzero_ps();
+        }
+        for (int d = 0; d < D; ++d) {
+            __m256 q[NG];
+#pragma GCC unroll 2
+            for (int g = 0; g < NG; ++g) q[g] = _mm256_load_ps(qT + (g * D + d) * 8);
+#pragma GCC unroll 4
+            for (int t = 0; t < 4; ++t) {
+                const __m256 kv = _mm256_broadcast_ss(kh + t * kstride + d);
+#pragma GCC unroll 2
+                for (int g = 0; g < NG; ++g) s[g][t] = _mm256_fmadd_ps(q[g], kv, s[g][t]);
+            }
+        }
+#pragma GCC unroll 2
+        for (int g = 0; g < NG; ++g) {
+#pragma GCC unroll 4
+            for (int t = 0; t < 4; ++t) _mm256_store_ps(out + (g * 8 + k0 + t) * 8, s[g][t]);
+        }
+    }
+}
+
+template <int NG, int D>
+inline void key_pv8(float* accT, const float* p, const float* corr, const float* v, int64_t vstride) {
+    for (int d0 = 0; d0 < D; d0 += 4) {
+        __m256 a[NG][4];
+#pragma GCC unroll 2
+        for (int g = 0; g < NG; ++g) {
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; ++i) a[g][i] = _mm256_mul_ps(_mm256_load_ps(accT + (g * D + d0 + i) * 8), _mm256_load_ps(corr + 8 * g));
+        }
+        for (int t = 0; t < 8; ++t) {
+            __m256 pv[NG];
+#pragma GCC unroll 2
+            for (int g = 0; g < NG; ++g) pv[g] = _mm256_load_ps(p + (g * 8 + t) * 8);
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; ++i) {
+                const __m256 vb = _mm256_broadcast_ss(v + t * vstride + d0 + i);
+#pragma GCC unroll 2
+                for (int g = 0; g < NG; ++g) a[g][i] = _mm256_fmadd_ps(pv[g], vb, a[g][i]);
+            }
+        }
+#pragma GCC unroll 2
+        for (int g = 0; g < NG; ++g) {
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; ++i) _mm256_store_ps(accT + (g * D + d0 + i) * 8, a[g][i]);
+        }
+    }
+}
+
 // attend_tile_avx512 with 8 lanes, for CPUs with AVX2 and FMA but no AVX-512: up to
 // kTileRows consecutive query rows of one sequence against KV head h, 8 keys (a chunk) at a
-// time. The chunk's K is widened and transposed once to [D][8], so each row-head gets its 8
-// scores from D FMAs, kRowGroup row-heads sharing each K load; the online softmax runs on 8
-// row-heads a vector (their scores transposed so that each vector is one key across the 8:
-// the causal mask is one compare of the row positions, maxima, exps and sums lane-wise);
-// P.V keeps 8 accumulator vectors in registers at a time. Before it, chunks over 16 tokens
-// went to SDPA's flash kernel on such CPUs.
+// time, both products by key (key_scores8, key_pv8: q transposed once per tile, 8 row-heads a
+// vector; K and V rows in place in a float32 cache, widened once otherwise); the online
+// softmax runs on 8 row-heads a vector, each vector one key across the 8 (the causal mask is
+// one compare of the row positions, maxima, exps and sums lane-wise). Before it, chunks
+// over 16 tokens went to SDPA's flash kernel on such CPUs.
 template <typename T, int D>
 void attend_tile_avx2(const QIO& io, const int64_t* rows, int n_rows, int32_t first_pos, const T* kc, const T* vc,
                       const float* ks, const float* vs, const int32_t* table, int KVH, int G, int bs, float scale, int h,
                       int window, float softcap) {
     using modserve::load8;
-    constexpr int NV = D / 8;           // vectors per row
-    constexpr int W = NV < 8 ? NV : 8;  // accumulator vectors in registers at a time
+    constexpr int NV = D / 8;  // vectors per row
     const TileWork<8> w(io, rows, n_rows, first_pos, G, h, D, scale);
-    const int R = w.R, R_pad = w.R_pad;
+    const int R = w.R, R_pad = w.R_pad, groups = R_pad / 8;
     const int64_t row_stride = static_cast<int64_t>(KVH) * D;
     float *qs = w.qs, *acc = w.acc, *sbuf = w.sbuf, *ptile = w.ptile, *m = w.m, *l = w.l, *corrs = w.corrs, *kt = w.kt, *vbuf = w.vbuf;
     const int32_t* rpos = w.rpos;
+    static thread_local std::vector<float> q_work;  // qT: [groups][D][8]
+    q_work.resize(static_cast<size_t>(R_pad) * D + 8);
+    float* qT = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(q_work.data()) + 31) & ~uintptr_t{31});
+    for (int g = 0; g < groups; ++g) {
+        for (int j = 0; j < NV; ++j) {
+            __m256 blk[8];
+            for (int i = 0; i < 8; ++i) blk[i] = _mm256_load_ps(qs + (g * 8 + i) * D + 8 * j);
+            modserve::transpose8x8(blk);
+            for (int d = 0; d < 8; ++d) _mm256_store_ps(qT + (g * D + 8 * j + d) * 8, blk[d]);
+        }
+    }
     const int n_keys = first_pos + n_rows;  // the last row sees keys 0 .. first_pos + n_rows - 1
     const int chunk = bs < 8 ? bs : 8;
     const __m256 neg_inf = _mm256_set1_ps(-INFINITY);
@@ -1312,44 +1395,40 @@ void attend_tile_avx2(const QIO& io, const int64_t* rows, int n_rows, int32_t fi
         const int64_t offset = srow * row_stride + h * D;
         const T* kb = kc + offset;
         const T* vb = vc + offset;
-        alignas(32) float vs8[8] = {1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f};
-        __m256 kscale = _mm256_set1_ps(1.f);
+        alignas(32) float k8[8] = {}, vs8[8] = {1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f};
         if (ks) {
-            alignas(32) float k8[8] = {};
             for (int t = 0; t < n; ++t) k8[t] = ks[(srow + t) * KVH + h], vs8[t] = vs[(srow + t) * KVH + h];
-            kscale = _mm256_load_ps(k8);
         }
-        for (int j = 0; j < NV; ++j) {  // K: 8 keys x 8 dims per block, transposed into kt
-            __m256 blk[8];
-            for (int t = 0; t < 8; ++t) blk[t] = t < n ? load8(kb + t * row_stride + 8 * j) : _mm256_setzero_ps();
-            modserve::transpose8x8(blk);
-            for (int d = 0; d < 8; ++d) _mm256_store_ps(kt + (8 * j + d) * 8, blk[d]);
-        }
-        for (int t = 0; t < n; ++t) {
-            for (int j = 0; j < NV; ++j) _mm256_store_ps(vbuf + t * D + 8 * j, load8(vb + t * row_stride + 8 * j));
-        }
-        for (int g0 = 0; g0 < R_pad; g0 += kRowGroup) {  // scores: kRowGroup row-heads share each K load
-            __m256 sc[kRowGroup];
-            for (int r = 0; r < kRowGroup; ++r) sc[r] = _mm256_setzero_ps();
-            for (int d = 0; d < D; ++d) {
-                const __m256 kd = _mm256_load_ps(kt + d * 8);
-                for (int r = 0; r < kRowGroup; ++r) sc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(qs + (g0 + r) * D + d), kd, sc[r]);
-            }
-            for (int r = 0; r < kRowGroup; ++r) {
-                __m256 sr = _mm256_mul_ps(sc[r], kscale);
-                if (softcap > 0.f) {
-                    alignas(32) float x[8];
-                    _mm256_store_ps(x, sr);
-                    for (float& v : x) v = cap_score(v, softcap);
-                    sr = _mm256_load_ps(x);
+        const float *kr = kt, *vr = vbuf;  // the chunk's K and V rows as float32, kstride and vstride apart
+        int64_t kstride = D, vstride = D;
+        if (std::is_same_v<T, float> && n == 8) {  // in place: 8 rows exist in the block
+            kr = reinterpret_cast<const float*>(kb), vr = reinterpret_cast<const float*>(vb);
+            kstride = vstride = row_stride;
+        } else {
+            for (int t = 0; t < 8; ++t) {  // rows past n: zeros (their scores are masked, their weights 0)
+                for (int j = 0; j < NV; ++j) {
+                    _mm256_store_ps(kt + t * D + 8 * j, t < n ? load8(kb + t * row_stride + 8 * j) : _mm256_setzero_ps());
+                    _mm256_store_ps(vbuf + t * D + 8 * j, t < n ? load8(vb + t * row_stride + 8 * j) : _mm256_setzero_ps());
                 }
-                _mm256_store_ps(sbuf + (g0 + r) * 8, sr);
             }
+        }
+        for (int g = 0; g < groups; g += 2) {  // scores by key: two groups of 8 row-heads share each K broadcast
+            if (groups - g >= 2)
+                key_scores8<2, D>(qT + g * D * 8, kr, kstride, sbuf + g * 64);
+            else
+                key_scores8<1, D>(qT + g * D * 8, kr, kstride, sbuf + g * 64);
         }
         for (int g0 = 0; g0 < R_pad; g0 += 8) {  // online softmax, 8 row-heads a vector
             __m256 st[8], valid[8];
-            for (int r = 0; r < 8; ++r) st[r] = _mm256_load_ps(sbuf + (g0 + r) * 8);
-            modserve::transpose8x8(st);  // st[t]: key t's scores across the 8 row-heads
+            for (int t = 0; t < 8; ++t) {  // st[t]: key t's scores across the 8 row-heads
+                st[t] = _mm256_mul_ps(_mm256_load_ps(sbuf + (g0 + t) * 8), _mm256_set1_ps(ks ? k8[t] : 1.f));
+                if (softcap > 0.f) {
+                    alignas(32) float x[8];
+                    _mm256_store_ps(x, st[t]);
+                    for (float& v : x) v = cap_score(v, softcap);
+                    st[t] = _mm256_load_ps(x);
+                }
+            }
             const __m256i pos = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rpos + g0));
             __m256 rowmax = neg_inf;
             for (int t = 0; t < 8; ++t) {
@@ -1377,25 +1456,24 @@ void attend_tile_avx2(const QIO& io, const int64_t* rows, int n_rows, int32_t fi
             _mm256_store_ps(l + g0, _mm256_fmadd_ps(_mm256_load_ps(l + g0), corr, sum));
             _mm256_store_ps(corrs + g0, corr);
         }
-        for (int rh = 0; rh < R; ++rh) {  // P.V: each row-head's weights broadcast from ptile
-            const int visible = first_pos + rh / G - start + 1;  // keys of this chunk the row may see
-            const int count = visible < n ? visible : n;
-            if (count <= 0) continue;
-            const float* pw = ptile + (rh / 8) * 64 + rh % 8;  // key t's weight: pw[8 * t]
-            const __m256 corr = _mm256_set1_ps(corrs[rh]);
-            for (int j0 = 0; j0 < NV; j0 += W) {
-                __m256 a[W];
-                for (int j = 0; j < W; ++j) a[j] = _mm256_mul_ps(_mm256_load_ps(acc + rh * D + 8 * (j0 + j)), corr);
-                for (int t = 0; t < count; ++t) {
-                    const __m256 pt = _mm256_broadcast_ss(pw + 8 * t);
-                    for (int j = 0; j < W; ++j) a[j] = _mm256_fmadd_ps(pt, _mm256_load_ps(vbuf + t * D + 8 * (j0 + j)), a[j]);
-                }
-                for (int j = 0; j < W; ++j) _mm256_store_ps(acc + rh * D + 8 * (j0 + j), a[j]);
-            }
+        for (int g = 0; g < groups; g += 2) {  // P.V by key, as the scores
+            if (groups - g >= 2)
+                key_pv8<2, D>(acc + g * D * 8, ptile + g * 64, corrs + g * 8, vr, vstride);
+            else
+                key_pv8<1, D>(acc + g * D * 8, ptile + g * 64, corrs + g * 8, vr, vstride);
+        }
+    }
+    float* out = qs;  // acc by row-head ([R_pad][D]), where q was
+    for (int g = 0; g < groups; ++g) {
+        for (int j = 0; j < NV; ++j) {
+            __m256 blk[8];
+            for (int d = 0; d < 8; ++d) blk[d] = _mm256_load_ps(acc + (g * D + 8 * j + d) * 8);
+            modserve::transpose8x8(blk);
+            for (int i = 0; i < 8; ++i) _mm256_store_ps(out + (g * 8 + i) * D + 8 * j, blk[i]);
         }
     }
     for (int rh = 0; rh < R; ++rh) {
-        put_head(io, rows[rh / G], static_cast<int64_t>(h * G + rh % G) * D, acc + rh * D, D, l[rh]);
+        put_head(io, rows[rh / G], static_cast<int64_t>(h * G + rh % G) * D, out + rh * D, D, l[rh]);
     }
 }
 #endif  // AVX2 without AVX-512
