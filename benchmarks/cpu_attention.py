@@ -6,16 +6,24 @@ comes from memory, not from L3, as in the engine), the standard build and the AV
 kernel against SDPA's flash kernel on the same inputs. Prints times and ratios.
 
     python benchmarks/cpu_attention.py [--dtype bfloat16] [--batch 64] [--context 300]
+
+``--baseline-source FILE`` also builds another version of the kernel's source (say ``git show
+REV:native/cpu_paged_attention.cpp > /tmp/old.cpp``) and times the prefill tiles of both builds
+alternated in this process (``--extra-flags=-mno-avx512f``: both as the AVX2 build), the way
+changes to the tiles are measured on a machine whose speed drifts.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from modserve.native.build import compile_and_load
 from modserve.plugins.attention import cpu_kernel_build as kernel
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # SmolLM2-135M
@@ -100,6 +108,23 @@ def prefill(args, dtype: torch.dtype, length: int, chunks: int) -> None:
     print(f"prefill, {chunks} chunks x {length} tokens, one layer, {dtype}: kernel {t_ours * 1e3:.2f} ms "
           f"({flops / t_ours / 1e9:.0f} GFLOP/s), SDPA {t_sdpa * 1e3:.2f} ms ({flops / t_sdpa / 1e9:.0f} GFLOP/s): "
           f"kernel {t_sdpa / t_ours:.2f}x faster")
+    if args.baseline_source:
+        extra = tuple(args.extra_flags.split())
+        builds = {"baseline": compile_and_load(Path(args.baseline_source), "the baseline attention kernel", extra),
+                  "this tree": kernel.load(extra)}
+        times, outs = {name: [] for name in builds}, {}
+        for r in range(args.rounds):  # alternated, the order swapped every round
+            for name in (list(builds) if r % 2 == 0 else list(builds)[::-1]):
+                out = torch.empty_like(q)
+                t0 = time.perf_counter()
+                kernel.paged_attention(q, out, k_cache, v_cache, None, None, tables, rows, seq, pos, scale, builds[name])
+                times[name].append(time.perf_counter() - t0)
+                outs[name] = out.float()
+        old, new = (statistics.median(times[name]) for name in builds)
+        ratios = [a / b for a, b in zip(times["baseline"], times["this tree"])]
+        print(f"  {args.rounds} alternated rounds{' ' + args.extra_flags if extra else ''}: baseline {old * 1e3:.2f} ms, this tree "
+              f"{new * 1e3:.2f} ms (medians), median ratio {statistics.median(ratios):.2f}x, max |diff| "
+              f"{(outs['baseline'] - outs['this tree']).abs().max().item():.1e}")
     avx2 = kernel.load(("-mno-avx512f",)) if args.avx2_prefill else None
     if avx2 is not None and avx2.modserve_tiled(HEAD_DIM):
         t_avx2 = timed(lambda: ours(avx2), args.repeats)
@@ -117,6 +142,9 @@ def main() -> None:
                    "long-running engine leaves them (default: consecutive)")
     p.add_argument("--avx2-prefill", action="store_true", help="prefill: also the AVX2 build's tiles (an AVX-512 CPU "
                    "can run them; with SDPA capped to AVX2 too, ATEN_CPU_CAPABILITY=avx2, as on an AVX2-only CPU)")
+    p.add_argument("--baseline-source", help="prefill: also this source of the kernel, alternated with this tree's build")
+    p.add_argument("--extra-flags", default="", help="compiler flags for both builds of --baseline-source, e.g. -mno-avx512f")
+    p.add_argument("--rounds", type=int, default=15, help="alternated rounds for --baseline-source")
     args = p.parse_args()
     dtype = getattr(torch, args.dtype)
     print(f"torch threads: {torch.get_num_threads()}")
