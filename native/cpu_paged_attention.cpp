@@ -39,7 +39,8 @@ using modserve::exp_nonpositive;
 constexpr int kMaxGroup = 64;  // query heads per KV head
 constexpr int kMaxHeadDim = 256;
 constexpr int kMaxBlock = 256;
-constexpr int kTileRows = 16;  // consecutive query rows of a sequence handled together (AVX-512 path)
+constexpr int kTileRowHeads = 48;  // a tile's rows x query heads of its KV head, about: three 16-lane groups, which
+                                   // key_scores / key_pv share each broadcast over (16 rows at SmolLM2's 3 heads a KV head)
 constexpr int kRowGroup = 8;  // row-heads whose scores are computed together, sharing each K load
 
 inline float load(const float* p, int i) { return p[i]; }
@@ -914,7 +915,7 @@ inline void key_pv(float* accT, const float* p, const float* corr, const float* 
     }
 }
 
-// Causal attention for a tile: up to kTileRows consecutive query rows of one sequence
+// Causal attention for a tile: consecutive query rows of one sequence (about kTileRowHeads / G)
 // (a prefill chunk, speculative verify rows) against KV head h. q is transposed once per tile
 // (16 row-heads a vector); each 16-key chunk's scores then come by key (key_scores), the
 // layout the online softmax wants, from K rows read in place in a float32 cache (widened
@@ -1178,7 +1179,7 @@ inline void merge_parts(const QIO& io, int64_t token, const Partial* parts, int 
 // four parts on two threads: 17-18; one row over float32 caches from memory: 0.84x the time
 // on the AVX-512 path, 0.78x on the portable loops an AVX2 machine runs).
 // With the AVX-512 path, runs of consecutive positions of one sequence (prefill chunks,
-// verify rows) become tiles of up to kTileRows rows, one item per tile x KV head, the most
+// verify rows) become tiles of about kTileRowHeads / G rows, one item per tile x KV head, the most
 // keys first (the items are dealt out dynamically).
 struct Item {
     int first, count, h0, h1;  // rows[first .. first + count), KV heads [h0, h1)
@@ -1357,8 +1358,8 @@ inline void key_pv8(float* accT, const float* p, const float* corr, const float*
     }
 }
 
-// attend_tile_avx512 with 8 lanes, for CPUs with AVX2 and FMA but no AVX-512: up to
-// kTileRows consecutive query rows of one sequence against KV head h, 8 keys (a chunk) at a
+// attend_tile_avx512 with 8 lanes, for CPUs with AVX2 and FMA but no AVX-512: the
+// consecutive query rows of a tile (one sequence's) against KV head h, 8 keys (a chunk) at a
 // time, both products by key (key_scores8, key_pv8: q transposed once per tile, 8 row-heads a
 // vector; K and V rows in place in a float32 cache, widened once otherwise); the online
 // softmax runs on 8 row-heads a vector, each vector one key across the 8 (the causal mask is
@@ -1496,9 +1497,10 @@ void run(const QIO& io, const void* k_cache, const void* v_cache, const float* k
     tiled = FixedD > 0;
 #endif
     std::vector<Item> tiles, singles;
+    const int tile_rows = std::max(2, kTileRowHeads / (H / KVH));  // 16 at 3 query heads a KV head, 48 at 1, 12 at 4
     for (int i = 0; i < n_rows;) {
         int c = 1;
-        while (tiled && i + c < n_rows && c < kTileRows && row_seq[i + c] == row_seq[i] && row_pos[i + c] == row_pos[i] + c) ++c;
+        while (tiled && i + c < n_rows && c < tile_rows && row_seq[i + c] == row_seq[i] && row_pos[i + c] == row_pos[i] + c) ++c;
         (c > 1 ? tiles : singles).push_back({i, c, 0, KVH});
         i += c;
     }

@@ -60,6 +60,7 @@ THREADS = {"decode_two": 4}  # the kernel's OpenMP threads where not torch's def
     [
         (9, 3, 64, 16, torch.float32, False),  # SmolLM2's shape
         (4, 4, 32, 16, torch.float32, False),  # MHA, a head size without a specialised path
+        (4, 4, 64, 16, torch.float32, False),  # MHA with tiles: 48 rows each (prefill: a 63-row chunk, 48 + 15)
         (8, 1, 128, 32, torch.float32, False),  # MQA; blocks of 32 are two 16-token chunks
         (9, 3, 64, 16, torch.bfloat16, False),
         (8, 2, 128, 8, torch.bfloat16, False),  # blocks smaller than a 16-token chunk
