@@ -379,6 +379,106 @@ struct TileWork {
     }
 };
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// The float32 tiles' vector (attend_tile_avx512, attend_tile_avx2): L lanes, a lane per
+// row-head in the products by key below, which take KT keys (or dimensions) a pass, so that
+// their 3 KT (AVX-512: 24 of 32 registers) or 2 KT (AVX2: 8 of 16) sums stay in registers.
+#if defined(__AVX512F__)
+struct TileVec {
+    using V = __m512;
+    static constexpr int L = 16, KT = 8;
+    static V zero() { return _mm512_setzero_ps(); }
+    static V load(const float* p) { return _mm512_load_ps(p); }
+    static void store(float* p, V v) { _mm512_store_ps(p, v); }
+    static V set1(float x) { return _mm512_set1_ps(x); }
+    static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+    static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+};
+#else
+struct TileVec {
+    using V = __m256;
+    static constexpr int L = 8, KT = 4;
+    static V zero() { return _mm256_setzero_ps(); }
+    static V load(const float* p) { return _mm256_load_ps(p); }
+    static void store(float* p, V v) { _mm256_store_ps(p, v); }
+    static V set1(float x) { return _mm256_set1_ps(x); }
+    static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+    static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+};
+#endif
+
+// A tile's scores by key for NG groups of L row-heads: out[g][t] (a vector, a lane per
+// row-head) = q . k_t, from q transposed (qT: each group's [D][L], groups D * L apart) and
+// a chunk's L K rows (kstride apart), KT keys a pass. Each K element is broadcast once for
+// the NG groups and each q vector feeds KT keys: at NG 3 with AVX-512 a d step is 11 loads
+// for 24 FMAs. By row-head (a K vector and a broadcast of q per FMA) the loads held it back,
+// and the scores then needed a transpose per L row-heads, K one per L dimensions.
+template <int NG, int D>
+inline void key_scores(const float* qT, const float* k, int64_t kstride, float* out) {
+    using T = TileVec;
+    for (int k0 = 0; k0 < T::L; k0 += T::KT) {
+        const float* kh = k + k0 * kstride;
+        typename T::V s[NG][T::KT];
+#pragma GCC unroll 3
+        for (int g = 0; g < NG; ++g) {
+#pragma GCC unroll 8
+            for (int t = 0; t < T::KT; ++t) s[g][t] = T::zero();
+        }
+        for (int d = 0; d < D; ++d) {
+            typename T::V q[NG];
+#pragma GCC unroll 3
+            for (int g = 0; g < NG; ++g) q[g] = T::load(qT + (g * D + d) * T::L);
+#pragma GCC unroll 8
+            for (int t = 0; t < T::KT; ++t) {
+                const typename T::V kv = T::set1(kh[t * kstride + d]);
+#pragma GCC unroll 3
+                for (int g = 0; g < NG; ++g) s[g][t] = T::fma(q[g], kv, s[g][t]);
+            }
+        }
+#pragma GCC unroll 3
+        for (int g = 0; g < NG; ++g) {
+#pragma GCC unroll 8
+            for (int t = 0; t < T::KT; ++t) T::store(out + (g * T::L + k0 + t) * T::L, s[g][t]);
+        }
+    }
+}
+
+// P.V for NG groups of L row-heads, by key as the scores: accT (each group's [D][L], a lane
+// per row-head) = accT * corr + sum over a chunk's L keys of p_t * v_t, with p by key (each
+// group's [L keys][L]) and the V rows vstride apart, KT dimensions a pass, so each V element
+// is broadcast once for the NG groups. By row-head (V vectors and a broadcast weight) it was
+// load-bound and ran at a quarter of the FMA rate. Keys a row may not see have weight 0 (and
+// finite V rows).
+template <int NG, int D>
+inline void key_pv(float* accT, const float* p, const float* corr, const float* v, int64_t vstride) {
+    using T = TileVec;
+    for (int d0 = 0; d0 < D; d0 += T::KT) {
+        typename T::V a[NG][T::KT];
+#pragma GCC unroll 3
+        for (int g = 0; g < NG; ++g) {
+#pragma GCC unroll 8
+            for (int i = 0; i < T::KT; ++i) a[g][i] = T::mul(T::load(accT + (g * D + d0 + i) * T::L), T::load(corr + T::L * g));
+        }
+        for (int t = 0; t < T::L; ++t) {
+            typename T::V pv[NG];
+#pragma GCC unroll 3
+            for (int g = 0; g < NG; ++g) pv[g] = T::load(p + (g * T::L + t) * T::L);
+#pragma GCC unroll 8
+            for (int i = 0; i < T::KT; ++i) {
+                const typename T::V vb = T::set1(v[t * vstride + d0 + i]);
+#pragma GCC unroll 3
+                for (int g = 0; g < NG; ++g) a[g][i] = T::fma(pv[g], vb, a[g][i]);
+            }
+        }
+#pragma GCC unroll 3
+        for (int g = 0; g < NG; ++g) {
+#pragma GCC unroll 8
+            for (int i = 0; i < T::KT; ++i) T::store(accT + (g * D + d0 + i) * T::L, a[g][i]);
+        }
+    }
+}
+#endif
+
 #if defined(__AVX512F__)
 // The 16 scores of a chunk, one a lane, from dot(t): key t's products as a vector of partial
 // sums (lanes n.. are 0). A full chunk's keys come in pairs, each pair folded at once
@@ -843,78 +943,6 @@ inline void tile_scores_by_key(const float* scores, const int32_t* rpos, const f
     tile_mask_and_max(st, rpos, m, start, n, valid, m_new, corr, window);
 }
 
-// A float32 tile's scores by key for NG groups of 16 row-heads: out[g][t] (a vector, a lane
-// per row-head) = q . k_t, from q transposed (qT: each group's [D][16], groups D * 16 apart)
-// and the chunk's 16 K rows (kstride apart), 8 keys at a time. Each K element is broadcast
-// once for all NG groups and each q vector feeds 8 keys, so at NG 3 a d step is 11 loads for
-// 24 FMAs; by row-head (a K vector and 8 broadcasts of q for 8 FMAs) the loads held it back,
-// and the scores then needed a transpose per 16 row-heads, K one per 16 dimensions.
-template <int NG, int D>
-inline void key_scores(const float* qT, const float* k, int64_t kstride, float* out) {
-    for (int half = 0; half < 16; half += 8) {
-        const float* kh = k + half * kstride;
-        __m512 s[NG][8];
-#pragma GCC unroll 3
-        for (int g = 0; g < NG; ++g) {
-#pragma GCC unroll 8
-            for (int t = 0; t < 8; ++t) s[g][t] = _mm512_setzero_ps();
-        }
-        for (int d = 0; d < D; ++d) {
-            __m512 q[NG];
-#pragma GCC unroll 3
-            for (int g = 0; g < NG; ++g) q[g] = _mm512_load_ps(qT + (g * D + d) * 16);
-#pragma GCC unroll 8
-            for (int t = 0; t < 8; ++t) {
-                const __m512 kv = _mm512_set1_ps(kh[t * kstride + d]);
-#pragma GCC unroll 3
-                for (int g = 0; g < NG; ++g) s[g][t] = _mm512_fmadd_ps(q[g], kv, s[g][t]);
-            }
-        }
-#pragma GCC unroll 3
-        for (int g = 0; g < NG; ++g) {
-#pragma GCC unroll 8
-            for (int t = 0; t < 8; ++t) _mm512_store_ps(out + (g * 16 + half + t) * 16, s[g][t]);
-        }
-    }
-}
-
-// P.V for NG groups of 16 row-heads, by key as the scores: accT (each group's [D][16], a lane
-// per row-head) = accT * corr + sum over the chunk's 16 keys of p_t * v_t, with p by key
-// (each group's [16 keys][16]) and the V rows vstride apart; 8 dimensions at a time, so each
-// V element is broadcast once for the NG groups (24 sums at NG 3). By row-head (V vectors and
-// a broadcast weight) it was load-bound and ran at a quarter of the FMA rate. Keys a row may
-// not see have weight 0 (and finite V rows).
-template <int NG, int D>
-inline void key_pv(float* accT, const float* p, const float* corr, const float* v, int64_t vstride) {
-    __m512 c[NG];
-#pragma GCC unroll 3
-    for (int g = 0; g < NG; ++g) c[g] = _mm512_load_ps(corr + 16 * g);
-    for (int d0 = 0; d0 < D; d0 += 8) {
-        __m512 a[NG][8];
-#pragma GCC unroll 3
-        for (int g = 0; g < NG; ++g) {
-#pragma GCC unroll 8
-            for (int i = 0; i < 8; ++i) a[g][i] = _mm512_mul_ps(_mm512_load_ps(accT + (g * D + d0 + i) * 16), c[g]);
-        }
-        for (int t = 0; t < 16; ++t) {
-            __m512 pv[NG];
-#pragma GCC unroll 3
-            for (int g = 0; g < NG; ++g) pv[g] = _mm512_load_ps(p + (g * 16 + t) * 16);
-#pragma GCC unroll 8
-            for (int i = 0; i < 8; ++i) {
-                const __m512 vb = _mm512_set1_ps(v[t * vstride + d0 + i]);
-#pragma GCC unroll 3
-                for (int g = 0; g < NG; ++g) a[g][i] = _mm512_fmadd_ps(pv[g], vb, a[g][i]);
-            }
-        }
-#pragma GCC unroll 3
-        for (int g = 0; g < NG; ++g) {
-#pragma GCC unroll 8
-            for (int i = 0; i < 8; ++i) _mm512_store_ps(accT + (g * D + d0 + i) * 16, a[g][i]);
-        }
-    }
-}
-
 // Causal attention for a tile: consecutive query rows of one sequence (about kTileRowHeads / G)
 // (a prefill chunk, speculative verify rows) against KV head h. q is transposed once per tile
 // (16 row-heads a vector); each 16-key chunk's scores then come by key (key_scores), the
@@ -1298,69 +1326,9 @@ void attend_avx2(const QIO& io, int64_t token, const T* kc, const T* vc, const f
     if (!keep_part(part, nh, D, acc, m, l)) finish_heads(io, token, h0 * G, nh, D, acc, l);
 }
 
-// key_scores and key_pv with 8 lanes (AVX2): groups of 8 row-heads, NG of them sharing each
-// broadcast, 4 keys (or dimensions) at a time, so that the sums (4 NG) and the vectors they
-// need fit the 16 ymm registers.
-template <int NG, int D>
-inline void key_scores8(const float* qT, const float* k, int64_t kstride, float* out) {
-    for (int k0 = 0; k0 < 8; k0 += 4) {
-        const float* kh = k + k0 * kstride;
-        __m256 s[NG][4];
-#pragma GCC unroll 2
-        for (int g = 0; g < NG; ++g) {
-#pragma GCC unroll 4
-            for (int t = 0; t < 4; ++t) s[g][t] = _mm256_setzero_ps();
-        }
-        for (int d = 0; d < D; ++d) {
-            __m256 q[NG];
-#pragma GCC unroll 2
-            for (int g = 0; g < NG; ++g) q[g] = _mm256_load_ps(qT + (g * D + d) * 8);
-#pragma GCC unroll 4
-            for (int t = 0; t < 4; ++t) {
-                const __m256 kv = _mm256_broadcast_ss(kh + t * kstride + d);
-#pragma GCC unroll 2
-                for (int g = 0; g < NG; ++g) s[g][t] = _mm256_fmadd_ps(q[g], kv, s[g][t]);
-            }
-        }
-#pragma GCC unroll 2
-        for (int g = 0; g < NG; ++g) {
-#pragma GCC unroll 4
-            for (int t = 0; t < 4; ++t) _mm256_store_ps(out + (g * 8 + k0 + t) * 8, s[g][t]);
-        }
-    }
-}
-
-template <int NG, int D>
-inline void key_pv8(float* accT, const float* p, const float* corr, const float* v, int64_t vstride) {
-    for (int d0 = 0; d0 < D; d0 += 4) {
-        __m256 a[NG][4];
-#pragma GCC unroll 2
-        for (int g = 0; g < NG; ++g) {
-#pragma GCC unroll 4
-            for (int i = 0; i < 4; ++i) a[g][i] = _mm256_mul_ps(_mm256_load_ps(accT + (g * D + d0 + i) * 8), _mm256_load_ps(corr + 8 * g));
-        }
-        for (int t = 0; t < 8; ++t) {
-            __m256 pv[NG];
-#pragma GCC unroll 2
-            for (int g = 0; g < NG; ++g) pv[g] = _mm256_load_ps(p + (g * 8 + t) * 8);
-#pragma GCC unroll 4
-            for (int i = 0; i < 4; ++i) {
-                const __m256 vb = _mm256_broadcast_ss(v + t * vstride + d0 + i);
-#pragma GCC unroll 2
-                for (int g = 0; g < NG; ++g) a[g][i] = _mm256_fmadd_ps(pv[g], vb, a[g][i]);
-            }
-        }
-#pragma GCC unroll 2
-        for (int g = 0; g < NG; ++g) {
-#pragma GCC unroll 4
-            for (int i = 0; i < 4; ++i) _mm256_store_ps(accT + (g * D + d0 + i) * 8, a[g][i]);
-        }
-    }
-}
-
 // attend_tile_avx512 with 8 lanes, for CPUs with AVX2 and FMA but no AVX-512: the
 // consecutive query rows of a tile (one sequence's) against KV head h, 8 keys (a chunk) at a
-// time, both products by key (key_scores8, key_pv8: q transposed once per tile, 8 row-heads a
+// time, both products by key (key_scores, key_pv: q transposed once per tile, 8 row-heads a
 // vector; K and V rows in place in a float32 cache, widened once otherwise); the online
 // softmax runs on 8 row-heads a vector, each vector one key across the 8 (the causal mask is
 // one compare of the row positions, maxima, exps and sums lane-wise). Before it, chunks
@@ -1415,9 +1383,9 @@ void attend_tile_avx2(const QIO& io, const int64_t* rows, int n_rows, int32_t fi
         }
         for (int g = 0; g < groups; g += 2) {  // scores by key: two groups of 8 row-heads share each K broadcast
             if (groups - g >= 2)
-                key_scores8<2, D>(qT + g * D * 8, kr, kstride, sbuf + g * 64);
+                key_scores<2, D>(qT + g * D * 8, kr, kstride, sbuf + g * 64);
             else
-                key_scores8<1, D>(qT + g * D * 8, kr, kstride, sbuf + g * 64);
+                key_scores<1, D>(qT + g * D * 8, kr, kstride, sbuf + g * 64);
         }
         for (int g0 = 0; g0 < R_pad; g0 += 8) {  // online softmax, 8 row-heads a vector
             __m256 st[8], valid[8];
@@ -1459,9 +1427,9 @@ void attend_tile_avx2(const QIO& io, const int64_t* rows, int n_rows, int32_t fi
         }
         for (int g = 0; g < groups; g += 2) {  // P.V by key, as the scores
             if (groups - g >= 2)
-                key_pv8<2, D>(acc + g * D * 8, ptile + g * 64, corrs + g * 8, vr, vstride);
+                key_pv<2, D>(acc + g * D * 8, ptile + g * 64, corrs + g * 8, vr, vstride);
             else
-                key_pv8<1, D>(acc + g * D * 8, ptile + g * 64, corrs + g * 8, vr, vstride);
+                key_pv<1, D>(acc + g * D * 8, ptile + g * 64, corrs + g * 8, vr, vstride);
         }
     }
     float* out = qs;  // acc by row-head ([R_pad][D]), where q was
