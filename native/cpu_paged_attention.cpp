@@ -386,7 +386,8 @@ struct TileWork {
 #if defined(__AVX512F__)
 struct TileVec {
     using V = __m512;
-    static constexpr int L = 16, KT = 8;
+    static constexpr int L = 16, KT = 8, NG = 3;  // NG: groups of L row-heads a broadcast feeds at most
+    static void transpose(V* r) { modserve::transpose16x16(r); }  // L x L
     static V zero() { return _mm512_setzero_ps(); }
     static V load(const float* p) { return _mm512_load_ps(p); }
     static void store(float* p, V v) { _mm512_store_ps(p, v); }
@@ -397,7 +398,8 @@ struct TileVec {
 #else
 struct TileVec {
     using V = __m256;
-    static constexpr int L = 8, KT = 4;
+    static constexpr int L = 8, KT = 4, NG = 2;
+    static void transpose(V* r) { modserve::transpose8x8(r); }
     static V zero() { return _mm256_setzero_ps(); }
     static V load(const float* p) { return _mm256_load_ps(p); }
     static void store(float* p, V v) { _mm256_store_ps(p, v); }
@@ -474,6 +476,53 @@ inline void key_pv(float* accT, const float* p, const float* corr, const float* 
         for (int g = 0; g < NG; ++g) {
 #pragma GCC unroll 8
             for (int i = 0; i < T::KT; ++i) T::store(accT + (g * D + d0 + i) * T::L, a[g][i]);
+        }
+    }
+}
+
+// A tile's chunk through both, for all its `groups` groups of L row-heads, up to TileVec::NG
+// groups a call: the scores into `sbuf` ([group][key][L]) ...
+template <int D>
+inline void tile_scores(int groups, const float* qT, const float* k, int64_t kstride, float* sbuf) {
+    constexpr int L = TileVec::L;
+    for (int g = 0; g < groups; g += TileVec::NG) {
+        const int ng = groups - g < TileVec::NG ? groups - g : TileVec::NG;
+        if (ng == 3)
+            key_scores<3, D>(qT + g * D * L, k, kstride, sbuf + g * L * L);
+        else if (ng == 2)
+            key_scores<2, D>(qT + g * D * L, k, kstride, sbuf + g * L * L);
+        else
+            key_scores<1, D>(qT + g * D * L, k, kstride, sbuf + g * L * L);
+    }
+}
+
+// ... and, once the softmax has made the weights `ptile` and rescales `corrs`, P.V into accT.
+template <int D>
+inline void tile_pv(int groups, float* accT, const float* ptile, const float* corrs, const float* v, int64_t vstride) {
+    constexpr int L = TileVec::L;
+    for (int g = 0; g < groups; g += TileVec::NG) {
+        const int ng = groups - g < TileVec::NG ? groups - g : TileVec::NG;
+        if (ng == 3)
+            key_pv<3, D>(accT + g * D * L, ptile + g * L * L, corrs + g * L, v, vstride);
+        else if (ng == 2)
+            key_pv<2, D>(accT + g * D * L, ptile + g * L * L, corrs + g * L, v, vstride);
+        else
+            key_pv<1, D>(accT + g * D * L, ptile + g * L * L, corrs + g * L, v, vstride);
+    }
+}
+
+// `groups` groups of L rows of D floats ([groups * L][D]) to lanes ([groups][D][L], a lane a
+// row: q for the products by key), or back (lanes false: the accumulators to rows).
+template <int D>
+inline void tile_transpose(int groups, const float* from, float* to, bool lanes) {
+    using T = TileVec;
+    for (int g = 0; g < groups; ++g) {
+        for (int j = 0; j < D / T::L; ++j) {
+            typename T::V blk[T::L];
+            const int64_t row0 = static_cast<int64_t>(g) * T::L * D + j * T::L, lane0 = (static_cast<int64_t>(g) * D + j * T::L) * T::L;
+            for (int i = 0; i < T::L; ++i) blk[i] = T::load(from + (lanes ? row0 + i * D : lane0 + i * T::L));
+            T::transpose(blk);
+            for (int i = 0; i < T::L; ++i) T::store(to + (lanes ? lane0 + i * T::L : row0 + i * D), blk[i]);
         }
     }
 }
@@ -965,14 +1014,7 @@ void attend_tile_avx512(const QIO& io, const int64_t* rows, int n_rows, int32_t 
     static thread_local std::vector<float> q_work;  // qT: [groups][D][16], each group of 16 row-heads' q transposed
     q_work.resize(static_cast<size_t>(R_pad) * D + 16);
     float* qT = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(q_work.data()) + 63) & ~uintptr_t{63});
-    for (int g = 0; g < groups; ++g) {
-        for (int j = 0; j < NV; ++j) {
-            __m512 blk[16];
-            for (int i = 0; i < 16; ++i) blk[i] = _mm512_load_ps(qs + (g * 16 + i) * D + 16 * j);
-            modserve::transpose16x16(blk);
-            for (int d = 0; d < 16; ++d) _mm512_store_ps(qT + (g * D + 16 * j + d) * 16, blk[d]);
-        }
-    }
+    tile_transpose<D>(groups, qs, qT, true);
     const int n_keys = first_pos + n_rows;  // the last row sees keys 0 .. first_pos + n_rows - 1
     const int chunk = bs < 16 ? bs : 16;
     for (int start = window_start(first_pos, window) / chunk * chunk; start < n_keys; start += chunk) {
@@ -999,14 +1041,7 @@ void attend_tile_avx512(const QIO& io, const int64_t* rows, int n_rows, int32_t 
                 }
             }
         }
-        for (int g = 0; g < groups; g += 3) {  // scores by key: up to 3 groups of 16 row-heads share each K broadcast
-            if (groups - g >= 3)
-                key_scores<3, D>(qT + g * D * 16, kr, kstride, sbuf + g * 256);
-            else if (groups - g == 2)
-                key_scores<2, D>(qT + g * D * 16, kr, kstride, sbuf + g * 256);
-            else
-                key_scores<1, D>(qT + g * D * 16, kr, kstride, sbuf + g * 256);
-        }
+        tile_scores<D>(groups, qT, kr, kstride, sbuf);  // by key: up to 3 groups of 16 row-heads share each K broadcast
         for (int g0 = 0; g0 < R_pad; g0 += 16) {  // online softmax, 16 row-heads a vector
             __m512 st[16], m_new, corr;
             __mmask16 valid[16];
@@ -1027,24 +1062,10 @@ void attend_tile_avx512(const QIO& io, const int64_t* rows, int n_rows, int32_t 
             _mm512_store_ps(l + g0, _mm512_fmadd_ps(_mm512_load_ps(l + g0), corr, sum));
             _mm512_store_ps(corrs + g0, corr);
         }
-        for (int g = 0; g < groups; g += 3) {  // P.V by key, as the scores
-            if (groups - g >= 3)
-                key_pv<3, D>(acc + g * D * 16, ptile + g * 256, corrs + g * 16, vr, vstride);
-            else if (groups - g == 2)
-                key_pv<2, D>(acc + g * D * 16, ptile + g * 256, corrs + g * 16, vr, vstride);
-            else
-                key_pv<1, D>(acc + g * D * 16, ptile + g * 256, corrs + g * 16, vr, vstride);
-        }
+        tile_pv<D>(groups, acc, ptile, corrs, vr, vstride);  // by key, as the scores
     }
     float* out = qs;  // acc by row-head ([R_pad][D]), where q was
-    for (int g = 0; g < groups; ++g) {
-        for (int j = 0; j < NV; ++j) {
-            __m512 blk[16];
-            for (int d = 0; d < 16; ++d) blk[d] = _mm512_load_ps(acc + (g * D + 16 * j + d) * 16);
-            modserve::transpose16x16(blk);
-            for (int i = 0; i < 16; ++i) _mm512_store_ps(out + (g * 16 + i) * D + 16 * j, blk[i]);
-        }
-    }
+    tile_transpose<D>(groups, acc, out, false);
     for (int rh = 0; rh < R; ++rh) {
         put_head(io, rows[rh / G], static_cast<int64_t>(h * G + rh % G) * D, out + rh * D, D, l[rh]);
     }
@@ -1347,14 +1368,7 @@ void attend_tile_avx2(const QIO& io, const int64_t* rows, int n_rows, int32_t fi
     static thread_local std::vector<float> q_work;  // qT: [groups][D][8]
     q_work.resize(static_cast<size_t>(R_pad) * D + 8);
     float* qT = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(q_work.data()) + 31) & ~uintptr_t{31});
-    for (int g = 0; g < groups; ++g) {
-        for (int j = 0; j < NV; ++j) {
-            __m256 blk[8];
-            for (int i = 0; i < 8; ++i) blk[i] = _mm256_load_ps(qs + (g * 8 + i) * D + 8 * j);
-            modserve::transpose8x8(blk);
-            for (int d = 0; d < 8; ++d) _mm256_store_ps(qT + (g * D + 8 * j + d) * 8, blk[d]);
-        }
-    }
+    tile_transpose<D>(groups, qs, qT, true);
     const int n_keys = first_pos + n_rows;  // the last row sees keys 0 .. first_pos + n_rows - 1
     const int chunk = bs < 8 ? bs : 8;
     const __m256 neg_inf = _mm256_set1_ps(-INFINITY);
@@ -1381,12 +1395,7 @@ void attend_tile_avx2(const QIO& io, const int64_t* rows, int n_rows, int32_t fi
                 }
             }
         }
-        for (int g = 0; g < groups; g += 2) {  // scores by key: two groups of 8 row-heads share each K broadcast
-            if (groups - g >= 2)
-                key_scores<2, D>(qT + g * D * 8, kr, kstride, sbuf + g * 64);
-            else
-                key_scores<1, D>(qT + g * D * 8, kr, kstride, sbuf + g * 64);
-        }
+        tile_scores<D>(groups, qT, kr, kstride, sbuf);  // by key: two groups of 8 row-heads share each K broadcast
         for (int g0 = 0; g0 < R_pad; g0 += 8) {  // online softmax, 8 row-heads a vector
             __m256 st[8], valid[8];
             for (int t = 0; t < 8; ++t) {  // st[t]: key t's scores across the 8 row-heads
@@ -1425,22 +1434,10 @@ void attend_tile_avx2(const QIO& io, const int64_t* rows, int n_rows, int32_t fi
             _mm256_store_ps(l + g0, _mm256_fmadd_ps(_mm256_load_ps(l + g0), corr, sum));
             _mm256_store_ps(corrs + g0, corr);
         }
-        for (int g = 0; g < groups; g += 2) {  // P.V by key, as the scores
-            if (groups - g >= 2)
-                key_pv<2, D>(acc + g * D * 8, ptile + g * 64, corrs + g * 8, vr, vstride);
-            else
-                key_pv<1, D>(acc + g * D * 8, ptile + g * 64, corrs + g * 8, vr, vstride);
-        }
+        tile_pv<D>(groups, acc, ptile, corrs, vr, vstride);  // by key, as the scores
     }
     float* out = qs;  // acc by row-head ([R_pad][D]), where q was
-    for (int g = 0; g < groups; ++g) {
-        for (int j = 0; j < NV; ++j) {
-            __m256 blk[8];
-            for (int d = 0; d < 8; ++d) blk[d] = _mm256_load_ps(acc + (g * D + 8 * j + d) * 8);
-            modserve::transpose8x8(blk);
-            for (int i = 0; i < 8; ++i) _mm256_store_ps(out + (g * 8 + i) * D + 8 * j, blk[i]);
-        }
-    }
+    tile_transpose<D>(groups, acc, out, false);
     for (int rh = 0; rh < R; ++rh) {
         put_head(io, rows[rh / G], static_cast<int64_t>(h * G + rh % G) * D, out + rh * D, D, l[rh]);
     }
