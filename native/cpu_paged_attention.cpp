@@ -332,8 +332,8 @@ struct TileWork {
     float* l;      // [R_pad] running sum of weights
     float* corrs;  // [R_pad] a chunk's rescale of each row-head's accumulator
     int32_t* rpos; // [R_pad] each row-head's position
-    float* kt;     // [D][L] a chunk's K, transposed
-    float* vbuf;   // [L][D] a chunk's V, widened
+    float* kt;     // [L][D] a chunk's K rows, widened (where the tile does not read them in place)
+    float* vbuf;   // [L][D] a chunk's V rows, the same
     TileWork(const QIO& io, const int64_t* rows, int n_rows, int32_t first_pos, int G, int h, int D, float scale) {
         static thread_local std::vector<float> work;
         R = n_rows * G;
