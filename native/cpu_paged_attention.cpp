@@ -388,6 +388,8 @@ struct TileVec {
     using V = __m512;
     static constexpr int L = 16, KT = 8, NG = 3;  // NG: groups of L row-heads a broadcast feeds at most
     static void transpose(V* r) { modserve::transpose16x16(r); }  // L x L
+    template <typename T>
+    static V widen(const T* p) { return modserve::load16(p); }  // L cache elements as float32
     static V zero() { return _mm512_setzero_ps(); }
     static V load(const float* p) { return _mm512_load_ps(p); }
     static void store(float* p, V v) { _mm512_store_ps(p, v); }
@@ -400,6 +402,8 @@ struct TileVec {
     using V = __m256;
     static constexpr int L = 8, KT = 4, NG = 2;
     static void transpose(V* r) { modserve::transpose8x8(r); }
+    template <typename T>
+    static V widen(const T* p) { return modserve::load8(p); }
     static V zero() { return _mm256_setzero_ps(); }
     static V load(const float* p) { return _mm256_load_ps(p); }
     static void store(float* p, V v) { _mm256_store_ps(p, v); }
@@ -526,6 +530,40 @@ inline void tile_transpose(int groups, const float* from, float* to, bool lanes)
         }
     }
 }
+
+// One chunk of a tile's keys for KV head h (n cache rows from row srow), as the products by key
+// read it: the K and V rows as float32, `stride` apart (in place in a float32 cache when the
+// chunk has all L rows, else widened into kbuf and vbuf, [L][D], zeros past n: their scores
+// are masked, their weights 0), and an int8 cache's scales (1 without, and past n).
+template <typename C, int D>
+struct TileChunk {
+    const float* k;
+    const float* v;
+    int64_t stride;
+    alignas(64) float k_scale[TileVec::L], v_scale[TileVec::L];
+    TileChunk(const C* kc, const C* vc, const float* ks, const float* vs, int64_t srow, int KVH, int h, int n, float* kbuf,
+              float* vbuf) {
+        using T = TileVec;
+        const int64_t row_stride = static_cast<int64_t>(KVH) * D;
+        const C* kb = kc + srow * row_stride + h * D;
+        const C* vb = vc + srow * row_stride + h * D;
+        for (int t = 0; t < T::L; ++t) k_scale[t] = v_scale[t] = 1.f;
+        if (ks) {
+            for (int t = 0; t < n; ++t) k_scale[t] = ks[(srow + t) * KVH + h], v_scale[t] = vs[(srow + t) * KVH + h];
+        }
+        if (std::is_same_v<C, float> && n == T::L) {  // in place: L rows exist in the block
+            k = reinterpret_cast<const float*>(kb), v = reinterpret_cast<const float*>(vb), stride = row_stride;
+            return;
+        }
+        for (int t = 0; t < T::L; ++t) {
+            for (int j = 0; j < D / T::L; ++j) {
+                T::store(kbuf + t * D + T::L * j, t < n ? T::widen(kb + t * row_stride + T::L * j) : T::zero());
+                T::store(vbuf + t * D + T::L * j, t < n ? T::widen(vb + t * row_stride + T::L * j) : T::zero());
+            }
+        }
+        k = kbuf, v = vbuf, stride = D;
+    }
+};
 #endif
 
 #if defined(__AVX512F__)
@@ -1004,11 +1042,8 @@ template <typename T, int D>
 void attend_tile_avx512(const QIO& io, const int64_t* rows, int n_rows, int32_t first_pos, const T* kc, const T* vc, const float* ks, const float* vs,
                         const int32_t* table, int KVH, int G, int bs, float scale, int h, int window, float softcap) {
     using modserve::exp512_nonpositive;
-    using modserve::load16;
-    constexpr int NV = D / 16;
     const TileWork<16> w(io, rows, n_rows, first_pos, G, h, D, scale);
     const int R = w.R, R_pad = w.R_pad, groups = R_pad / 16;
-    const int64_t row_stride = static_cast<int64_t>(KVH) * D;
     float *qs = w.qs, *acc = w.acc, *sbuf = w.sbuf, *ptile = w.ptile, *m = w.m, *l = w.l, *corrs = w.corrs, *kt = w.kt, *vbuf = w.vbuf;
     const int32_t* rpos = w.rpos;
     static thread_local std::vector<float> q_work;  // qT: [groups][D][16], each group of 16 row-heads' q transposed
@@ -1019,35 +1054,14 @@ void attend_tile_avx512(const QIO& io, const int64_t* rows, int n_rows, int32_t 
     const int chunk = bs < 16 ? bs : 16;
     for (int start = window_start(first_pos, window) / chunk * chunk; start < n_keys; start += chunk) {
         const int n = n_keys - start < chunk ? n_keys - start : chunk;
-        const int64_t srow = slot_of(table, start, bs);  // the chunk's first cache row
-        const int64_t offset = srow * row_stride + h * D;
-        const T* kb = kc + offset;
-        const T* vb = vc + offset;
-        alignas(64) float k16[16] = {}, v16[16];
-        for (int t = 0; t < 16; ++t) v16[t] = 1.f;
-        if (ks) {
-            for (int t = 0; t < n; ++t) k16[t] = ks[(srow + t) * KVH + h], v16[t] = vs[(srow + t) * KVH + h];
-        }
-        const float *kr = kt, *vr = vbuf;  // the chunk's K and V rows as float32, kstride and vstride apart
-        int64_t kstride = D, vstride = D;
-        if (std::is_same_v<T, float> && n == 16) {  // in place: 16 rows exist in the block
-            kr = reinterpret_cast<const float*>(kb), vr = reinterpret_cast<const float*>(vb);
-            kstride = vstride = row_stride;
-        } else {
-            for (int t = 0; t < 16; ++t) {  // rows past n: zeros (their scores are masked)
-                for (int j = 0; j < NV; ++j) {
-                    _mm512_store_ps(kt + t * D + 16 * j, t < n ? load16(kb + t * row_stride + 16 * j) : _mm512_setzero_ps());
-                    _mm512_store_ps(vbuf + t * D + 16 * j, t < n ? load16(vb + t * row_stride + 16 * j) : _mm512_setzero_ps());
-                }
-            }
-        }
-        tile_scores<D>(groups, qT, kr, kstride, sbuf);  // by key: up to 3 groups of 16 row-heads share each K broadcast
+        const TileChunk<T, D> c(kc, vc, ks, vs, slot_of(table, start, bs), KVH, h, n, kt, vbuf);
+        tile_scores<D>(groups, qT, c.k, c.stride, sbuf);  // by key: up to 3 groups of 16 row-heads share each K broadcast
         for (int g0 = 0; g0 < R_pad; g0 += 16) {  // online softmax, 16 row-heads a vector
             __m512 st[16], m_new, corr;
             __mmask16 valid[16];
             for (int t = 0; t < 16; ++t) {
                 st[t] = _mm512_load_ps(sbuf + (g0 + t) * 16);  // group g0 / 16's key t
-                if (ks) st[t] = _mm512_mul_ps(st[t], _mm512_set1_ps(k16[t]));
+                if (ks) st[t] = _mm512_mul_ps(st[t], _mm512_set1_ps(c.k_scale[t]));
                 if (softcap > 0.f) st[t] = cap_scores16(st[t], softcap);
             }
             tile_mask_and_max(st, rpos + g0, m + g0, start, n, valid, m_new, corr, window);
@@ -1056,13 +1070,13 @@ void attend_tile_avx512(const QIO& io, const int64_t* rows, int n_rows, int32_t 
             for (int t = 0; t < 16; ++t) {
                 const __m512 p = _mm512_maskz_mov_ps(valid[t], exp512_nonpositive(_mm512_sub_ps(st[t], m_new)));
                 sum = _mm512_add_ps(sum, p);
-                _mm512_store_ps(pt + t * 16, _mm512_mul_ps(p, _mm512_set1_ps(v16[t])));  // int8: V's scales folded in
+                _mm512_store_ps(pt + t * 16, _mm512_mul_ps(p, _mm512_set1_ps(c.v_scale[t])));  // int8: V's scales folded in
             }
             _mm512_store_ps(m + g0, m_new);
             _mm512_store_ps(l + g0, _mm512_fmadd_ps(_mm512_load_ps(l + g0), corr, sum));
             _mm512_store_ps(corrs + g0, corr);
         }
-        tile_pv<D>(groups, acc, ptile, corrs, vr, vstride);  // by key, as the scores
+        tile_pv<D>(groups, acc, ptile, corrs, c.v, c.stride);  // by key, as the scores
     }
     float* out = qs;  // acc by row-head ([R_pad][D]), where q was
     tile_transpose<D>(groups, acc, out, false);
@@ -1358,11 +1372,8 @@ template <typename T, int D>
 void attend_tile_avx2(const QIO& io, const int64_t* rows, int n_rows, int32_t first_pos, const T* kc, const T* vc,
                       const float* ks, const float* vs, const int32_t* table, int KVH, int G, int bs, float scale, int h,
                       int window, float softcap) {
-    using modserve::load8;
-    constexpr int NV = D / 8;  // vectors per row
     const TileWork<8> w(io, rows, n_rows, first_pos, G, h, D, scale);
     const int R = w.R, R_pad = w.R_pad, groups = R_pad / 8;
-    const int64_t row_stride = static_cast<int64_t>(KVH) * D;
     float *qs = w.qs, *acc = w.acc, *sbuf = w.sbuf, *ptile = w.ptile, *m = w.m, *l = w.l, *corrs = w.corrs, *kt = w.kt, *vbuf = w.vbuf;
     const int32_t* rpos = w.rpos;
     static thread_local std::vector<float> q_work;  // qT: [groups][D][8]
@@ -1374,32 +1385,12 @@ void attend_tile_avx2(const QIO& io, const int64_t* rows, int n_rows, int32_t fi
     const __m256 neg_inf = _mm256_set1_ps(-INFINITY);
     for (int start = window_start(first_pos, window) / chunk * chunk; start < n_keys; start += chunk) {
         const int n = n_keys - start < chunk ? n_keys - start : chunk;
-        const int64_t srow = slot_of(table, start, bs);  // the chunk's first cache row
-        const int64_t offset = srow * row_stride + h * D;
-        const T* kb = kc + offset;
-        const T* vb = vc + offset;
-        alignas(32) float k8[8] = {}, vs8[8] = {1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f};
-        if (ks) {
-            for (int t = 0; t < n; ++t) k8[t] = ks[(srow + t) * KVH + h], vs8[t] = vs[(srow + t) * KVH + h];
-        }
-        const float *kr = kt, *vr = vbuf;  // the chunk's K and V rows as float32, kstride and vstride apart
-        int64_t kstride = D, vstride = D;
-        if (std::is_same_v<T, float> && n == 8) {  // in place: 8 rows exist in the block
-            kr = reinterpret_cast<const float*>(kb), vr = reinterpret_cast<const float*>(vb);
-            kstride = vstride = row_stride;
-        } else {
-            for (int t = 0; t < 8; ++t) {  // rows past n: zeros (their scores are masked, their weights 0)
-                for (int j = 0; j < NV; ++j) {
-                    _mm256_store_ps(kt + t * D + 8 * j, t < n ? load8(kb + t * row_stride + 8 * j) : _mm256_setzero_ps());
-                    _mm256_store_ps(vbuf + t * D + 8 * j, t < n ? load8(vb + t * row_stride + 8 * j) : _mm256_setzero_ps());
-                }
-            }
-        }
-        tile_scores<D>(groups, qT, kr, kstride, sbuf);  // by key: two groups of 8 row-heads share each K broadcast
+        const TileChunk<T, D> c(kc, vc, ks, vs, slot_of(table, start, bs), KVH, h, n, kt, vbuf);
+        tile_scores<D>(groups, qT, c.k, c.stride, sbuf);  // by key: two groups of 8 row-heads share each K broadcast
         for (int g0 = 0; g0 < R_pad; g0 += 8) {  // online softmax, 8 row-heads a vector
             __m256 st[8], valid[8];
             for (int t = 0; t < 8; ++t) {  // st[t]: key t's scores across the 8 row-heads
-                st[t] = _mm256_mul_ps(_mm256_load_ps(sbuf + (g0 + t) * 8), _mm256_set1_ps(ks ? k8[t] : 1.f));
+                st[t] = _mm256_mul_ps(_mm256_load_ps(sbuf + (g0 + t) * 8), _mm256_set1_ps(c.k_scale[t]));
                 if (softcap > 0.f) {
                     alignas(32) float x[8];
                     _mm256_store_ps(x, st[t]);
@@ -1428,13 +1419,13 @@ void attend_tile_avx2(const QIO& io, const int64_t* rows, int n_rows, int32_t fi
             for (int t = 0; t < 8; ++t) {
                 const __m256 p = _mm256_and_ps(valid[t], modserve::exp256_nonpositive(_mm256_sub_ps(st[t], m_new)));
                 sum = _mm256_add_ps(sum, p);
-                _mm256_store_ps(pt + t * 8, _mm256_mul_ps(p, _mm256_set1_ps(vs8[t])));  // int8: V's scales folded in
+                _mm256_store_ps(pt + t * 8, _mm256_mul_ps(p, _mm256_set1_ps(c.v_scale[t])));  // int8: V's scales folded in
             }
             _mm256_store_ps(m + g0, m_new);
             _mm256_store_ps(l + g0, _mm256_fmadd_ps(_mm256_load_ps(l + g0), corr, sum));
             _mm256_store_ps(corrs + g0, corr);
         }
-        tile_pv<D>(groups, acc, ptile, corrs, vr, vstride);  // by key, as the scores
+        tile_pv<D>(groups, acc, ptile, corrs, c.v, c.stride);  // by key, as the scores
     }
     float* out = qs;  // acc by row-head ([R_pad][D]), where q was
     tile_transpose<D>(groups, acc, out, false);
