@@ -465,27 +465,25 @@ inline void widen_group_int8_f32(const GroupPanels& w, int64_t panel0, int64_t p
             alignas(64) int8_t unpacked[kMaxPackedGroup * 16];
             const int8_t* codes = group_codes(w, p, g, unpacked);
             float* group_out = dst + static_cast<int64_t>(g) * group * 16;
-#if defined(__AVX512F__)  // a pair of inputs of the panel's 16 outputs a step: half the 8-wide loop's instructions
+            // a pair of inputs of the panel's 16 outputs a step, their codes decoded as the panel
+            // kernel's pair step decodes them (even_weights, odd_weights)
+#if defined(__AVX512F__)  // one vector an input: half the 8-wide loop's instructions
             const __m512 dv = _mm512_loadu_ps(d), zv = z != nullptr ? _mm512_loadu_ps(z) : _mm512_setzero_ps();
             for (int k2 = 0; k2 < group / 2; ++k2) {
-                const __m512i pairs = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + k2 * 32)));
-                const __m512 even = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(pairs, 24), 24));
-                const __m512 odd = _mm512_cvtepi32_ps(_mm512_srai_epi32(pairs, 8));
+                const __m512 even = float32_panels::even_weights(codes, k2).v, odd = float32_panels::odd_weights(codes, k2).v;
                 _mm512_storeu_ps(group_out + (2 * k2) * 16, _mm512_fmadd_ps(even, dv, zv));
                 _mm512_storeu_ps(group_out + (2 * k2 + 1) * 16, _mm512_fmadd_ps(odd, dv, zv));
             }
 #else
-            for (int k2 = 0; k2 < group / 2; ++k2)
-                for (int h = 0; h < 2; ++h) {  // outputs 8 h .. 8 h + 7: their (input 2 k2, 2 k2 + 1) code pairs
-                    const __m128i* src = reinterpret_cast<const __m128i*>(codes + k2 * 32 + 16 * h);
-                    const __m256i pairs = _mm256_cvtepi16_epi32(_mm_loadu_si128(src));
-                    const __m256 even = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(pairs, 24), 24));
-                    const __m256 odd = _mm256_cvtepi32_ps(_mm256_srai_epi32(pairs, 8));
+            for (int k2 = 0; k2 < group / 2; ++k2) {
+                const float32_panels::Weights even = float32_panels::even_weights(codes, k2), odd = float32_panels::odd_weights(codes, k2);
+                for (int h = 0; h < 2; ++h) {  // outputs 8 h .. 8 h + 7
                     const __m256 dh = _mm256_loadu_ps(d + 8 * h);
                     const __m256 zh = z != nullptr ? _mm256_loadu_ps(z + 8 * h) : _mm256_setzero_ps();
-                    _mm256_storeu_ps(group_out + (2 * k2) * 16 + 8 * h, _mm256_fmadd_ps(even, dh, zh));
-                    _mm256_storeu_ps(group_out + (2 * k2 + 1) * 16 + 8 * h, _mm256_fmadd_ps(odd, dh, zh));
+                    _mm256_storeu_ps(group_out + (2 * k2) * 16 + 8 * h, _mm256_fmadd_ps(h ? even.hi : even.lo, dh, zh));
+                    _mm256_storeu_ps(group_out + (2 * k2 + 1) * 16 + 8 * h, _mm256_fmadd_ps(h ? odd.hi : odd.lo, dh, zh));
                 }
+            }
 #endif
         }
     }
