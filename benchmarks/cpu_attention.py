@@ -143,9 +143,16 @@ def main() -> None:
     p.add_argument("--avx2-prefill", action="store_true", help="prefill: also the AVX2 build's tiles (an AVX-512 CPU "
                    "can run them; with SDPA capped to AVX2 too, ATEN_CPU_CAPABILITY=avx2, as on an AVX2-only CPU)")
     p.add_argument("--baseline-source", help="prefill: also this source of the kernel, alternated with this tree's build")
-    p.add_argument("--extra-flags", default="", help="compiler flags for both builds of --baseline-source, e.g. -mno-avx512f")
-    p.add_argument("--rounds", type=int, default=15, help="alternated rounds for --baseline-source")
+    p.add_argument("--extra-flags", help="compiler flags for both builds of --baseline-source, e.g. -mno-avx512f")
+    p.add_argument("--rounds", type=int, help="alternated rounds for --baseline-source (default 15)")
     args = p.parse_args()
+    if args.baseline_source is None and (args.extra_flags is not None or args.rounds is not None):
+        p.error("--extra-flags and --rounds go with --baseline-source, which is not given")
+    if args.baseline_source is not None and not Path(args.baseline_source).is_file():
+        p.error(f"--baseline-source: no such file: {args.baseline_source}")
+    if args.rounds is not None and args.rounds < 1:
+        p.error(f"--rounds: expected a whole number >= 1, got {args.rounds}")
+    args.extra_flags, args.rounds = args.extra_flags or "", args.rounds or 15
     dtype = getattr(torch, args.dtype)
     print(f"torch threads: {torch.get_num_threads()}")
     decode(args, dtype)

@@ -328,6 +328,9 @@ def test_a_quantization_scheme_leaves_experts_and_routers_in_floats_and_says_so(
         ("moe", ["--impls", "kernel,foo"], "--impls: unknown foo; expected some of kernel, kernel-int8, kernel-eager, grouped, looped"),
         ("moe", ["--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
         ("cpu_linears", ["--kernels", "avx2,nope"], "--kernels: unknown nope; expected some of onednn, onednn-fp32, avx2,"),
+        ("cpu_attention", ["--baseline-source", "/nonexistent/old.cpp"], "--baseline-source: no such file: /nonexistent/old.cpp"),
+        ("cpu_attention", ["--baseline-source", __file__, "--rounds", "0"], "--rounds: expected a whole number >= 1, got 0"),
+        ("cpu_attention", ["--rounds", "5"], "--extra-flags and --rounds go with --baseline-source, which is not given"),
     ],
 )
 def test_the_benchmarks_refuse_a_bad_argument_by_name(monkeypatch, capsys, script, argv, message):
