@@ -378,3 +378,32 @@ def test_default_kernel_share_follows_the_machine(monkeypatch):
         assert cpu_backend.default_max_query_len(spec(dtype)) == want, (flags, dtype)
     assert cpu_backend.default_max_query_len(spec(torch.bfloat16, head_dim=48)) == 16
     assert cpu_backend.default_max_query_len(spec(torch.bfloat16), amx_prefill=True) == 32  # longer: AMX prefill kernel
+
+
+def test_the_attention_benchmark_times_int8_decode_against_a_baseline_source(monkeypatch, capsys, tmp_path):
+    """benchmarks/cpu_attention.py over an int8 cache, its decode steps and prefill tiles
+    alternated against a build of another source (here: every output doubled), each A/B line
+    reporting how far the two builds' outputs are apart. A decode output compared with itself
+    (the same float32 tensor for both builds) once reported 0 for kernels that differ."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    source = (root / "native" / "cpu_paged_attention.cpp").read_text()
+    assert "inv = _mm512_set1_ps(1.f / l);" in source and "const float inv = 1.f / l;" in source  # put_head's
+    doubled = tmp_path / "cpu_paged_attention.cpp"
+    doubled.write_text(source.replace("inv = _mm512_set1_ps(1.f / l);", "inv = _mm512_set1_ps(2.f / l);")
+                       .replace("const float inv = 1.f / l;", "const float inv = 2.f / l;"))
+    spec = importlib.util.spec_from_file_location("benchmark_cpu_attention", root / "benchmarks" / "cpu_attention.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr("sys.argv", ["cpu_attention", "--dtype", "int8", "--batch", "3", "--context", "40", "--layers", "2",
+                                     "--repeats", "1", "--baseline-source", str(doubled), "--rounds", "2"])
+    module.main()
+    out = capsys.readouterr().out
+    assert "decode, 3 rows x 40 tokens, 2 layers, torch.int8:" in out
+    ab = [line for line in out.splitlines() if "alternated rounds" in line]
+    assert len(ab) == 3, out  # decode, then the two prefill shapes
+    assert all(float(line.rsplit("max |diff| ", 1)[1]) > 0.01 for line in ab), out
+    # the kernel over int8 codes against SDPA over their dequantized values, both in float32
+    assert "prefill, 8 chunks x 256 tokens, one layer, torch.int8" in out
