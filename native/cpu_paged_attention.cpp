@@ -901,6 +901,25 @@ void attend_bf16dot(const QIO& io, int64_t token, const uint16_t* kc, const uint
 
 #endif  // __AVX512BF16__
 
+// A chunk's n rows of one KV head (`src`, cache rows `stride` apart) as float32, and the
+// distance between them: in place in a float32 cache; else widened into buf ([16][D]) when
+// `widen` (the first of the head's G query heads), and read from there by the others.
+template <typename T, int D>
+inline const float* head_rows16(const T* src, int64_t stride, int n, bool widen, float* buf, int64_t& rows_apart) {
+    if constexpr (std::is_same_v<T, float>) {
+        rows_apart = stride;
+        return src;
+    } else {
+        if (widen) {
+            for (int t = 0; t < n; ++t) {
+                for (int j = 0; j < D / 16; ++j) _mm512_store_ps(buf + t * D + 16 * j, modserve::load16(src + t * stride + 16 * j));
+            }
+        }
+        rows_apart = D;
+        return buf;
+    }
+}
+
 // attend_avx512 for a layer without window or soft-cap (any cache: float32, bfloat16 with
 // float32 products, int8 with its scales), in segments of up to kSegment positions and three
 // sweeps as attend_bf16dot runs them, in float32 throughout: (1) the segment's scores (q
@@ -909,12 +928,13 @@ void attend_bf16dot(const QIO& io, int64_t token, const uint16_t* kc, const uint
 // (times an int8 value row's scale) broadcast, even and odd keys into separate accumulators.
 // The running max and the rescale of the accumulators come once a segment, not once per 16
 // keys as in attend_avx512, whose per-chunk chain (a reduction, a scalar exp, then the
-// weights) each query head waits on.
+// weights) each query head waits on. A bfloat16 or int8 chunk's rows of a KV head are widened
+// to float32 once, for its G query heads (head_rows16), not once per query head: the widening
+// had taken ports 0 and 5 twice as long as the FMAs.
 template <typename T, int D>
 void attend_segments(const QIO& io, int64_t token, const T* kc, const T* vc, const float* ks, const float* vs,
                      const int32_t* table, int32_t pos, int KVH, int G, int bs, float scale, int h0, int h1, int from = 0,
                      int to = -1, const Partial* part = nullptr) {
-    using modserve::load16;
     constexpr int NV = D / 16;  // vectors per row
     constexpr int kRow = kSegment + 16;  // a head's scores / weights, padded for a chunk's full-vector store
     const int heads = h1 - h0;
@@ -927,6 +947,7 @@ void attend_segments(const QIO& io, int64_t token, const T* kc, const T* vc, con
     float* m = acc + nh * D;
     float* l = m + nh;
     float* s = l + nh;  // [nh][kRow] the segment's scores, then its weights
+    alignas(64) float kbuf[16 * D], vbuf[16 * D];  // a chunk's K or V rows of one KV head, widened (not a float32 cache)
     start_heads(io, token, h0 * G, nh, D, scale, qs, acc, m, l);
     const int n_tokens = to < 0 ? pos + 1 : to;  // the end of this call's positions
     const int chunk = bs < 16 ? bs : 16;
@@ -941,12 +962,13 @@ void attend_segments(const QIO& io, int64_t token, const T* kc, const T* vc, con
                 ahead.fetch_share(next, i);
                 ahead.fetch_share(then, i);
                 const int h = h0 + i / G;
-                const T* kh = rows.k + static_cast<int64_t>(h) * D;
+                int64_t kstride;
+                const float* kh = head_rows16<T, D>(rows.k + static_cast<int64_t>(h) * D, row_stride, n, i % G == 0, kbuf, kstride);
                 __m512 qv[NV];
                 for (int j = 0; j < NV; ++j) qv[j] = _mm512_loadu_ps(qs + i * D + 16 * j);
                 __m512 scores = chunk_scores(n, [&](int t) {
-                    __m512 dot = _mm512_mul_ps(qv[0], load16(kh + t * row_stride));
-                    for (int j = 1; j < NV; ++j) dot = _mm512_fmadd_ps(qv[j], load16(kh + t * row_stride + 16 * j), dot);
+                    __m512 dot = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kh + t * kstride));
+                    for (int j = 1; j < NV; ++j) dot = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(kh + t * kstride + 16 * j), dot);
                     return dot;
                 });
                 if (ks != nullptr) {
@@ -972,7 +994,8 @@ void attend_segments(const QIO& io, int64_t token, const T* kc, const T* vc, con
                 ahead.fetch_share(next, i);
                 ahead.fetch_share(then, i);
                 const int h = h0 + i / G;
-                const T* vh = rows.v + static_cast<int64_t>(h) * D;
+                int64_t vstride;
+                const float* vh = head_rows16<T, D>(rows.v + static_cast<int64_t>(h) * D, row_stride, n, i % G == 0, vbuf, vstride);
                 float* p = s + i * kRow + c;
                 if (vs != nullptr) {
                     for (int t = 0; t < n; ++t) p[t] *= rows.v_scale[t * KVH + h];
@@ -983,13 +1006,13 @@ void attend_segments(const QIO& io, int64_t token, const T* kc, const T* vc, con
                 for (; t + 1 < n; t += 2) {
                     const __m512 p0 = _mm512_set1_ps(p[t]), p1 = _mm512_set1_ps(p[t + 1]);
                     for (int j = 0; j < NV; ++j) {
-                        a[j] = _mm512_fmadd_ps(p0, load16(vh + t * row_stride + 16 * j), a[j]);
-                        b[j] = _mm512_fmadd_ps(p1, load16(vh + (t + 1) * row_stride + 16 * j), b[j]);
+                        a[j] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(vh + t * vstride + 16 * j), a[j]);
+                        b[j] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(vh + (t + 1) * vstride + 16 * j), b[j]);
                     }
                 }
                 if (t < n) {
                     const __m512 p0 = _mm512_set1_ps(p[t]);
-                    for (int j = 0; j < NV; ++j) a[j] = _mm512_fmadd_ps(p0, load16(vh + t * row_stride + 16 * j), a[j]);
+                    for (int j = 0; j < NV; ++j) a[j] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(vh + t * vstride + 16 * j), a[j]);
                 }
                 for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + i * D + 16 * j, _mm512_add_ps(a[j], b[j]));
             }
