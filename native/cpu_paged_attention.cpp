@@ -932,8 +932,8 @@ inline const float* head_rows16(const T* src, int64_t stride, int n, bool widen,
 // The running max and the rescale of the accumulators come once a segment, not once per 16
 // keys as in attend_avx512, whose per-chunk chain (a reduction, a scalar exp, then the
 // weights) each query head waits on. A bfloat16 or int8 chunk's rows of a KV head are widened
-// to float32 once, for its G query heads (head_rows16), not once per query head: the widening
-// had taken ports 0 and 5 twice as long as the FMAs.
+// to float32 once, for its G query heads (head_rows16): widened again for each query head, they
+// had cost two ALU operations on ports 0 and 5 for every FMA beside them.
 template <typename T, int D>
 void attend_segments(const QIO& io, int64_t token, const T* kc, const T* vc, const float* ks, const float* vs,
                      const int32_t* table, int32_t pos, int KVH, int G, int bs, float scale, int h0, int h1, int from = 0,
