@@ -46,14 +46,19 @@ echo "== CPU kernels built"
 tail -n 2 "$OUT/build.txt"
 
 echo "== CPU kernel tests"
+# -v names each test as it ends, so that a run cut short (a lent machine's minutes) still says
+# which failed or errored; -rfEs lists them again, with the reason, at the end
 # shellcheck disable=SC2086
-timeout 600 "$PYTHON" -m pytest -q -p no:cacheprovider -rs ${PYTEST_ARGS:-} tests/test_cpu_amx_linear.py \
+timeout 600 "$PYTHON" -m pytest -v -p no:cacheprovider -rfEs ${PYTEST_ARGS:-} tests/test_cpu_amx_linear.py \
   tests/test_cpu_amx_prefill.py tests/test_cpu_attention.py tests/test_cpu_panel_linear.py tests/test_cpu_linear.py \
   tests/test_cpu_avx2_linear.py tests/test_cpu_decode_graphs.py tests/test_cpu_int8_panel_linear.py \
   tests/test_cpu_group_int8_panels.py tests/test_cpu_int4_panels.py tests/test_cpu_experts.py \
   tests/test_cpu_int8_experts.py tests/test_cpu_fused.py > "$OUT/tests.txt" 2>&1
 echo "rc $?" >> "$OUT/tests.txt"
-tail -n 3 "$OUT/tests.txt"
+tail -n 2 "$OUT/tests.txt"
+named=$(grep -E "^(FAILED|ERROR) " "$OUT/tests.txt" | head -n 20)  # the summary's, with reasons
+[ -n "$named" ] || named=$(grep -E "FAILED|ERROR" "$OUT/tests.txt" | grep "::" | head -n 20)  # cut short: as they ended
+[ -z "$named" ] || echo "$named"
 
 echo "== random SmolLM2-shaped checkpoint"
 "$PYTHON" - "$WORK/smollm2-random" "$OUT" <<'EOF' || exit 1
