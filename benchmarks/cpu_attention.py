@@ -88,6 +88,12 @@ def decode(args, dtype: torch.dtype) -> None:
     seq = torch.arange(args.batch, dtype=torch.int32)
     pos = torch.full((args.batch,), args.context - 1, dtype=torch.int32)
     times, outs = {}, {}
+
+    def step(lib, qi, out):  # one decode step: every layer's attention, into out
+        for (k, ks), (v, vs) in caches:
+            kernel.paged_attention(qi, out, k, v, ks, vs, tables, rows, seq, pos, HEAD_DIM**-0.5, lib)
+        return out
+
     variants = [
         ("portable build", ("-mno-avx512f", "-mno-avx2"), torch.float32),
         ("AVX2 build", ("-mno-avx512f",), torch.float32),  # the AVX2 path, where the CPU has AVX2
@@ -99,12 +105,7 @@ def decode(args, dtype: torch.dtype) -> None:
         lib = kernel.load(flags)
         qi = q.to(io_dtype)
         out = torch.empty_like(qi)
-
-        def step(lib=lib, qi=qi, out=out):
-            for (k, ks), (v, vs) in caches:
-                kernel.paged_attention(qi, out, k, v, ks, vs, tables, rows, seq, pos, HEAD_DIM**-0.5, lib)
-
-        times[name] = timed(step, args.repeats)
+        times[name] = timed(lambda lib=lib, qi=qi, out=out: step(lib, qi, out), args.repeats)
         outs[name] = out.float()
     kv_bytes = args.layers * args.batch * args.context * KV_HEADS * 2 * (HEAD_DIM * caches[0][0][0].element_size()
                                                                         + (4 if dtype == torch.int8 else 0))  # + int8 scales
@@ -117,13 +118,7 @@ def decode(args, dtype: torch.dtype) -> None:
     print(f"  (tiled AVX-512 path compiled: {kernel.tiled(HEAD_DIM)})")
     if args.baseline_source:
         out = torch.empty_like(q)
-
-        def step_of(lib):
-            for (k, ks), (v, vs) in caches:
-                kernel.paged_attention(q, out, k, v, ks, vs, tables, rows, seq, pos, HEAD_DIM**-0.5, lib)
-            return out
-
-        report_alternated(args, *alternated(args, baseline_builds(args), step_of))
+        report_alternated(args, *alternated(args, baseline_builds(args), lambda lib: step(lib, q, out)))
 
 
 def prefill(args, dtype: torch.dtype, length: int, chunks: int) -> None:
@@ -143,7 +138,9 @@ def prefill(args, dtype: torch.dtype, length: int, chunks: int) -> None:
     scale = HEAD_DIM**-0.5
 
     def ours(lib=None):  # q and out in the model's dtype, as the backend passes them
-        kernel.paged_attention(q, torch.empty_like(q), k_cache, v_cache, k_scale, v_scale, tables, rows, seq, pos, scale, lib)
+        out = torch.empty_like(q)
+        kernel.paged_attention(q, out, k_cache, v_cache, k_scale, v_scale, tables, rows, seq, pos, scale, lib)
+        return out
 
     def sdpa():  # what the torch backend does for a chunk: gather its blocks, one causal call
         for i in range(chunks):
@@ -161,12 +158,7 @@ def prefill(args, dtype: torch.dtype, length: int, chunks: int) -> None:
           f"({flops / t_ours / 1e9:.0f} GFLOP/s), SDPA {t_sdpa * 1e3:.2f} ms ({flops / t_sdpa / 1e9:.0f} GFLOP/s): "
           f"kernel {t_sdpa / t_ours:.2f}x faster")
     if args.baseline_source:
-        def chunks_of(lib):
-            out = torch.empty_like(q)
-            kernel.paged_attention(q, out, k_cache, v_cache, k_scale, v_scale, tables, rows, seq, pos, scale, lib)
-            return out
-
-        report_alternated(args, *alternated(args, baseline_builds(args), chunks_of))
+        report_alternated(args, *alternated(args, baseline_builds(args), ours))
     avx2 = kernel.load(("-mno-avx512f",)) if args.avx2_prefill else None
     if avx2 is not None and avx2.modserve_tiled(HEAD_DIM):
         t_avx2 = timed(lambda: ours(avx2), args.repeats)
