@@ -15,6 +15,8 @@
 #include <utility>
 #include <vector>
 
+#include "avx2.h"
+#include "avx512.h"
 #include "fast_exp.h"
 #include "prefetch.h"
 
@@ -60,6 +62,19 @@ inline void widen_codes(const int8_t* w, int64_t n, uint16_t* out) {
 }
 inline void add_sums(Sums& s, const Sums& t) { s.v = _mm512_add_ps(s.v, t.v); }
 inline void store_sums(float* out, const Sums& s) { _mm512_store_ps(out, s.v); }
+// A packed tile ([16 pairs][16 outputs] of 32-bit pairs, input 2r in pair r's low half) as
+// float32 rows: output j's 32 inputs at out + j * row. Transposed in registers, output j's 16
+// pairs are one vector, its 32 bfloat16 inputs in order (modserve_avx2_widen).
+inline void widen_tile(const uint32_t* tile, float* out, int64_t row) {
+    __m512 r[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_castsi512_ps(_mm512_loadu_si512(tile + 16 * i));
+    modserve::transpose16x16(r);
+    for (int j = 0; j < 16; ++j) {
+        const __m512i pairs = _mm512_castps_si512(r[j]);
+        _mm512_storeu_ps(out + j * row, modserve::widen_bf16(_mm512_castsi512_si256(pairs)));
+        _mm512_storeu_ps(out + j * row + 16, modserve::widen_bf16(_mm512_extracti64x4_epi64(pairs, 1)));
+    }
+}
 constexpr int kRows = 12;  // rows per register block: 24 sums (two panels) of the 32 zmm registers
 constexpr int kTwoPanelsFrom = 4;  // blocks of this many rows and more take two panels at once (each x broadcast feeds both)
 #else
@@ -117,6 +132,23 @@ inline void add_sums(Sums& s, const Sums& t) {
 inline void store_sums(float* out, const Sums& s) {
     _mm256_store_ps(out, s.lo);
     _mm256_store_ps(out + 8, s.hi);
+}
+// widen_tile as above, in 8 x 8 blocks of the tile: pairs 8 rb .. 8 rb + 7 of outputs 8 cb .. 8 cb + 7.
+inline void widen_tile(const uint32_t* tile, float* out, int64_t row) {
+    const auto widen8 = [](__m128i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16)); };
+    for (int rb = 0; rb < 2; ++rb) {
+        for (int cb = 0; cb < 2; ++cb) {
+            __m256 r[8];
+            for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(reinterpret_cast<const float*>(tile + 16 * (8 * rb + i) + 8 * cb));
+            modserve::transpose8x8(r);
+            for (int j = 0; j < 8; ++j) {
+                const __m256i pairs = _mm256_castps_si256(r[j]);
+                float* dst = out + (8 * cb + j) * row + 16 * rb;
+                _mm256_storeu_ps(dst, widen8(_mm256_castsi256_si128(pairs)));
+                _mm256_storeu_ps(dst + 8, widen8(_mm256_extracti128_si256(pairs, 1)));
+            }
+        }
+    }
 }
 constexpr int kRows = 5;   // rows per register block: 10 sums of the 16 ymm registers
 constexpr int kTwoPanelsFrom = 0;  // never: 16 registers hold no second panel's sums

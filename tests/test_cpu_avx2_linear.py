@@ -40,8 +40,9 @@ def build(request, monkeypatch):
     """Layers built in the test use the kernel of this build."""
     flags = BUILDS[request.param]
     if flags:
-        load = cpu_avx2_linear.load
-        monkeypatch.setattr(cpu_avx2_linear, "load", lambda: load(flags))
+        load, widen_entry = cpu_avx2_linear.load, cpu_avx2_linear.widen_entry
+        monkeypatch.setattr(cpu_avx2_linear, "load", lambda extra=(): load(extra or flags))
+        monkeypatch.setattr(cpu_avx2_linear, "widen_entry", lambda symbol, argtypes, extra=(): widen_entry(symbol, argtypes, extra or flags))
     return request.param
 
 
@@ -88,10 +89,11 @@ def test_products_equal_float32_products_of_the_same_weights(rows, n, k, bias, b
 @needs_avx2
 @pytest.mark.parametrize("n,k", [(960, 576), (70, 33), (33, 96)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_many_rows_widen_the_panels_for_torchs_float32_product(n, k, bias, monkeypatch):
+def test_many_rows_widen_the_panels_for_torchs_float32_product(n, k, bias, build, monkeypatch):
     """From LIBRARY_FROM_ROWS rows the panels are widened back to the plain float32 weights
-    (every value exact, the rows in order, padding cut off) and torch's product multiplies
-    them; one row fewer stays on the kernel. Both equal F.linear up to summation order."""
+    (every value exact, the rows in order, padding cut off; both widths' tile transposes) and
+    torch's product multiplies them; one row fewer stays on the kernel. Both equal F.linear up
+    to summation order."""
     lin = bf16_weights(n, k, bias, n + k)
     layer = Avx2Linear(lin)
     assert torch.equal(layer._widened(), lin.weight.detach())
