@@ -22,16 +22,35 @@ if TYPE_CHECKING:  # torch only when timing: the CLI builds its parsers from thi
 PARTS = ("linears", "attention")
 
 
+STEP_KINDS = ("decode_only", "with_prompt")  # steps of one new token a sequence; the others (prompt chunks, drafts)
+
+
 @dataclass
 class ForwardParts:
-    """Seconds and calls per part, added up while attached."""
+    """Seconds and calls per part, added up while attached, and per kind of step: a decode-only
+    step and a step with prompt chunks spend their time very differently (at 64 requests, decode
+    attention reads the KV cache; prefill products run at the FMA peak), which the totals hide."""
 
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
     calls: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PARTS, 0))
+    by_step: dict[str, dict[str, float]] = field(default_factory=lambda: _no_steps())  # kind: steps, model (s), parts (s)
+    _at_last_step: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
 
     def reset(self) -> None:
         self.seconds = dict.fromkeys(PARTS, 0.0)
         self.calls = dict.fromkeys(PARTS, 0)
+        self.by_step = _no_steps()
+        self._at_last_step = dict.fromkeys(PARTS, 0.0)
+
+    def step_done(self, kind: str, model_time_s: float) -> None:
+        """A step of ``kind`` (one of STEP_KINDS) ended: its model time and the parts' seconds
+        since the previous step go to that kind."""
+        k = self.by_step[kind]
+        k["steps"] += 1
+        k["model"] += model_time_s
+        for part in PARTS:
+            k[part] += self.seconds[part] - self._at_last_step[part]
+        self._at_last_step = dict(self.seconds)
 
     def attach(self, model: nn.Module, attention: Any) -> Callable[[], None]:
         """Time every linear module under ``model`` and ``attention.forward``; returns the detach.
@@ -67,6 +86,10 @@ class ForwardParts:
         return timed
 
 
+def _no_steps() -> dict[str, dict[str, float]]:
+    return {kind: {"steps": 0, "model": 0.0, **dict.fromkeys(PARTS, 0.0)} for kind in STEP_KINDS}
+
+
 def _outermost(module: nn.Module, kinds: tuple[type, ...]) -> list[nn.Module]:
     """The modules of ``kinds`` under ``module`` that no other such module holds: a quantized
     layer held as pieces (a GGUF layer mixing kinds) is one linear call, not one per piece."""
@@ -91,4 +114,9 @@ def report(parts: ForwardParts, model_time_s: float, wall_s: float, output_token
         "linear_peak_share": linear_flops / lin / peak_flops_per_s if lin > 0 else 0.0,
         "ceiling_linears_tok_s": output_tokens / lin if lin > 0 else 0.0,
         "ceiling_linears_attention_tok_s": output_tokens / (lin + att) if lin + att > 0 else 0.0,
+        "by_step_kind": {
+            kind: {"steps": k["steps"], "model_s": k["model"], "linears_s": k["linears"], "attention_s": k["attention"],
+                   "rest_s": max(0.0, k["model"] - k["linears"] - k["attention"])}
+            for kind, k in parts.by_step.items()
+        },
     }

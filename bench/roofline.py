@@ -364,6 +364,7 @@ class _StepAccount:
     executed_flops: float = 0.0
     linear_flops: float = 0.0
     _pending: list[tuple[int, int]] = field(default_factory=list)
+    parts: forward_parts.ForwardParts | None = None  # timed parts, split by the kind of each step here
 
     def __post_init__(self) -> None:
         self.reset()
@@ -406,7 +407,10 @@ class _StepAccount:
         flops = linear + _attention_flops(self.spec, context)
         self.executed_flops += flops
         self.linear_flops += linear
-        if pending and stats.num_prompt_tokens == 0 and all(n == 1 for _, n in pending):  # decode-only
+        decode_only = bool(pending) and stats.num_prompt_tokens == 0 and all(n == 1 for _, n in pending)
+        if self.parts is not None:
+            self.parts.step_done("decode_only" if decode_only else "with_prompt", stats.model_time_s)
+        if decode_only:
             d = self.decode
             kv = self.kv_bytes_per_token * context
             d["steps"] += 1
@@ -453,6 +457,7 @@ def run_engine(args, resolved, llm, machine: dict[str, Any]) -> dict[str, Any]:
     graphs = llm.engine.runner.graphs is not None
     parts = forward_parts.ForwardParts() if c.device.type == "cpu" and not graphs else None
     detach_parts = parts.attach(llm.engine.runner.model, llm.engine.runner.attention) if parts else lambda: None
+    account.parts = parts
     try:
         requests = make_requests(args, spec.vocab_size)
         # other ids than the measured prompts: no prefix-cache hits later
@@ -620,6 +625,11 @@ def _print_forward_parts(p: dict[str, Any] | None, why_not: str | None, output_t
         f"(output tokens / linear time; this run {output_tok_s:.1f})")
     row("  ceiling: linears + attention", f"{p['ceiling_linears_attention_tok_s']:.1f} tok/s",
         "(if norms, RoPE, activations and the engine around the forward took no time)")
+    print("    by kind of step, model forward: linears / attention / rest")
+    names = {"decode_only": "decode-only steps", "with_prompt": "steps with prompt chunks or drafts"}
+    for kind, k in p["by_step_kind"].items():
+        label = f"{names[kind]} ({k['steps']})"
+        print(f"      {label:<42} {k['model_s']:8.3f} s: {k['linears_s']:.3f} / {k['attention_s']:.3f} / {k['rest_s']:.3f} s")
 
 
 def _si(value: float, unit: str) -> str:

@@ -124,6 +124,16 @@ def test_engine_part_on_a_tiny_model(tiny_dir, tiny_config, tmp_path, capsys):
     assert e["output_tok_s"] < p["ceiling_linears_attention_tok_s"] < p["ceiling_linears_tok_s"]
     assert p["ceiling_linears_tok_s"] == pytest.approx(6 * 7 / p["seconds"]["linears"])
     assert "ceiling: linears + attention" in printed and "attention backend" in printed
+    # ... and by kind of step: every step is one kind, the decode-only ones are the decode roofline's steps
+    kinds = p["by_step_kind"]
+    assert set(kinds) == {"decode_only", "with_prompt"}
+    assert kinds["decode_only"]["steps"] == d["steps"] and sum(k["steps"] for k in kinds.values()) == steps
+    assert kinds["with_prompt"]["steps"] >= 2  # 6 prompts, at most 4 at a time
+    for part in ("linears", "attention"):
+        assert sum(k[f"{part}_s"] for k in kinds.values()) == pytest.approx(p["seconds"][part])
+        assert all(k[f"{part}_s"] > 0 for k in kinds.values())
+    assert sum(k["model_s"] for k in kinds.values()) == pytest.approx(e["times_s"]["model"])
+    assert "decode-only steps (" in printed and "steps with prompt chunks or drafts (" in printed
 
 
 def test_engine_part_with_ragged_lengths(tiny_dir, tiny_config, tmp_path, capsys):
