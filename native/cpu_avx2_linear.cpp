@@ -62,7 +62,7 @@ int modserve_avx2_linear_available() { return 1; }
 // product on many rows (Avx2Linear.forward). A tile [16 pairs][16 outputs] of 32-bit pairs is
 // transposed in registers, so that each output's 16 pairs are one vector, its 32 inputs in order
 // (widen_tile). Read column by column with scalar shifts and masks, the widening had taken 22 ms
-// of SmolLM2's qkv, o and down layers (30 each), 9% of their product at 512 rows.
+// of SmolLM2's qkv, o and down layers (30 each), 8% of their product at 512 rows.
 void modserve_avx2_widen(const uint16_t* w, int64_t N, int Kp, float* out, int threads) {
     const int64_t panels = (N + 15) / 16;
     const int tiles = Kp / 32;
