@@ -25,6 +25,10 @@ PARTS = ("linears", "attention")
 STEP_KINDS = ("decode_only", "with_prompt")  # steps of one new token a sequence; the others (prompt chunks, drafts)
 
 
+def _no_steps() -> dict[str, dict[str, float]]:
+    return {kind: {"steps": 0, "model": 0.0, **dict.fromkeys(PARTS, 0.0)} for kind in STEP_KINDS}
+
+
 @dataclass
 class ForwardParts:
     """Seconds and calls per part, added up while attached, and per kind of step: a decode-only
@@ -33,7 +37,7 @@ class ForwardParts:
 
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
     calls: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PARTS, 0))
-    by_step: dict[str, dict[str, float]] = field(default_factory=lambda: _no_steps())  # kind: steps, model (s), parts (s)
+    by_step: dict[str, dict[str, float]] = field(default_factory=_no_steps)  # kind: steps, model (s), parts (s)
     _at_last_step: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
 
     def reset(self) -> None:
@@ -84,10 +88,6 @@ class ForwardParts:
                 self.calls[part] += 1
 
         return timed
-
-
-def _no_steps() -> dict[str, dict[str, float]]:
-    return {kind: {"steps": 0, "model": 0.0, **dict.fromkeys(PARTS, 0.0)} for kind in STEP_KINDS}
 
 
 def _outermost(module: nn.Module, kinds: tuple[type, ...]) -> list[nn.Module]:
