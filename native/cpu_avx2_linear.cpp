@@ -122,7 +122,9 @@ int modserve_avx2_linear_int4_available() { return 1; }
 // The same int4 weights widened to a plain float32 [N][K] matrix (row n output n, each weight
 // q s + m as the panels hold it), for the library's float32 product on many rows
 // (Int4WeightOnlyLinear, cpu_avx2_linear.int4_product): each thread widens a panel at a time
-// into a [K][16] scratch of its own (in L2) and writes its 16 rows out of it.
+// into a [K][16] scratch of its own (in L2) and writes its 16 rows out of it, 16 x 16 blocks
+// transposed in registers (rows_from_panel; element by element, the copy had taken longer than
+// the widening).
 void modserve_avx2_int4_widen_plain(const uint8_t* q4, const void* pairs, int64_t N, int K, int group, int kind,
                                     const float* outer, int super_groups, float* out, int threads) {
     const modserve::Int4Scales sc(pairs, N, K / group, kind, outer, super_groups);
@@ -133,10 +135,7 @@ void modserve_avx2_int4_widen_plain(const uint8_t* q4, const void* pairs, int64_
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; ++p) {
             modserve::widen_int4_f32(q4, sc, K, group, p, p + 1, panel.data());
-            for (int j = 0; j < 16; ++j) {
-                float* row = out + (p * 16 + j) * static_cast<int64_t>(K);
-                for (int k = 0; k < K; ++k) row[k] = panel[static_cast<int64_t>(k) * 16 + j];
-            }
+            modserve::float32_panels::rows_from_panel(panel.data(), K, out + p * 16 * static_cast<int64_t>(K), K);
         }
     }
 }

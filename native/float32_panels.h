@@ -75,6 +75,16 @@ inline void widen_tile(const uint32_t* tile, float* out, int64_t row) {
         _mm512_storeu_ps(out + j * row + 16, modserve::widen_bf16(_mm512_extracti64x4_epi64(pairs, 1)));
     }
 }
+// A float32 panel ([K][16]: input k's 16 outputs a vector) as 16 rows of K inputs, output j's at
+// out + j * row (K a multiple of 16): 16 x 16 blocks transposed in registers.
+inline void rows_from_panel(const float* panel, int K, float* out, int64_t row) {
+    for (int k0 = 0; k0 < K; k0 += 16) {
+        __m512 r[16];
+        for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(panel + (k0 + i) * 16);
+        modserve::transpose16x16(r);
+        for (int j = 0; j < 16; ++j) _mm512_storeu_ps(out + j * row + k0, r[j]);
+    }
+}
 constexpr int kRows = 12;  // rows per register block: 24 sums (two panels) of the 32 zmm registers
 constexpr int kTwoPanelsFrom = 4;  // blocks of this many rows and more take two panels at once (each x broadcast feeds both)
 #else
@@ -147,6 +157,17 @@ inline void widen_tile(const uint32_t* tile, float* out, int64_t row) {
                 _mm256_storeu_ps(dst, widen8(_mm256_castsi256_si128(pairs)));
                 _mm256_storeu_ps(dst + 8, widen8(_mm256_extracti128_si256(pairs, 1)));
             }
+        }
+    }
+}
+// rows_from_panel as above (K a multiple of 8), in 8 x 8 blocks: inputs k0 .. k0 + 7 of outputs 8 cb .. 8 cb + 7.
+inline void rows_from_panel(const float* panel, int K, float* out, int64_t row) {
+    for (int k0 = 0; k0 < K; k0 += 8) {
+        for (int cb = 0; cb < 2; ++cb) {
+            __m256 r[8];
+            for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(panel + (k0 + i) * 16 + 8 * cb);
+            modserve::transpose8x8(r);
+            for (int j = 0; j < 8; ++j) _mm256_storeu_ps(out + (8 * cb + j) * row + k0, r[j]);
         }
     }
 }
