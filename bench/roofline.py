@@ -450,14 +450,14 @@ def run_engine(args, resolved, llm, machine: dict[str, Any]) -> dict[str, Any]:
     spec, dtype_bytes = c.spec, c.dtype.itemsize
     dtype = str(c.dtype).removeprefix("torch.")
     int8 = getattr(getattr(llm.engine.kv, "config", None), "kv_dtype", "auto") == "int8"
-    account = _StepAccount(spec, held_weight_bytes(llm.engine.runner.model), kv_bytes_per_context_token(spec, dtype_bytes, int8))
-    c.registry.pm.register(account)
-    detach = account.attach(llm.engine.scheduler)
     # timers measure launches on a GPU, and never see a decode step replayed from a graph or call list
     graphs = llm.engine.runner.graphs is not None
     parts = forward_parts.ForwardParts() if c.device.type == "cpu" and not graphs else None
+    account = _StepAccount(spec, held_weight_bytes(llm.engine.runner.model), kv_bytes_per_context_token(spec, dtype_bytes, int8),
+                           parts=parts)
+    c.registry.pm.register(account)
+    detach = account.attach(llm.engine.scheduler)
     detach_parts = parts.attach(llm.engine.runner.model, llm.engine.runner.attention) if parts else lambda: None
-    account.parts = parts
     try:
         requests = make_requests(args, spec.vocab_size)
         # other ids than the measured prompts: no prefix-cache hits later

@@ -17,8 +17,9 @@ From ``LIBRARY_FROM_ROWS`` rows (long prefill chunks) a plain layer's panels are
 to float32 into one scratch matrix a thread and torch's float32 product (oneDNN / MKL) multiplies
 them: there the product is bound by the FMAs, not by the weight bytes, and the library's blocking
 beats the panel kernel's (1.1-1.3x on a Cascade Lake at 512-1,024 rows, SmolLM2's qkv and down
-shapes) by more than the widening costs (about 0.15 ms a layer, each tile transposed in registers). A gated layer stays on the panels:
-the library's output twice as wide and a separate SiLU pass over it made it 0.7-0.8x slower.
+shapes) by more than the widening costs (about 0.15 ms a layer, each tile transposed in
+registers). A gated layer stays on the panels: the library's output twice as wide and a separate
+SiLU pass over it made it 0.7-0.8x slower.
 """
 
 from __future__ import annotations
