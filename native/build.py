@@ -3,9 +3,10 @@
 Why not ``torch.utils.cpp_extension``: these kernels need no torch headers, so a plain
 ``g++`` call compiles one in about a second instead of a minute, and needs no ninja. The
 shared object is cached under ``$MODSERVE_CACHE_DIR`` (default ``~/.cache/modserve``),
-keyed by the source, the shared headers beside this file, the compiler, the flags and the
-CPU's feature flags (``-march=native`` code must not move to another CPU). It links
-torch's own ``libgomp.so.1``, so kernels and torch share one OpenMP thread pool.
+keyed by the source, the headers it includes by name (beside it, else the shared ones beside
+this file), the compiler, the flags and the CPU's feature flags (``-march=native`` code must
+not move to another CPU). It links torch's own ``libgomp.so.1``, so kernels and torch share one
+OpenMP thread pool.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def _cache_dir() -> Path:
 
 def _build_key(cxx: str, source: Path, flags: list[str]) -> str:
     h = hashlib.sha256(source.read_bytes())
-    for header in sorted(HEADERS.glob("*.h")):
+    for header in _headers_read(source):
         h.update(header.read_bytes())
     h.update(" ".join([cxx, *flags]).encode())
     try:
@@ -79,6 +80,17 @@ def _build_key(cxx: str, source: Path, flags: list[str]) -> str:
     except (OSError, subprocess.SubprocessError):
         pass
     return h.hexdigest()[:16]
+
+
+def _headers_read(source: Path) -> list[Path]:
+    """The headers a build of ``source`` can read: a quoted #include looks beside the source
+    before the shared ones (-I), so a copy of another revision's kernels (``git archive REV
+    native``, a benchmark's --baseline-source) builds with its own headers, and must not share a
+    cache key with this tree's build when only a header differs: keyed by the shared headers
+    alone, such a baseline loaded this tree's cached build instead."""
+    beside = {h.name: h for h in source.parent.glob("*.h")}
+    shared = sorted(HEADERS.glob("*.h"))
+    return [beside.get(h.name, h) for h in shared] + sorted(h for name, h in beside.items() if not (HEADERS / name).exists())
 
 
 def _compile(cxx: str, flags: list[str], source: Path, path: Path, what: str) -> None:

@@ -32,3 +32,21 @@ def test_prebuild_compiles_every_source_and_names_a_failure(sources, tmp_path):
     assert ctypes.CDLL(str(built)).modserve_answer() == 42
     mtime = built.stat().st_mtime_ns
     assert build.prebuild(workers=1)["good.cpp"] is None and built.stat().st_mtime_ns == mtime  # cached: not rebuilt
+
+
+def test_a_copy_with_its_own_headers_builds_with_them_not_from_the_cache(tmp_path, monkeypatch):
+    """A baseline copy of the kernels (benchmarks' --baseline-source) whose .cpp equals this
+    tree's but whose header beside it differs builds from its own header: keyed by the shared
+    headers alone, it had loaded this tree's cached build, and an A/B compared a build with itself."""
+    if build.compiler() is None:
+        pytest.skip("no C++ compiler")
+    tree, copy = tmp_path / "tree", tmp_path / "copy"
+    for folder, value in ((tree, 1), (copy, 2)):
+        folder.mkdir()
+        (folder / "answer.cpp").write_text('#include "value.h"\nextern "C" int modserve_answer() { return VALUE; }\n')
+        (folder / "value.h").write_text(f"#define VALUE {value}\n")
+    monkeypatch.setattr(build, "HEADERS", tree)
+    monkeypatch.setenv("MODSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    assert build.compile_and_load(tree / "answer.cpp", "this tree's kernel").modserve_answer() == 1
+    assert build.compile_and_load(copy / "answer.cpp", "the baseline kernel").modserve_answer() == 2
+    assert build.compile_and_load(tree / "answer.cpp", "this tree's kernel").modserve_answer() == 1  # each its own cached build
