@@ -8,10 +8,12 @@ kernel against SDPA's flash kernel on the same inputs (an int8 cache: on its deq
     python benchmarks/cpu_attention.py [--dtype bfloat16|float32|int8] [--batch 64] [--context 300]
 
 ``--dtype int8`` is a float32 model over an int8 cache with a scale per token and head (``kv_cache: {kv_dtype: int8}``).
-``--baseline-source FILE`` also builds another version of the kernel's source (say ``git show
-REV:native/cpu_paged_attention.cpp > /tmp/old.cpp``) and times the decode steps and the prefill
-tiles of both builds alternated in this process (``--extra-flags=-mno-avx512f``: both as the AVX2
-build), the way changes to the kernel are measured on a machine whose speed drifts. Its decode
+``--baseline-source FILE`` also builds another version of the kernel's source (say ``git archive
+REV native | tar -x -C /tmp/old``, then ``/tmp/old/native/cpu_paged_attention.cpp``: the headers
+beside it are that revision's; a lone copy of the .cpp builds with this tree's) and times the
+decode steps and the prefill tiles of both builds alternated in this process
+(``--extra-flags=-mno-avx512f``: both as the AVX2 build), the way changes to the kernel are
+measured on a machine whose speed drifts. Its decode
 steps take float32 q (the ``standard build`` row's path), also with ``--dtype bfloat16``.
 """
 

@@ -17,6 +17,13 @@ first one named, all measured in this run, and at one row how fast each kernel r
 it holds. ``--model llama-1b``: a Llama-3.2-1B-like model's 16 layers instead (dims multiples
 of 256). Run it on a quiet machine; it prints the CPU.
 
+``--baseline-source DIR/cpu_avx2_linear.cpp`` also builds another version of the ``avx2`` kernel
+(say ``git archive REV native | tar -x -C /tmp/old``, then ``/tmp/old/native/cpu_avx2_linear.cpp``:
+its headers are read from beside it) and times its passes and this tree's alternated in this
+process, the order swapped every round, at each row count below ``LIBRARY_FROM_ROWS`` (from
+there the layers run torch's product, not this kernel): the way a change to the kernel is
+measured on a machine whose speed drifts, as ``cpu_attention.py --baseline-source`` does.
+
     python benchmarks/cpu_linears.py --kernels amx,int4,int4-amx --rows 1,8,16,64,256,1024
 """
 
@@ -24,7 +31,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -33,13 +42,14 @@ from modserve.bench.roofline import held_weight_bytes
 from modserve.core.models.gguf_quantized import TwoLevelScales
 from modserve.plugins.platforms.cpu import ISA_FLAGS, cpu_model_and_flags
 from modserve.plugins.platforms.cpu_amx_linear import AmxLinear
-from modserve.plugins.platforms.cpu_avx2_linear import Avx2Linear
+from modserve.plugins.platforms.cpu_avx2_linear import LIBRARY_FROM_ROWS, Avx2Linear
 from modserve.plugins.platforms.cpu_avx2_linear import load_codes as avx2_linear_codes
 from modserve.plugins.platforms.cpu_avx512_linear import Avx512Linear
 from modserve.plugins.platforms.cpu_avx512_linear import load_codes as avx512_linear_codes
 from modserve.plugins.platforms.cpu_int8_panel_linear import Int8PanelLinear, group_int8_kernel
 from modserve.plugins.platforms.cpu_linear import PackedLinear
 from modserve.plugins.platforms.cpu_memory import keep_freed_memory
+from modserve.plugins.platforms.cpu_panel_linear import load_kernel
 from modserve.plugins.platforms.cpu_quant import Int4WeightOnlyLinear, Int8GroupLinear, Int8WeightOnlyLinear, W8A8Linear
 
 MODELS = {  # (out, in) of each layer, and the layers: SmolLM2-135M, and a Llama-3.2-1B-like model (dims multiples of 256)
@@ -119,13 +129,67 @@ def one_pass(layers: dict[str, list[nn.Module]], xs: dict[str, torch.Tensor]) ->
     return time.perf_counter() - t0
 
 
+def against_baseline(layers: dict[str, list[nn.Module]], source: str, rows_list: list[int], rounds: int) -> None:
+    """The ``avx2`` layers' passes with --baseline-source's kernel and this tree's, alternated
+    (the order swapped every round): median times, the median of the rounds' ratios, and the
+    largest difference between the two builds' outputs."""
+    modules = [m for group in layers.values() for m in group]
+    builds = {"baseline": load_kernel(Path(source), "the baseline AVX2 linear kernel", "modserve_avx2_linear", "AVX2 and FMA"),
+              "this tree": modules[0]._kernel}
+
+    def run(name: str, xs: dict[str, torch.Tensor]) -> float:
+        for m in modules:
+            m._kernel = builds[name]
+        return one_pass(layers, xs)
+
+    print(f"against --baseline-source {source}, {rounds} alternated rounds:")
+    try:
+        for rows in rows_list:
+            xs = {name: torch.randn(rows, k) for name, (_, k) in SHAPES.items()}
+            times, outs = {name: [] for name in builds}, {}
+            with torch.inference_mode():
+                for name in builds:
+                    run(name, xs)
+                    outs[name] = torch.cat([layers[n][0](xs[n]).flatten() for n in SHAPES])
+                for r in range(rounds):
+                    for name in (list(builds) if r % 2 == 0 else list(builds)[::-1]):
+                        times[name].append(run(name, xs))
+            old, new = times["baseline"], times["this tree"]
+            print(f"{rows:>6} rows: baseline {statistics.median(old) * 1e3:.2f} ms, "
+                  f"this tree {statistics.median(new) * 1e3:.2f} ms "
+                  f"(medians), median ratio {statistics.median(a / b for a, b in zip(old, new)):.3f}x, "
+                  f"max |diff| {(outs['baseline'] - outs['this tree']).abs().max().item():.1e}")
+    finally:
+        for m in modules:
+            m._kernel = builds["this tree"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernels", default="amx,int4,int4-amx")
     ap.add_argument("--rows", default="1,8,16,64,256,1024")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--model", default="smollm2", choices=MODELS, help="whose layer shapes")
+    ap.add_argument("--baseline-source", help="also this version of native/cpu_avx2_linear.cpp (its headers beside it), "
+                    "its avx2 passes alternated with this tree's")
+    ap.add_argument("--rounds", type=int, help="alternated rounds for --baseline-source (default 15)")
     args = ap.parse_args()
+    try:
+        rows_list = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+        ap.error(f"--rows: expected whole numbers separated by commas, got {args.rows!r}")
+    if args.baseline_source is None and args.rounds is not None:
+        ap.error("--rounds goes with --baseline-source, which is not given")
+    if args.baseline_source is not None:
+        if not Path(args.baseline_source).is_file():
+            ap.error(f"--baseline-source: no such file: {args.baseline_source}")
+        if "avx2" not in args.kernels.split(","):
+            ap.error("--baseline-source times the avx2 kernel: add avx2 to --kernels")
+        if too_many := [r for r in rows_list if r >= LIBRARY_FROM_ROWS]:
+            ap.error(f"--baseline-source: rows {', '.join(map(str, too_many))} run torch's product, not the kernel "
+                     f"(from {LIBRARY_FROM_ROWS} rows)")
+        if args.rounds is not None and args.rounds < 1:
+            ap.error(f"--rounds: expected a whole number >= 1, got {args.rounds}")
     global SHAPES, LAYERS
     SHAPES, LAYERS = MODELS[args.model]
     kernels = args.kernels.split(",")
@@ -139,7 +203,7 @@ def main() -> None:
     held = {k: held_weight_bytes(nn.ModuleList(m for group in built[k].values() for m in group)) for k in kernels}
     print("held MB: " + ", ".join(f"{k} {held[k] / 1e6:.0f}" for k in kernels))
     print(f"{'rows':>6} " + " ".join(f"{k + ' ms':>12}" for k in kernels) + " " + " ".join(f"{k + '/' + kernels[0]:>16}" for k in kernels[1:]))
-    for rows in (int(r) for r in args.rows.split(",")):
+    for rows in rows_list:
         xs = {name: torch.randn(rows, k) for name, (_, k) in SHAPES.items()}
         ms = {}
         with torch.inference_mode():
@@ -153,6 +217,8 @@ def main() -> None:
         if rows == 1:  # one row reads every weight once: how fast each kernel streams what it holds
             print("       one row, held bytes read at: " + ", ".join(f"{k} {held[k] / ms[k] / 1e6:.1f} GB/s" for k in kernels))
     print(f"weights per pass: {weights / 1e6:.1f} M ({2 * weights / 1e6:.0f} MB in bfloat16)")
+    if args.baseline_source is not None:
+        against_baseline(built["avx2"], args.baseline_source, rows_list, args.rounds or 15)
 
 
 if __name__ == "__main__":
