@@ -14,7 +14,8 @@ beside it are that revision's; a lone copy of the .cpp builds with this tree's) 
 decode steps and the prefill tiles of both builds alternated in this process
 (``--extra-flags=-mno-avx512f``: both as the AVX2 build), the way changes to the kernel are
 measured on a machine whose speed drifts. Its decode
-steps take float32 q (the ``standard build`` row's path), also with ``--dtype bfloat16``.
+steps take float32 q (the ``standard build`` row's path) and, with ``--dtype bfloat16``, also
+bfloat16 q (the ``standard, bf16 q`` row's: the bfloat16-dot path on AVX512_BF16 CPUs).
 """
 
 from __future__ import annotations
@@ -68,9 +69,9 @@ def alternated(args, builds: dict, run) -> tuple[list[float], list[float], float
     return times["baseline"], times["this tree"], (outs["baseline"] - outs["this tree"]).abs().max().item()
 
 
-def report_alternated(args, old: list[float], new: list[float], diff: float) -> None:
+def report_alternated(args, old: list[float], new: list[float], diff: float, what: str = "") -> None:
     ratios = [a / b for a, b in zip(old, new)]
-    print(f"  {args.rounds} alternated rounds{' ' + args.extra_flags if args.extra_flags else ''}: baseline "
+    print(f"  {what}{args.rounds} alternated rounds{' ' + args.extra_flags if args.extra_flags else ''}: baseline "
           f"{statistics.median(old) * 1e3:.2f} ms, this tree {statistics.median(new) * 1e3:.2f} ms (medians), median ratio "
           f"{statistics.median(ratios):.2f}x, max |diff| {diff:.1e}")
 
@@ -119,8 +120,12 @@ def decode(args, dtype: torch.dtype) -> None:
               f"portable build, max |diff| {err:.1e}")
     print(f"  (tiled AVX-512 path compiled: {kernel.tiled(HEAD_DIM)})")
     if args.baseline_source:
-        out = torch.empty_like(q)
-        report_alternated(args, *alternated(args, baseline_builds(args), lambda lib: step(lib, q, out)))
+        builds = baseline_builds(args)
+        for io_dtype in (torch.float32, torch.bfloat16) if dtype == torch.bfloat16 else (torch.float32,):
+            qi = q.to(io_dtype)
+            out = torch.empty_like(qi)
+            report_alternated(args, *alternated(args, builds, lambda lib, qi=qi, out=out: step(lib, qi, out)),
+                              what=f"{'float32' if io_dtype == torch.float32 else 'bf16'} q, ")
 
 
 def prefill(args, dtype: torch.dtype, length: int, chunks: int) -> None:
