@@ -707,10 +707,13 @@ constexpr int kSegment = 256;  // positions a decode row's segment sweeps take a
 // over scattered blocks, 0.88x the time at 64 rows x 450 positions, 0.81x at 16 rows, 0.93x
 // at one (the bfloat16-dot path). Shares of whole rows: integer divisions per line cost more
 // than the lines. The scores sweep reads its K chunks, then the P.V sweep the segment's V
-// chunks, then the next segment's K chunks. attend_bf16dot asks for both chunks every step
-// (so each line twice); attend_segments only for the second (each line once), which on
-// Cascade Lake took 0.87-0.95x the time of asking for both, at 43 rows x 320 positions
-// (float32, int8 and bfloat16 caches, blocks in order or scattered).
+// chunks, then the next segment's K chunks. attend_bf16dot asks for both chunks every step,
+// the next one into L1 and the one after into L2 only (prefetch_line_l2): on a Zen 4 (AMD
+// EPYC family 25), 0.70x the time of asking for both into L1 at 43 rows x 320 positions
+// (both into L2: 0.71x; only the one after next, into L2: 0.79x; into L1: 1.09x).
+// attend_segments asks only for the second, into L1 (each line once), which on Cascade Lake
+// took 0.87-0.95x the time of asking for both into L1, at 43 rows x 320 positions (float32,
+// int8 and bfloat16 caches, blocks in order or scattered).
 template <typename T>
 struct SegmentAhead {
     struct Rows {
@@ -742,10 +745,14 @@ struct SegmentAhead {
         const int a = c + k * chunk;
         return a < seg_n ? at(vc, seg + a) : at(kc, seg + kSegment + a - seg_n);
     }
+    template <bool IntoL2 = false>
     void fetch_share(const Rows& r, int share) const {
         for (int t = share * r.rows / nh; t < (share + 1) * r.rows / nh; ++t) {
             const char* row = r.base + t * row_stride * static_cast<int64_t>(sizeof(T));
-            for (int x = 0; x < lines_per_row; ++x) modserve::prefetch_line(row + 64 * x);
+            for (int x = 0; x < lines_per_row; ++x) {
+                if constexpr (IntoL2) modserve::prefetch_line_l2(row + 64 * x);
+                else modserve::prefetch_line(row + 64 * x);
+            }
         }
     }
 };
@@ -844,7 +851,7 @@ void attend_bf16dot(const QIO& io, int64_t token, const uint16_t* kc, const uint
             const auto next = ahead.after_k(seg, seg_n, c, 1), then = ahead.after_k(seg, seg_n, c, 2);
             for (int i = 0; i < nh; ++i) {
                 ahead.fetch_share(next, i);
-                ahead.fetch_share(then, i);
+                ahead.fetch_share<true>(then, i);
                 const uint16_t* kh = kb + static_cast<int64_t>(h0 + i / G) * D;
                 __m512bh qv[NB];
                 for (int j = 0; j < NB; ++j) qv[j] = modserve::load_bh(qb + i * D + 32 * j);
@@ -883,7 +890,7 @@ void attend_bf16dot(const QIO& io, int64_t token, const uint16_t* kc, const uint
                 for (int g = 0; g < G; ++g) {
                     const int i = hh * G + g;
                     ahead.fetch_share(next, i);
-                    ahead.fetch_share(then, i);
+                    ahead.fetch_share<true>(then, i);
                     int32_t w2[8];  // the chunk's weights, a pair of keys per element
                     std::memcpy(w2, p + i * kRow + c, sizeof w2);
                     __m512 a[2 * NB];
