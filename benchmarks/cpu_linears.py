@@ -23,6 +23,7 @@ its headers are read from beside it) and times its passes and this tree's altern
 process, the order swapped every round, at each row count below ``LIBRARY_FROM_ROWS`` (from
 there the layers run torch's product, not this kernel): the way a change to the kernel is
 measured on a machine whose speed drifts, as ``cpu_attention.py --baseline-source`` does.
+``DIR/cpu_avx512_linear.cpp`` does the same for the ``avx512bf16`` kernel, at any row count.
 
     python benchmarks/cpu_linears.py --kernels amx,int4,int4-amx --rows 1,8,16,64,256,1024
 """
@@ -58,6 +59,10 @@ MODELS = {  # (out, in) of each layer, and the layers: SmolLM2-135M, and a Llama
 }
 SHAPES, LAYERS = MODELS["smollm2"]
 FLOAT32_KERNELS = ("onednn-fp32", "avx2", "int8-panels-fp32", "int4-panels-fp32")  # take float32 rows
+BASELINE_KERNELS = {  # --baseline-source's file name: the kernel kind it builds, and that kernel's entry point
+    "cpu_avx2_linear.cpp": ("avx2", "modserve_avx2_linear", "AVX2 and FMA"),
+    "cpu_avx512_linear.cpp": ("avx512bf16", "modserve_avx512_linear", "AVX512_BF16"),
+}
 KINDS = ("onednn", "onednn-fp32", "avx2", "amx", "avx512bf16", "w8a8", "w8a8-amx", "int8", "int8-amx", "int8-panels",
          "int8-panels-fp32", "int4", "int4-amx", "int4-panels", "int4-panels-fp32", "q8_0-panels", "q6_k-panels", "q5_1-panels")
 GROUP_CODES = {"q8_0-panels": (32, None), "q6_k-panels": (16, 64), "q5_1-panels": (32, 32)}  # group, unsigned codes below (or int8)
@@ -129,12 +134,15 @@ def one_pass(layers: dict[str, list[nn.Module]], xs: dict[str, torch.Tensor]) ->
     return time.perf_counter() - t0
 
 
-def against_baseline(layers: dict[str, list[nn.Module]], source: str, rows_list: list[int], rounds: int) -> None:
-    """The ``avx2`` layers' passes with --baseline-source's kernel and this tree's, alternated
-    (the order swapped every round): median times, the median of the rounds' ratios, and the
-    largest difference between the two builds' outputs."""
+def against_baseline(built: dict[str, dict[str, list[nn.Module]]], source: str, rows_list: list[int], rounds: int) -> None:
+    """The passes of the layers of --baseline-source's kernel kind with its build and this
+    tree's, alternated (the order swapped every round): median times, the median of the rounds'
+    ratios, and the largest difference between the two builds' outputs."""
+    kind, symbol, instructions = BASELINE_KERNELS[Path(source).name]
+    layers = built[kind]
+    dtype = torch.float32 if kind in FLOAT32_KERNELS else torch.bfloat16
     modules = [m for group in layers.values() for m in group]
-    builds = {"baseline": load_kernel(Path(source), "the baseline AVX2 linear kernel", "modserve_avx2_linear", "AVX2 and FMA"),
+    builds = {"baseline": load_kernel(Path(source), f"the baseline {kind} linear kernel", symbol, instructions),
               "this tree": modules[0]._kernel}
 
     def run(name: str, xs: dict[str, torch.Tensor]) -> float:
@@ -145,12 +153,12 @@ def against_baseline(layers: dict[str, list[nn.Module]], source: str, rows_list:
     print(f"against --baseline-source {source}, {rounds} alternated rounds:")
     try:
         for rows in rows_list:
-            xs = {name: torch.randn(rows, k) for name, (_, k) in SHAPES.items()}
+            xs = {name: torch.randn(rows, k).to(dtype) for name, (_, k) in SHAPES.items()}
             times, outs = {name: [] for name in builds}, {}
             with torch.inference_mode():
                 for name in builds:
                     run(name, xs)
-                    outs[name] = torch.cat([layers[n][0](xs[n]).flatten() for n in SHAPES])
+                    outs[name] = torch.cat([layers[n][0](xs[n]).float().flatten() for n in SHAPES])
                 for r in range(rounds):
                     for name in (list(builds) if r % 2 == 0 else list(builds)[::-1]):
                         times[name].append(run(name, xs))
@@ -170,8 +178,8 @@ def main() -> None:
     ap.add_argument("--rows", default="1,8,16,64,256,1024")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--model", default="smollm2", choices=MODELS, help="whose layer shapes")
-    ap.add_argument("--baseline-source", help="also this version of native/cpu_avx2_linear.cpp (its headers beside it), "
-                    "its avx2 passes alternated with this tree's")
+    ap.add_argument("--baseline-source", help="also this version of native/cpu_avx2_linear.cpp or cpu_avx512_linear.cpp "
+                    "(its headers beside it), that kernel's passes alternated with this tree's")
     ap.add_argument("--rounds", type=int, help="alternated rounds for --baseline-source (default 15)")
     args = ap.parse_args()
     try:
@@ -183,9 +191,12 @@ def main() -> None:
     if args.baseline_source is not None:
         if not Path(args.baseline_source).is_file():
             ap.error(f"--baseline-source: no such file: {args.baseline_source}")
-        if "avx2" not in args.kernels.split(","):
-            ap.error("--baseline-source times the avx2 kernel: add avx2 to --kernels")
-        if too_many := [r for r in rows_list if r >= LIBRARY_FROM_ROWS]:
+        if (name := Path(args.baseline_source).name) not in BASELINE_KERNELS:
+            ap.error(f"--baseline-source: expected a copy of {' or '.join(BASELINE_KERNELS)}, got {name}")
+        kind = BASELINE_KERNELS[name][0]
+        if kind not in args.kernels.split(","):
+            ap.error(f"--baseline-source times the {kind} kernel: add {kind} to --kernels")
+        if kind == "avx2" and (too_many := [r for r in rows_list if r >= LIBRARY_FROM_ROWS]):
             ap.error(f"--baseline-source: rows {', '.join(map(str, too_many))} run torch's product, not the kernel "
                      f"(from {LIBRARY_FROM_ROWS} rows)")
         if args.rounds is not None and args.rounds < 1:
@@ -218,7 +229,7 @@ def main() -> None:
             print("       one row, held bytes read at: " + ", ".join(f"{k} {held[k] / ms[k] / 1e6:.1f} GB/s" for k in kernels))
     print(f"weights per pass: {weights / 1e6:.1f} M ({2 * weights / 1e6:.0f} MB in bfloat16)")
     if args.baseline_source is not None:
-        against_baseline(built["avx2"], args.baseline_source, rows_list, args.rounds or 15)
+        against_baseline(built, args.baseline_source, rows_list, args.rounds or 15)
 
 
 if __name__ == "__main__":

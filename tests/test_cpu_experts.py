@@ -25,6 +25,7 @@ from modserve.plugins.platforms import cpu, cpu_avx2_linear, cpu_avx512_linear
 from modserve.plugins.platforms.cpu_experts import PanelExperts
 
 NATIVE = cpu.avx512_bf16_unavailable() is None
+AVX2_SOURCE, AVX512_SOURCE = (str(cpu_avx2_linear.SOURCE), str(cpu_avx512_linear.SOURCE))  # benchmarks' --baseline-source
 HAS_AVX2 = cpu.avx2_unavailable() is None
 TAKES_KERNEL = NATIVE and cpu.amx_unavailable(cpu.amx_linear.load) is not None  # AMX CPUs keep oneDNN's tiles
 needs_avx2 = pytest.mark.skipif(not HAS_AVX2, reason="this CPU has no AVX2 and FMA (or no compiler targets them)")
@@ -331,11 +332,15 @@ def test_a_quantization_scheme_leaves_experts_and_routers_in_floats_and_says_so(
         ("cpu_linears", ["--rows", "1,8x"], "--rows: expected whole numbers separated by commas, got '1,8x'"),
         ("cpu_linears", ["--rounds", "3"], "--rounds goes with --baseline-source, which is not given"),
         ("cpu_linears", ["--baseline-source", "/nonexistent/old.cpp"], "--baseline-source: no such file: /nonexistent/old.cpp"),
-        ("cpu_linears", ["--baseline-source", __file__, "--kernels", "amx"],
+        ("cpu_linears", ["--baseline-source", __file__],
+         "--baseline-source: expected a copy of cpu_avx2_linear.cpp or cpu_avx512_linear.cpp, got test_cpu_experts.py"),
+        ("cpu_linears", ["--baseline-source", AVX2_SOURCE, "--kernels", "amx"],
          "--baseline-source times the avx2 kernel: add avx2 to --kernels"),
-        ("cpu_linears", ["--baseline-source", __file__, "--kernels", "avx2", "--rows", "1,512,640"],
+        ("cpu_linears", ["--baseline-source", AVX512_SOURCE, "--kernels", "avx2"],
+         "--baseline-source times the avx512bf16 kernel: add avx512bf16 to --kernels"),
+        ("cpu_linears", ["--baseline-source", AVX2_SOURCE, "--kernels", "avx2", "--rows", "1,512,640"],
          "--baseline-source: rows 512, 640 run torch's product, not the kernel (from 512 rows)"),
-        ("cpu_linears", ["--baseline-source", __file__, "--kernels", "avx2", "--rows", "1", "--rounds", "0"],
+        ("cpu_linears", ["--baseline-source", AVX2_SOURCE, "--kernels", "avx2", "--rows", "1", "--rounds", "0"],
          "--rounds: expected a whole number >= 1, got 0"),
         ("cpu_attention", ["--baseline-source", "/nonexistent/old.cpp"], "--baseline-source: no such file: /nonexistent/old.cpp"),
         ("cpu_attention", ["--baseline-source", __file__, "--rounds", "0"], "--rounds: expected a whole number >= 1, got 0"),
