@@ -707,13 +707,21 @@ constexpr int kSegment = 256;  // positions a decode row's segment sweeps take a
 // over scattered blocks, 0.88x the time at 64 rows x 450 positions, 0.81x at 16 rows, 0.93x
 // at one (the bfloat16-dot path). Shares of whole rows: integer divisions per line cost more
 // than the lines. The scores sweep reads its K chunks, then the P.V sweep the segment's V
-// chunks, then the next segment's K chunks. attend_bf16dot asks for both chunks every step,
-// the next one into L1 and the one after into L2 only (prefetch_line_l2): on a Zen 4 (AMD
-// EPYC family 25), 0.70x the time of asking for both into L1 at 43 rows x 320 positions
-// (both into L2: 0.71x; only the one after next, into L2: 0.79x; into L1: 1.09x).
-// attend_segments asks only for the second, into L1 (each line once), which on Cascade Lake
-// took 0.87-0.95x the time of asking for both into L1, at 43 rows x 320 positions (float32,
-// int8 and bfloat16 caches, blocks in order or scattered).
+// chunks, then the next segment's K chunks. Two asks (fetch_ahead<true>): both chunks every
+// step, the next one into L1 and the one after into L2 only (prefetch_line_l2), so each line
+// twice; on a Zen 4 (AMD EPYC family 25) at 43 rows x 320 positions, attend_bf16dot took 0.70x
+// the time of asking for both into L1 (both into L2: 0.71x; only the one after next, into L2:
+// 0.79x; into L1: 1.09x), attend_segments 0.64x (float32 cache) and 0.71x (bfloat16) the time
+// of one ask, but 1.06x over an int8 cache. One ask (fetch_ahead<false>): only the chunk after
+// next, into L1, each line once, which on Cascade Lake took 0.87-0.95x the time of asking for
+// both into L1 (float32, int8 and bfloat16 caches, blocks in order or scattered).
+// attend_bf16dot always asks twice (AVX512_BF16 CPUs: Zen 4 / 5 and the AMX Xeons);
+// attend_segments asks twice on Zen cores (kZen) over float32 and bfloat16 caches, else once.
+#if defined(__znver1__) || defined(__znver2__) || defined(__znver3__) || defined(__znver4__) || defined(__znver5__)
+constexpr bool kZen = true;  // GCC names the core for -march=native (GCC 12 calls a Zen 4 znver3)
+#else
+constexpr bool kZen = false;
+#endif
 template <typename T>
 struct SegmentAhead {
     struct Rows {
@@ -753,6 +761,17 @@ struct SegmentAhead {
                 if constexpr (IntoL2) modserve::prefetch_line_l2(row + 64 * x);
                 else modserve::prefetch_line(row + 64 * x);
             }
+        }
+    }
+    // Share `share` of a step's asks, given the chunk after the current one (next) and the one
+    // after that (then): two asks or one (above).
+    template <bool TwoAsks>
+    void fetch_ahead(const Rows& next, const Rows& then, int share) const {
+        if constexpr (TwoAsks) {
+            fetch_share(next, share);
+            fetch_share<true>(then, share);
+        } else {
+            fetch_share(then, share);
         }
     }
 };
@@ -850,8 +869,7 @@ void attend_bf16dot(const QIO& io, int64_t token, const uint16_t* kc, const uint
             const uint16_t* kb = ahead.rows_at(kc, seg + c);
             const auto next = ahead.after_k(seg, seg_n, c, 1), then = ahead.after_k(seg, seg_n, c, 2);
             for (int i = 0; i < nh; ++i) {
-                ahead.fetch_share(next, i);
-                ahead.fetch_share<true>(then, i);
+                ahead.fetch_ahead<true>(next, then, i);
                 const uint16_t* kh = kb + static_cast<int64_t>(h0 + i / G) * D;
                 __m512bh qv[NB];
                 for (int j = 0; j < NB; ++j) qv[j] = modserve::load_bh(qb + i * D + 32 * j);
@@ -889,8 +907,7 @@ void attend_bf16dot(const QIO& io, int64_t token, const uint16_t* kc, const uint
                 }
                 for (int g = 0; g < G; ++g) {
                     const int i = hh * G + g;
-                    ahead.fetch_share(next, i);
-                    ahead.fetch_share<true>(then, i);
+                    ahead.fetch_ahead<true>(next, then, i);
                     int32_t w2[8];  // the chunk's weights, a pair of keys per element
                     std::memcpy(w2, p + i * kRow + c, sizeof w2);
                     __m512 a[2 * NB];
@@ -962,14 +979,15 @@ void attend_segments(const QIO& io, int64_t token, const T* kc, const T* vc, con
     const int n_tokens = to < 0 ? pos + 1 : to;  // the end of this call's positions
     const int chunk = bs < 16 ? bs : 16;
     const SegmentAhead<T> ahead(kc, vc, table, bs, chunk, n_tokens, nh, h0, heads, D, row_stride);
+    constexpr bool kTwoAsks = kZen && !std::is_same_v<T, int8_t>;  // SegmentAhead
     for (int seg = from; seg < n_tokens; seg += kSegment) {
         const int seg_n = std::min(kSegment, n_tokens - seg);
         for (int c = 0; c < seg_n; c += chunk) {  // (1) scores
             const int n = std::min(chunk, seg_n - c);
             const ChunkRows<T> rows = chunk_rows(kc, vc, ks, vs, table, seg + c, bs, KVH, row_stride);
-            const auto then = ahead.after_k(seg, seg_n, c, 2);  // the chunk after next (the next was asked for a chunk ago)
+            const auto next = ahead.after_k(seg, seg_n, c, 1), then = ahead.after_k(seg, seg_n, c, 2);
             for (int i = 0; i < nh; ++i) {
-                ahead.fetch_share(then, i);
+                ahead.template fetch_ahead<kTwoAsks>(next, then, i);
                 const int h = h0 + i / G;
                 int64_t kstride;
                 const float* kh = head_rows16<T, D>(rows.k + static_cast<int64_t>(h) * D, row_stride, n, i % G == 0, kbuf, kstride);
@@ -998,9 +1016,9 @@ void attend_segments(const QIO& io, int64_t token, const T* kc, const T* vc, con
         for (int c = 0; c < seg_n; c += chunk) {  // (3) P.V
             const int n = std::min(chunk, seg_n - c);
             const ChunkRows<T> rows = chunk_rows(kc, vc, ks, vs, table, seg + c, bs, KVH, row_stride);
-            const auto then = ahead.after_v(seg, seg_n, c, 2);
+            const auto next = ahead.after_v(seg, seg_n, c, 1), then = ahead.after_v(seg, seg_n, c, 2);
             for (int i = 0; i < nh; ++i) {
-                ahead.fetch_share(then, i);
+                ahead.template fetch_ahead<kTwoAsks>(next, then, i);
                 const int h = h0 + i / G;
                 int64_t vstride;
                 const float* vh = head_rows16<T, D>(rows.v + static_cast<int64_t>(h) * D, row_stride, n, i % G == 0, vbuf, vstride);
