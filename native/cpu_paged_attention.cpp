@@ -287,12 +287,22 @@ inline int64_t head_rows(const ChunkRows<T>& c, const float* kbuf, const float* 
     }
 }
 
+// An AMD Zen core: its decode loops ask for more ahead, into L2 (SegmentAhead, ChunkAhead).
+#if defined(__znver1__) || defined(__znver2__) || defined(__znver3__) || defined(__znver4__) || defined(__znver5__)
+constexpr bool kZen = true;  // GCC names the core for -march=native (GCC 12 calls a Zen 4 znver3)
+#else
+constexpr bool kZen = false;
+#endif
+
 // The next chunk's K and V rows (the item's heads) asked for while this chunk computes, in
 // `parts` shares of whole rows, one per query head: without it the compute and the memory
 // stalls added up, and a burst of a whole chunk's lines at once measured nothing. One chunk
 // ahead, 64 rows x 450 positions of a float32 cache (30 layers, Zen 5): the AVX2 path
 // 1.7-1.8x faster (36-37 against 64-66 ms a step; 41-43 against 72-73 with scattered
-// blocks), the AVX-512 one 1.15-1.35x; two or three chunks ahead gained less.
+// blocks), the AVX-512 one 1.15-1.35x; two or three chunks ahead gained less. The AVX2 path
+// on a Zen core asks for a float32 cache's chunk after next as well, into L2 (fetch<true>):
+// on a Zen 4 built for AVX2, 1.41-1.55x faster at 4-64 rows; over bfloat16 and int8 caches
+// (whose widening bounds the loop) 0.95-0.99x, so they do not.
 struct ChunkAhead {
     const char* k = nullptr;
     const char* v = nullptr;
@@ -310,10 +320,14 @@ struct ChunkAhead {
         rows = std::min(chunk, n_tokens - at);
     }
     // Share `part` of `parts`, in whole rows (a division per line cost more than the line).
+    template <bool IntoL2 = false>
     void fetch(int part, int parts) const {
         for (int r = part * 2 * rows / parts; r < (part + 1) * 2 * rows / parts; ++r) {
             const char* row = r < rows ? k + r * stride : v + (r - rows) * stride;
-            for (int x = 0; x < lines; ++x) modserve::prefetch_line(row + 64 * x);
+            for (int x = 0; x < lines; ++x) {
+                if constexpr (IntoL2) modserve::prefetch_line_l2(row + 64 * x);
+                else modserve::prefetch_line(row + 64 * x);
+            }
         }
     }
 };
@@ -717,11 +731,6 @@ constexpr int kSegment = 256;  // positions a decode row's segment sweeps take a
 // both into L1 (float32, int8 and bfloat16 caches, blocks in order or scattered).
 // attend_bf16dot always asks twice (AVX512_BF16 CPUs: Zen 4 / 5 and the AMX Xeons);
 // attend_segments asks twice on Zen cores (kZen) over float32 and bfloat16 caches, else once.
-#if defined(__znver1__) || defined(__znver2__) || defined(__znver3__) || defined(__znver4__) || defined(__znver5__)
-constexpr bool kZen = true;  // GCC names the core for -march=native (GCC 12 calls a Zen 4 znver3)
-#else
-constexpr bool kZen = false;
-#endif
 template <typename T>
 struct SegmentAhead {
     struct Rows {
@@ -1334,12 +1343,15 @@ void attend_avx2(const QIO& io, int64_t token, const T* kc, const T* vc, const f
     start_heads(io, token, h0 * G, nh, D, scale, qs, acc, m, l);
     const int n_tokens = to < 0 ? pos + 1 : to;  // the end of this call's positions
     const int chunk = bs < 8 ? bs : 8;  // block sizes are powers of two: a chunk never crosses a block
+    constexpr bool kThenIntoL2 = kZen && std::is_same_v<T, float>;
     const int lo = window_start(pos, window);
     const __m256i lane_ids = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     for (int start = std::max(lo / chunk * chunk, from); start < n_tokens; start += chunk) {
         const int n = n_tokens - start < chunk ? n_tokens - start : chunk;
         const ChunkRows<T> c = chunk_rows(kc, vc, ks, vs, table, start, bs, KVH, row_stride);
         const ChunkAhead next(kc, vc, table, start + chunk, n_tokens, chunk, bs, row_stride, h0, heads, D);
+        // On Zen cores a float32 cache's chunk after next too, into L2 (kZen, SegmentAhead's two asks)
+        const ChunkAhead then(kc, vc, table, kThenIntoL2 ? start + 2 * chunk : n_tokens, n_tokens, chunk, bs, row_stride, h0, heads, D);
         const float* ksb = c.k_scale;
         const float* vsb = c.v_scale;
         // keys that exist (t < n) and are in the window (start + t >= lo), as all-ones lanes
@@ -1367,6 +1379,7 @@ void attend_avx2(const QIO& io, int64_t token, const T* kc, const T* vc, const f
             for (int g = 0; g < G; ++g) {
                 const int i = (h - h0) * G + g;
                 next.fetch(i, nh);
+                if constexpr (kThenIntoL2) then.fetch<true>(i, nh);
                 const float* qi = qs + i * D;
                 constexpr int QR = NV <= 8 ? NV : 1;  // q vectors held in registers (head_dim 64: all)
                 __m256 qv[QR];
