@@ -49,7 +49,7 @@ void block(const uint16_t* x, int64_t x_stride, const W* w, int64_t panel, int K
     const int pairs = K / 2;
     const int64_t per_pair = pairs ? (ahead_lines + pairs - 1) / pairs : 0;  // lines to ask for per step
     for (int k = 0; k < pairs; ++k) {
-        for (int64_t i = k * per_pair; i < (k + 1) * per_pair && i < ahead_lines; ++i) modserve::prefetch_line_l2(ahead + 64 * i);
+        for (int64_t i = k * per_pair; i < (k + 1) * per_pair && i < ahead_lines; ++i) modserve::prefetch_line<true>(ahead + 64 * i);
         __m512bh wv[P];
 #pragma GCC unroll 8
         for (int p = 0; p < P; ++p) wv[p] = pair_weights(w + p * panel + k * 32);

@@ -324,10 +324,7 @@ struct ChunkAhead {
     void fetch(int part, int parts) const {
         for (int r = part * 2 * rows / parts; r < (part + 1) * 2 * rows / parts; ++r) {
             const char* row = r < rows ? k + r * stride : v + (r - rows) * stride;
-            for (int x = 0; x < lines; ++x) {
-                if constexpr (IntoL2) modserve::prefetch_line_l2(row + 64 * x);
-                else modserve::prefetch_line(row + 64 * x);
-            }
+            for (int x = 0; x < lines; ++x) modserve::prefetch_line<IntoL2>(row + 64 * x);
         }
     }
 };
@@ -722,7 +719,7 @@ constexpr int kSegment = 256;  // positions a decode row's segment sweeps take a
 // at one (the bfloat16-dot path). Shares of whole rows: integer divisions per line cost more
 // than the lines. The scores sweep reads its K chunks, then the P.V sweep the segment's V
 // chunks, then the next segment's K chunks. Two asks (fetch_ahead<true>): both chunks every
-// step, the next one into L1 and the one after into L2 only (prefetch_line_l2), so each line
+// step, the next one into L1 and the one after into L2 only (prefetch_line<true>), so each line
 // twice; on a Zen 4 (AMD EPYC family 25) at 43 rows x 320 positions, attend_bf16dot took 0.70x
 // the time of asking for both into L1 (both into L2: 0.71x; only the one after next, into L2:
 // 0.79x; into L1: 1.09x), attend_segments 0.64x (float32 cache) and 0.71x (bfloat16) the time
@@ -766,10 +763,7 @@ struct SegmentAhead {
     void fetch_share(const Rows& r, int share) const {
         for (int t = share * r.rows / nh; t < (share + 1) * r.rows / nh; ++t) {
             const char* row = r.base + t * row_stride * static_cast<int64_t>(sizeof(T));
-            for (int x = 0; x < lines_per_row; ++x) {
-                if constexpr (IntoL2) modserve::prefetch_line_l2(row + 64 * x);
-                else modserve::prefetch_line(row + 64 * x);
-            }
+            for (int x = 0; x < lines_per_row; ++x) modserve::prefetch_line<IntoL2>(row + 64 * x);
         }
     }
     // Share `share` of a step's asks, given the chunk after the current one (next) and the one
