@@ -13,9 +13,9 @@ REV native | tar -x -C /tmp/old``, then ``/tmp/old/native/cpu_paged_attention.cp
 beside it are that revision's; a lone copy of the .cpp builds with this tree's) and times the
 decode steps and the prefill tiles of both builds alternated in this process
 (``--extra-flags=-mno-avx512f``: both as the AVX2 build), the way changes to the kernel are
-measured on a machine whose speed drifts. Its decode
-steps take float32 q (the ``standard build`` row's path) and, with ``--dtype bfloat16``, also
-bfloat16 q (the ``standard, bf16 q`` row's: the bfloat16-dot path on AVX512_BF16 CPUs).
+measured on a machine whose speed drifts. Its decode steps take float32 q (the ``standard
+build`` row's path) and, with ``--dtype bfloat16``, also bfloat16 q (the ``standard, bf16 q``
+row's: the bfloat16-dot path on AVX512_BF16 CPUs).
 """
 
 from __future__ import annotations

@@ -250,4 +250,3 @@ def test_auto_warns_and_keeps_onednn_where_the_kernel_does_not_build(monkeypatch
     assert "device.linear_kernel auto: compiling the AVX2 linear kernel failed (test); float32 layers use oneDNN" in caplog.text
     with pytest.raises(ValueError, match=r"device\.linear_kernel: avx2 cannot run here: compiling the AVX2 linear kernel failed \(test\)"):
         cpu.CPUPlatform(cpu.CPUConfig(linear_kernel="avx2"), None)
-
