@@ -149,7 +149,7 @@ class CPUPlatform(Platform):
         return "cpu"
 
     def _int4_library_from_rows(self) -> int:
-        """float32 rows from which int4 layers on the panels take torch's product: past every
+        """float32 rows from which int4 layers on the panels take oneDNN's product: past every
         decode batch a call list records (one torch operator in a step would turn them all off)."""
         recorded = (self.config.graph_max_batch or GRAPH_MAX_BATCH) if self.config.decode_graphs else 0
         return max(avx2_linear.INT4_LIBRARY_FROM_ROWS, recorded + 1)

@@ -14,11 +14,12 @@ A layer with any weight that bfloat16 cannot hold keeps oneDNN's float32 product
 would change the model.
 
 From ``LIBRARY_FROM_ROWS`` rows (long prefill chunks) a plain layer's panels are widened back
-to float32 into one scratch matrix a thread and torch's float32 product (oneDNN / MKL) multiplies
-them: there the product is bound by the FMAs, not by the weight bytes, and the library's blocking
-beats the panel kernel's (1.1-1.3x on a Cascade Lake at 512-1,024 rows, SmolLM2's qkv and down
-shapes) by more than the widening costs (about 0.15 ms a layer, each tile transposed in
-registers). A gated layer stays on the panels: the library's output twice as wide and a separate
+to float32 into one scratch matrix a thread and oneDNN's float32 product multiplies them
+(:func:`~modserve.plugins.platforms.cpu_linear.float32_product`; not ``F.linear``, whose MKL
+sgemm ran 1.3x slower on a Zen 4): there the product is bound by the FMAs, not by the weight
+bytes, and the library's blocking beats the panel kernel's (1.1-1.3x on a Cascade Lake at
+512-1,024 rows, SmolLM2's qkv and down shapes) by more than the widening costs (about 0.15 ms a
+layer, each tile transposed in registers). A gated layer stays on the panels: the library's output twice as wide and a separate
 SiLU pass over it made it 0.7-0.8x slower.
 """
 
@@ -29,17 +30,17 @@ import functools
 import threading
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from modserve.core.contract import NativeFunction
 from modserve.native.build import SOURCES, compile_and_load
 from modserve.plugins.platforms.cpu_int8_panel_linear import load_int8
+from modserve.plugins.platforms.cpu_linear import float32_product
 from modserve.plugins.platforms.cpu_int4_scales import FileScales
 from modserve.plugins.platforms.cpu_panel_linear import WIDENED_ARGS, PanelLinear, load_kernel, product_output, scale_args, widened_product
 
 SOURCE = SOURCES / "cpu_avx2_linear.cpp"
-LIBRARY_FROM_ROWS = 512  # rows from which the widened weights go to torch's float32 product
+LIBRARY_FROM_ROWS = 512  # rows from which the widened weights go to oneDNN's float32 product
 INT4_LIBRARY_FROM_ROWS = 128  # the same for int4 weights (widened to float32 panels, the FMA blocks lose more)
 WIDEN_ARGS = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int)
 INT4_WIDEN_ARGS = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
@@ -75,11 +76,11 @@ def int4_product(rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor 
     (SmolLM2's 576 -> 1536 layer: 648 us at one row, 40 ms at 64, against 22 us and 245 us for
     the bfloat16-held float32 layer). From ``library_from`` rows (default
     ``INT4_LIBRARY_FROM_ROWS``) the weights are widened once to a plain float32 matrix for
-    torch's product instead (:func:`int4_widened`; not one native call: no call list records
+    oneDNN's product instead (:func:`int4_widened`; not one native call: no call list records
     it). ``rows`` ``[M, K]`` float32; ``out``: where to write."""
     n, k = packed.shape[0], packed.shape[1] * 2
-    if rows.dim() == 2 and rows.shape[0] >= (library_from or INT4_LIBRARY_FROM_ROWS):  # many rows: torch's product on the weights widened once
-        y = F.linear(rows, int4_widened(packed, scales, group, extra_flags), bias)
+    if rows.dim() == 2 and rows.shape[0] >= (library_from or INT4_LIBRARY_FROM_ROWS):  # many rows: oneDNN's product on the weights widened once
+        y = float32_product(rows, int4_widened(packed, scales, group, extra_flags), bias)
         return y if out is None else product_output(rows, n, out, "int4_product").copy_(y)
     return widened_product(load_int4(extra_flags), rows, packed, scales, n, k, group, bias, out=out)
 
@@ -141,7 +142,7 @@ class Avx2Linear(PanelLinear):
         k = self.in_features
         if self.gated or x.dtype != self.dtype or x.shape[-1] != k or x.numel() < LIBRARY_FROM_ROWS * k:
             return super().forward(x)  # (which also refuses what it must)
-        y = F.linear(x.reshape(-1, k), self._widened(), self._buffers["_bias32"])
+        y = float32_product(x.reshape(-1, k), self._widened(), self._buffers["_bias32"])
         return y.view(*x.shape[:-1], self.out_features)
 
     def _widened(self) -> torch.Tensor:

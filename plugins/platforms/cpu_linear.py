@@ -21,6 +21,15 @@ from torch import nn
 _LINEAR = torch.ops.mkldnn._linear_pointwise.default
 
 
+def float32_product(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(rows, weight, bias)`` for float32 ``rows [M, K]`` and a plain ``weight [N, K]``
+    (any strides, say a view of a scratch matrix), by oneDNN. Why not ``F.linear``: torch's
+    float32 product is MKL's sgemm, whose kernels depend on the CPU's vendor; on a Zen 4 it ran
+    SmolLM2's prefill shapes at 125-170 GFLOP/s where oneDNN, which picks its kernels by
+    instruction set, ran them at 200-210 on the same plain weights (docs/cpu_linears.md)."""
+    return _LINEAR(rows, weight, bias, "none", [], "")
+
+
 class PackedLinear(nn.Module):
     """``y = x @ W.T + b`` with ``W`` held only in oneDNN's blocked layout."""
 

@@ -330,7 +330,7 @@ class Int4WeightOnlyLinear(QuantizedLinear):
 
     amx = False
     panels = False
-    library_from_rows: int | None = None  # float32 rows from which a call on the panels takes torch's product (None: the kernel's default; the platform sets it past its largest recorded decode batch)
+    library_from_rows: int | None = None  # float32 rows from which a call on the panels takes oneDNN's product (None: the kernel's default; the platform sets it past its largest recorded decode batch)
 
     def __init__(self, layer: nn.Linear, group_size: int) -> None:
         super().__init__(layer)
