@@ -20,8 +20,9 @@ of 256). Run it on a quiet machine; it prints the CPU.
 ``--baseline-source DIR/cpu_avx2_linear.cpp`` also builds another version of the ``avx2`` kernel
 (say ``git archive REV native | tar -x -C /tmp/old``, then ``/tmp/old/native/cpu_avx2_linear.cpp``:
 its headers are read from beside it) and times its passes and this tree's alternated in this
-process, the order swapped every round, at each row count below ``LIBRARY_FROM_ROWS`` (from
-there the layers run torch's product, not this kernel): the way a change to the kernel is
+process, the order swapped every round, at each row count below ``LIBRARY_FROM_ROWS`` where
+this CPU's layers leave the kernel for oneDNN's product (AMD's up to Zen 4 never do: the
+layers are built as the platform builds them here): the way a change to the kernel is
 measured on a machine whose speed drifts, as ``cpu_attention.py --baseline-source`` does.
 ``DIR/cpu_avx512_linear.cpp`` does the same for the ``avx512bf16`` kernel, at any row count.
 
@@ -41,9 +42,9 @@ from torch import nn
 
 from modserve.bench.roofline import held_weight_bytes
 from modserve.core.models.gguf_quantized import TwoLevelScales
-from modserve.plugins.platforms.cpu import ISA_FLAGS, cpu_model_and_flags
+from modserve.plugins.platforms.cpu import ISA_FLAGS, cpu_model_and_flags, library_from_rows
 from modserve.plugins.platforms.cpu_amx_linear import AmxLinear
-from modserve.plugins.platforms.cpu_avx2_linear import LIBRARY_FROM_ROWS, Avx2Linear
+from modserve.plugins.platforms.cpu_avx2_linear import INT4_LIBRARY_FROM_ROWS, LIBRARY_FROM_ROWS, Avx2Linear
 from modserve.plugins.platforms.cpu_avx2_linear import load_codes as avx2_linear_codes
 from modserve.plugins.platforms.cpu_avx512_linear import Avx512Linear
 from modserve.plugins.platforms.cpu_avx512_linear import load_codes as avx512_linear_codes
@@ -58,6 +59,7 @@ MODELS = {  # (out, in) of each layer, and the layers: SmolLM2-135M, and a Llama
     "llama-1b": ({"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)}, 16),
 }
 SHAPES, LAYERS = MODELS["smollm2"]
+AVX2_LIBRARY_FROM_ROWS = library_from_rows(LIBRARY_FROM_ROWS)  # where this CPU's avx2 layers leave the kernel
 FLOAT32_KERNELS = ("onednn-fp32", "avx2", "int8-panels-fp32", "int4-panels-fp32")  # take float32 rows
 BASELINE_KERNELS = {  # --baseline-source's file name: the kernel kind it builds, and that kernel's entry point
     "cpu_avx2_linear.cpp": ("avx2", "modserve_avx2_linear", "AVX2 and FMA"),
@@ -100,7 +102,7 @@ def build(kind: str) -> dict[str, list[nn.Module]]:
             elif kind == "onednn-fp32":
                 layers.append(PackedLinear(lin.float()))
             elif kind == "avx2":
-                layers.append(Avx2Linear(lin.float()))
+                layers.append(Avx2Linear(lin.float(), AVX2_LIBRARY_FROM_ROWS))  # as the platform builds it on this CPU
             elif kind == "amx":
                 layers.append(AmxLinear(lin))
             elif kind == "avx512bf16":
@@ -121,6 +123,7 @@ def build(kind: str) -> dict[str, list[nn.Module]]:
                 module = Int4WeightOnlyLinear(lin.float() if kind in FLOAT32_KERNELS else lin, 32)
                 module.amx = kind == "int4-amx"
                 module.panels = kind.startswith("int4-panels")
+                module.library_from_rows = library_from_rows(INT4_LIBRARY_FROM_ROWS)
                 layers.append(module)
         out[name] = layers
     return out
@@ -196,9 +199,9 @@ def main() -> None:
         kind = BASELINE_KERNELS[name][0]
         if kind not in args.kernels.split(","):
             ap.error(f"--baseline-source times the {kind} kernel: add {kind} to --kernels")
-        if kind == "avx2" and (too_many := [r for r in rows_list if r >= LIBRARY_FROM_ROWS]):
-            ap.error(f"--baseline-source: rows {', '.join(map(str, too_many))} run torch's product, not the kernel "
-                     f"(from {LIBRARY_FROM_ROWS} rows)")
+        if kind == "avx2" and (too_many := [r for r in rows_list if r >= AVX2_LIBRARY_FROM_ROWS]):
+            ap.error(f"--baseline-source: rows {', '.join(map(str, too_many))} run oneDNN's product on this CPU, not the kernel "
+                     f"(from {AVX2_LIBRARY_FROM_ROWS} rows)")
         if args.rounds is not None and args.rounds < 1:
             ap.error(f"--rounds: expected a whole number >= 1, got {args.rounds}")
     global SHAPES, LAYERS

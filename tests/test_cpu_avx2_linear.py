@@ -128,6 +128,41 @@ def test_layers_sharing_the_widening_scratch_each_get_their_own_product_through_
     assert not torch.equal(got[0], got[1])
 
 
+CPUINFO = {  # /proc/cpuinfo's fields that choose where prefill chunks multiply, and the choice
+    "a Cascade Lake": ({"vendor_id": "GenuineIntel", "cpu family": "6"}, False),
+    "a Zen 4": ({"vendor_id": "AuthenticAMD", "cpu family": "25"}, True),
+    "a Zen 2": ({"vendor_id": "AuthenticAMD", "cpu family": "23"}, True),
+    "a Zen 5 (not measured)": ({"vendor_id": "AuthenticAMD", "cpu family": "26"}, False),
+    "no /proc/cpuinfo": ({}, False),
+}
+
+
+@needs_avx2
+@pytest.mark.parametrize("cpu_kind", list(CPUINFO))
+def test_the_platform_keeps_long_chunks_on_the_panels_where_they_win(monkeypatch, cpu_kind):
+    """AMD cores up to Zen 4 (256-bit FMA pipes) multiply every row count on the panels, where
+    widening for oneDNN's product lost at 256-2,048 rows; elsewhere a plain layer widens from
+    LIBRARY_FROM_ROWS rows and an int4 layer from INT4_LIBRARY_FROM_ROWS (or past the recorded
+    decode batches). The platform's description says which; the products are the same either way."""
+    fields, panels_only = CPUINFO[cpu_kind]
+    monkeypatch.setattr(cpu, "_cpuinfo", lambda: fields)
+    platform = cpu.CPUPlatform(cpu.CPUConfig(decode_graphs=False), None)
+    lin = bf16_weights(96, 64, True, 5)
+    layer = platform.linear("layers.0.self_attn.o_proj", lin)
+    assert isinstance(layer, Avx2Linear)
+    want = cpu_avx2_linear.PANELS_ONLY if panels_only else cpu_avx2_linear.LIBRARY_FROM_ROWS
+    assert layer.library_from_rows == want == cpu.library_from_rows(cpu_avx2_linear.LIBRARY_FROM_ROWS)
+    int4 = cpu_avx2_linear.PANELS_ONLY if panels_only else cpu_avx2_linear.INT4_LIBRARY_FROM_ROWS
+    assert platform._int4_library_from_rows() == int4
+    chunks = "at every row count" if panels_only else "from 512 rows widened for oneDNN"
+    assert f"bfloat16-held weights where exact (prefill chunks: {chunks})" in platform.info().kernels[0]
+    widened = []
+    monkeypatch.setattr(layer, "_widened", lambda: widened.append(1) or Avx2Linear._widened(layer))
+    x = torch.randn(cpu_avx2_linear.LIBRARY_FROM_ROWS + 3, 64, generator=torch.Generator().manual_seed(6))
+    torch.testing.assert_close(layer(x), F.linear(x, lin.weight, lin.bias), atol=1e-4 * 64**0.5, rtol=1e-5)
+    assert widened == ([] if panels_only else [1])
+
+
 @needs_avx2
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 12, 100])
 @pytest.mark.parametrize("inter", [48, 64])
@@ -234,8 +269,10 @@ def test_auto_takes_the_kernel_for_weights_bfloat16_holds(monkeypatch, bf16_chec
     assert PackedLinear in types and Avx2Linear not in types
     assert re.search(r"device\.decode_graphs: off, linear layers\.0\.self_attn\.qkv_proj multiplies through torch", caplog.text)
     info = cpu.CPUPlatform(cpu.CPUConfig(), None).info()
-    assert info.kernels[0] == ("linears: oneDNN packed in bfloat16, float32 FMAs over bfloat16-held weights where exact, "
-                               "else oneDNN packed in float32")
+    panels_only = cpu.library_from_rows(cpu_avx2_linear.LIBRARY_FROM_ROWS) == cpu_avx2_linear.PANELS_ONLY  # this CPU's choice
+    chunks = "at every row count" if panels_only else "from 512 rows widened for oneDNN"
+    assert info.kernels[0] == ("linears: oneDNN packed in bfloat16, float32 FMAs over bfloat16-held weights where exact "
+                               f"(prefill chunks: {chunks}), else oneDNN packed in float32")
     assert info.kernels[1] == ("mixtures of experts: one call a layer (float32 FMAs over bfloat16-held experts where exact), "
                                "else torch's grouped products")
     monkeypatch.setattr(cpu, "cpu_model_and_flags", lambda: ("an AVX-512 Xeon", frozenset({"avx2", "fma", "avx512f"})))

@@ -107,7 +107,9 @@ class CPUPlatform(Platform):
         bf16 = {"amx": "AMX tiles", "avx512bf16": "AVX512_BF16 panels", "onednn": "oneDNN packed"}[self.float_kernel]
         fp32 = "oneDNN packed"
         if self.float32_kernel == "avx2":
-            fp32 = "float32 FMAs over bfloat16-held weights where exact, else oneDNN packed"
+            library = library_from_rows(avx2_linear.LIBRARY_FROM_ROWS)
+            chunks = "at every row count" if library == avx2_linear.PANELS_ONLY else f"from {library} rows widened for oneDNN"
+            fp32 = f"float32 FMAs over bfloat16-held weights where exact (prefill chunks: {chunks}), else oneDNN packed"
         linears = f"{bf16} in bfloat16, {fp32} in float32" if bf16 != fp32 else fp32
         kernels = [f"linears: {linears if self.config.pack_weights else 'plain nn.Linear'}"]
         if self.config.quantization != "none":
@@ -152,7 +154,7 @@ class CPUPlatform(Platform):
         """float32 rows from which int4 layers on the panels take oneDNN's product: past every
         decode batch a call list records (one torch operator in a step would turn them all off)."""
         recorded = (self.config.graph_max_batch or GRAPH_MAX_BATCH) if self.config.decode_graphs else 0
-        return max(avx2_linear.INT4_LIBRARY_FROM_ROWS, recorded + 1)
+        return max(library_from_rows(avx2_linear.INT4_LIBRARY_FROM_ROWS), recorded + 1)
 
     def graph_batch_sizes(self) -> tuple[int, ...]:
         """Every size from 1 to ``graph_max_batch``: on a CPU a padded row costs its full share
@@ -197,7 +199,7 @@ class CPUPlatform(Platform):
             return (amx_linear.AmxLinear if self.amx_linears else avx512_linear.Avx512Linear)(layer)
         if layer.weight.dtype == torch.float32 and self.float32_kernel == "avx2":
             if avx2_linear.exact_in_bfloat16(layer.weight):
-                return avx2_linear.Avx2Linear(layer)
+                return avx2_linear.Avx2Linear(layer, library_from_rows(avx2_linear.LIBRARY_FROM_ROWS))
             if self.config.linear_kernel == "avx2":
                 raise ValueError(
                     f"device.linear_kernel: avx2 holds float32 weights in bfloat16, but {name} has weights bfloat16 cannot "
@@ -409,15 +411,39 @@ def _packs(dtype: torch.dtype) -> bool:
 
 
 @functools.cache
-def cpu_model_and_flags() -> tuple[str, frozenset[str]]:
-    """The CPU's model name and feature flags (``/proc/cpuinfo``; the processor name elsewhere)."""
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields in ``/proc/cpuinfo`` (none where there is no such file)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             fields = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)
-        fields = {k.strip(): v.strip() for k, v in fields.items()}
-        return fields.get("model name", host.processor()), frozenset(fields.get("flags", "").split())
     except OSError:
+        return {}
+    return {k.strip(): v.strip() for k, v in fields.items()}
+
+
+@functools.cache
+def cpu_model_and_flags() -> tuple[str, frozenset[str]]:
+    """The CPU's model name and feature flags (``/proc/cpuinfo``; the processor name elsewhere)."""
+    fields = _cpuinfo()
+    if not fields:
         return host.processor() or "unknown CPU", frozenset()
+    return fields.get("model name", host.processor()), frozenset(fields.get("flags", "").split())
+
+
+def library_from_rows(default: int) -> int:
+    """Rows from which a float32 layer on the panels (bfloat16-held or int4) widens its weights
+    for oneDNN's product instead: ``default`` (the layer kind's, measured on a Cascade Lake, whose
+    two 512-bit FMA ports oneDNN's blocking uses better: 1.1-1.3x the panels at 512-1,024 rows),
+    or :data:`~modserve.plugins.platforms.cpu_avx2_linear.PANELS_ONLY` on AMD cores up to family
+    25 (Zen 1-4: FMAs 256 bits wide, 512-bit ones in two halves). On a Zen 4 the panels reach
+    the same FMA peak without the widening: whole passes over SmolLM2's layers ran 1.05-1.22x
+    the library's speed at 256-2,048 rows bfloat16-held, 1.02-1.48x at 64-2,048 as int4. Zen 5
+    (family 26, full-width AVX-512) keeps ``default``: not measured."""
+    fields = _cpuinfo()
+    family = fields.get("cpu family", "")
+    if fields.get("vendor_id") == "AuthenticAMD" and family.isdigit() and int(family) <= 25:
+        return avx2_linear.PANELS_ONLY
+    return default
 
 
 def _total_memory() -> int:

@@ -19,14 +19,18 @@ to float32 into one scratch matrix a thread and oneDNN's float32 product multipl
 sgemm ran 1.3x slower on a Zen 4): there the product is bound by the FMAs, not by the weight
 bytes, and the library's blocking beats the panel kernel's (1.1-1.3x on a Cascade Lake at
 512-1,024 rows, SmolLM2's qkv and down shapes) by more than the widening costs (about 0.15 ms a
-layer, each tile transposed in registers). A gated layer stays on the panels: the library's output twice as wide and a separate
-SiLU pass over it made it 0.7-0.8x slower.
+layer, each tile transposed in registers). Not on every CPU: where the FMAs are 256 bits wide
+(AMD up to Zen 4) the panels win at every row count, and the platform builds the layers with
+:data:`PANELS_ONLY` (:func:`~modserve.plugins.platforms.cpu.library_from_rows`). A gated
+layer stays on the panels: the library's output twice as wide and a separate SiLU pass over it
+made it 0.7-0.8x slower.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import sys
 import threading
 
 import torch
@@ -42,6 +46,7 @@ from modserve.plugins.platforms.cpu_panel_linear import WIDENED_ARGS, PanelLinea
 SOURCE = SOURCES / "cpu_avx2_linear.cpp"
 LIBRARY_FROM_ROWS = 512  # rows from which the widened weights go to oneDNN's float32 product
 INT4_LIBRARY_FROM_ROWS = 128  # the same for int4 weights (widened to float32 panels, the FMA blocks lose more)
+PANELS_ONLY = sys.maxsize  # a library_from_rows no call reaches: every row count stays on the panels (cpu.library_from_rows)
 WIDEN_ARGS = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int)
 INT4_WIDEN_ARGS = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                    ctypes.c_int, ctypes.c_void_p, ctypes.c_int)
@@ -135,12 +140,13 @@ class Avx2Linear(PanelLinear):
 
     dtype = torch.float32
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, library_from_rows: int = LIBRARY_FROM_ROWS) -> None:
         super().__init__(linear, load())
+        self.library_from_rows = library_from_rows  # rows from which a plain layer widens for oneDNN's product
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k = self.in_features
-        if self.gated or x.dtype != self.dtype or x.shape[-1] != k or x.numel() < LIBRARY_FROM_ROWS * k:
+        if self.gated or x.dtype != self.dtype or x.shape[-1] != k or x.numel() < self.library_from_rows * k:
             return super().forward(x)  # (which also refuses what it must)
         y = float32_product(x.reshape(-1, k), self._widened(), self._buffers["_bias32"])
         return y.view(*x.shape[:-1], self.out_features)
