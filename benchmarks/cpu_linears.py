@@ -26,6 +26,10 @@ layers are built as the platform builds them here): the way a change to the kern
 measured on a machine whose speed drifts, as ``cpu_attention.py --baseline-source`` does.
 ``DIR/cpu_avx512_linear.cpp`` does the same for the ``avx512bf16`` kernel, at any row count.
 
+``--against-library`` times the ``avx2`` and ``int4-panels-fp32`` passes (those in ``--kernels``)
+on their panels at every row count and widened for oneDNN's product at every row count,
+alternated: where this CPU's prefill chunks should leave the panels (``cpu.library_from_rows``).
+
     python benchmarks/cpu_linears.py --kernels amx,int4,int4-amx --rows 1,8,16,64,256,1024
 """
 
@@ -44,7 +48,7 @@ from modserve.bench.roofline import held_weight_bytes
 from modserve.core.models.gguf_quantized import TwoLevelScales
 from modserve.plugins.platforms.cpu import ISA_FLAGS, cpu_model_and_flags, library_from_rows
 from modserve.plugins.platforms.cpu_amx_linear import AmxLinear
-from modserve.plugins.platforms.cpu_avx2_linear import INT4_LIBRARY_FROM_ROWS, LIBRARY_FROM_ROWS, Avx2Linear
+from modserve.plugins.platforms.cpu_avx2_linear import INT4_LIBRARY_FROM_ROWS, LIBRARY_FROM_ROWS, PANELS_ONLY, Avx2Linear
 from modserve.plugins.platforms.cpu_avx2_linear import load_codes as avx2_linear_codes
 from modserve.plugins.platforms.cpu_avx512_linear import Avx512Linear
 from modserve.plugins.platforms.cpu_avx512_linear import load_codes as avx512_linear_codes
@@ -60,6 +64,7 @@ MODELS = {  # (out, in) of each layer, and the layers: SmolLM2-135M, and a Llama
 }
 SHAPES, LAYERS = MODELS["smollm2"]
 AVX2_LIBRARY_FROM_ROWS = library_from_rows(LIBRARY_FROM_ROWS)  # where this CPU's avx2 layers leave the kernel
+LIBRARY_KERNELS = ("avx2", "int4-panels-fp32")  # --against-library: float32 panel layers that may widen for oneDNN's product
 FLOAT32_KERNELS = ("onednn-fp32", "avx2", "int8-panels-fp32", "int4-panels-fp32")  # take float32 rows
 BASELINE_KERNELS = {  # --baseline-source's file name: the kernel kind it builds, and that kernel's entry point
     "cpu_avx2_linear.cpp": ("avx2", "modserve_avx2_linear", "AVX2 and FMA"),
@@ -175,6 +180,39 @@ def against_baseline(built: dict[str, dict[str, list[nn.Module]]], source: str, 
             m._kernel = builds["this tree"]
 
 
+def against_library(built: dict[str, dict[str, list[nn.Module]]], kinds: list[str], rows_list: list[int], rounds: int) -> None:
+    """Each float32 panel kind's passes on its panels and widened for oneDNN's product, at every
+    row count, alternated (the order swapped every round): the measurement behind
+    ``cpu.library_from_rows``, this CPU's choice of where prefill chunks leave the panels."""
+    for kind in kinds:
+        modules = [m for group in built[kind].values() for m in group]
+        chosen = modules[0].library_from_rows
+
+        def run(side: str, xs: dict[str, torch.Tensor]) -> float:
+            for m in modules:
+                m.library_from_rows = PANELS_ONLY if side == "panels" else 1
+            return one_pass(built[kind], xs)
+
+        where = "never" if chosen == PANELS_ONLY else f"from {chosen} rows"
+        print(f"{kind} on its panels against widened for oneDNN's product, {rounds} alternated rounds (this CPU widens: {where}):")
+        try:
+            for rows in rows_list:
+                xs = {name: torch.randn(rows, k) for name, (_, k) in SHAPES.items()}
+                times = {"panels": [], "library": []}
+                with torch.inference_mode():
+                    for side in times:
+                        run(side, xs)
+                    for r in range(rounds):
+                        for side in (list(times) if r % 2 == 0 else list(times)[::-1]):
+                            times[side].append(run(side, xs))
+                panels, library = times["panels"], times["library"]
+                print(f"{rows:>6} rows: panels {statistics.median(panels) * 1e3:.2f} ms, library {statistics.median(library) * 1e3:.2f} ms "
+                      f"(medians), median ratio library/panels {statistics.median(b / a for a, b in zip(panels, library)):.3f}x")
+        finally:
+            for m in modules:
+                m.library_from_rows = chosen
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernels", default="amx,int4,int4-amx")
@@ -183,14 +221,21 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2", choices=MODELS, help="whose layer shapes")
     ap.add_argument("--baseline-source", help="also this version of native/cpu_avx2_linear.cpp or cpu_avx512_linear.cpp "
                     "(its headers beside it), that kernel's passes alternated with this tree's")
-    ap.add_argument("--rounds", type=int, help="alternated rounds for --baseline-source (default 15)")
+    ap.add_argument("--against-library", action="store_true", help="also time avx2's and int4-panels-fp32's passes "
+                    "(those in --kernels) on their panels against widened for oneDNN's product, alternated; gate_up "
+                    "is a plain layer here (the engine's, gated, stays on the panels)")
+    ap.add_argument("--rounds", type=int, help="alternated rounds for --baseline-source and --against-library (default 15)")
     args = ap.parse_args()
     try:
         rows_list = [int(r) for r in args.rows.split(",")]
     except ValueError:
         ap.error(f"--rows: expected whole numbers separated by commas, got {args.rows!r}")
-    if args.baseline_source is None and args.rounds is not None:
-        ap.error("--rounds goes with --baseline-source, which is not given")
+    if args.baseline_source is None and not args.against_library and args.rounds is not None:
+        ap.error("--rounds goes with --baseline-source or --against-library, neither of which is given")
+    if args.against_library and not (library_kinds := [k for k in LIBRARY_KERNELS if k in args.kernels.split(",")]):
+        ap.error(f"--against-library times {' and '.join(LIBRARY_KERNELS)}: add one of them to --kernels")
+    if args.rounds is not None and args.rounds < 1:
+        ap.error(f"--rounds: expected a whole number >= 1, got {args.rounds}")
     if args.baseline_source is not None:
         if not Path(args.baseline_source).is_file():
             ap.error(f"--baseline-source: no such file: {args.baseline_source}")
@@ -202,8 +247,6 @@ def main() -> None:
         if kind == "avx2" and (too_many := [r for r in rows_list if r >= AVX2_LIBRARY_FROM_ROWS]):
             ap.error(f"--baseline-source: rows {', '.join(map(str, too_many))} run oneDNN's product on this CPU, not the kernel "
                      f"(from {AVX2_LIBRARY_FROM_ROWS} rows)")
-        if args.rounds is not None and args.rounds < 1:
-            ap.error(f"--rounds: expected a whole number >= 1, got {args.rounds}")
     global SHAPES, LAYERS
     SHAPES, LAYERS = MODELS[args.model]
     kernels = args.kernels.split(",")
@@ -233,6 +276,8 @@ def main() -> None:
     print(f"weights per pass: {weights / 1e6:.1f} M ({2 * weights / 1e6:.0f} MB in bfloat16)")
     if args.baseline_source is not None:
         against_baseline(built, args.baseline_source, rows_list, args.rounds or 15)
+    if args.against_library:
+        against_library(built, library_kinds, rows_list, args.rounds or 15)
 
 
 if __name__ == "__main__":
