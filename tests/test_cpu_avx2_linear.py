@@ -89,11 +89,11 @@ def test_products_equal_float32_products_of_the_same_weights(rows, n, k, bias, b
 @needs_avx2
 @pytest.mark.parametrize("n,k", [(960, 576), (70, 33), (33, 96)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_many_rows_widen_the_panels_for_torchs_float32_product(n, k, bias, build, monkeypatch):
-    """From LIBRARY_FROM_ROWS rows the panels are widened back to the plain float32 weights
-    (every value exact, the rows in order, padding cut off; both widths' tile transposes) and
-    torch's product multiplies them; one row fewer stays on the kernel. Both equal F.linear up
-    to summation order."""
+def test_many_rows_widen_the_panels_for_onednns_float32_product(n, k, bias, build, monkeypatch):
+    """From LIBRARY_FROM_ROWS rows (a layer built with the default) the panels are widened back
+    to the plain float32 weights (every value exact, the rows in order, padding cut off; both
+    widths' tile transposes; the view strided where K is padded) and oneDNN's product multiplies
+    them; one row fewer stays on the kernel. Both equal F.linear up to summation order."""
     lin = bf16_weights(n, k, bias, n + k)
     layer = Avx2Linear(lin)
     assert torch.equal(layer._widened(), lin.weight.detach())

@@ -436,9 +436,10 @@ def library_from_rows(default: int) -> int:
     two 512-bit FMA ports oneDNN's blocking uses better: 1.1-1.3x the panels at 512-1,024 rows),
     or :data:`~modserve.plugins.platforms.cpu_avx2_linear.PANELS_ONLY` on AMD cores up to family
     25 (Zen 1-4: FMAs 256 bits wide, 512-bit ones in two halves). On a Zen 4 the panels reach
-    the same FMA peak without the widening: whole passes over SmolLM2's layers ran 1.05-1.22x
-    the library's speed at 256-2,048 rows bfloat16-held, 1.02-1.48x at 64-2,048 as int4. Zen 5
-    (family 26, full-width AVX-512) keeps ``default``: not measured."""
+    the same FMA peak without the widening: whole passes over SmolLM2's layers ran 1.08-1.26x
+    the library's speed at 256-2,048 rows bfloat16-held, 1.05-1.47x as int4 (1.9x at 128;
+    ``benchmarks/cpu_linears.py --against-library``). Zen 5 (family 26, full-width AVX-512)
+    keeps ``default``: not measured."""
     fields = _cpuinfo()
     family = fields.get("cpu family", "")
     if fields.get("vendor_id") == "AuthenticAMD" and family.isdigit() and int(family) <= 25:

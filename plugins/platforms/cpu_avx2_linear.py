@@ -38,9 +38,9 @@ from torch import nn
 
 from modserve.core.contract import NativeFunction
 from modserve.native.build import SOURCES, compile_and_load
+from modserve.plugins.platforms.cpu_int4_scales import FileScales
 from modserve.plugins.platforms.cpu_int8_panel_linear import load_int8
 from modserve.plugins.platforms.cpu_linear import float32_product
-from modserve.plugins.platforms.cpu_int4_scales import FileScales
 from modserve.plugins.platforms.cpu_panel_linear import WIDENED_ARGS, PanelLinear, load_kernel, product_output, scale_args, widened_product
 
 SOURCE = SOURCES / "cpu_avx2_linear.cpp"
