@@ -27,16 +27,8 @@ CASES = [  # kernel kind, its source, its library, the header made wrong: (text,
 ]
 
 
-@pytest.mark.parametrize("kind, source, load, header, edits", CASES)
-def test_the_linears_benchmark_times_a_kernel_against_a_baseline_copy(monkeypatch, capsys, tmp_path, kind, source, load,
-                                                                       header, edits):
-    shutil.copytree(ROOT / "native", tmp_path / "native", ignore=shutil.ignore_patterns("__pycache__"))
-    path = tmp_path / "native" / header
-    text = path.read_text()
-    for old, new in edits:
-        assert text.count(old) == 1, old
-        text = text.replace(old, new)
-    path.write_text(text)
+def benchmark_recording_its_layers(monkeypatch) -> tuple[object, dict]:
+    """``benchmarks/cpu_linears.py`` as a module, and the layers its ``build`` makes, by kind."""
     spec = importlib.util.spec_from_file_location("benchmark_cpu_linears", ROOT / "benchmarks" / "cpu_linears.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -47,6 +39,20 @@ def test_the_linears_benchmark_times_a_kernel_against_a_baseline_copy(monkeypatc
         return built[k]
 
     monkeypatch.setattr(module, "build", recording_build)
+    return module, built
+
+
+@pytest.mark.parametrize("kind, source, load, header, edits", CASES)
+def test_the_linears_benchmark_times_a_kernel_against_a_baseline_copy(monkeypatch, capsys, tmp_path, kind, source, load,
+                                                                       header, edits):
+    shutil.copytree(ROOT / "native", tmp_path / "native", ignore=shutil.ignore_patterns("__pycache__"))
+    path = tmp_path / "native" / header
+    text = path.read_text()
+    for old, new in edits:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    path.write_text(text)
+    module, built = benchmark_recording_its_layers(monkeypatch)
     monkeypatch.setattr("sys.argv", ["cpu_linears", "--kernels", kind, "--rows", "1,13", "--repeats", "1",
                                      "--baseline-source", str(tmp_path / "native" / source), "--rounds", "2"])
     module.main()
@@ -63,19 +69,10 @@ def test_the_linears_benchmark_times_the_panels_against_the_library(monkeypatch,
     """``--against-library``: each float32 panel kind's passes on the panels and widened for
     oneDNN's product, alternated; the library side does widen (float32_product runs), and the
     layers keep this CPU's choice afterwards."""
-    spec = importlib.util.spec_from_file_location("benchmark_cpu_linears", ROOT / "benchmarks" / "cpu_linears.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    built, original = {}, module.build
-
-    def recording_build(k):
-        built[k] = original(k)
-        return built[k]
-
+    module, built = benchmark_recording_its_layers(monkeypatch)
     products = []
     real_product = cpu_avx2_linear.float32_product
     monkeypatch.setattr(cpu_avx2_linear, "float32_product", lambda *a: products.append(a[0].shape[0]) or real_product(*a))
-    monkeypatch.setattr(module, "build", recording_build)
     monkeypatch.setattr("sys.argv", ["cpu_linears", "--kernels", "avx2,int4-panels-fp32", "--rows", "1,13", "--repeats", "1",
                                      "--against-library", "--rounds", "2"])
     module.main()
