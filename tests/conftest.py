@@ -40,6 +40,17 @@ def every_block_back_in_the_pool():
         )
 
 
+@pytest.fixture
+def on_an_intel_cpu(monkeypatch):
+    """/proc/cpuinfo read as an Intel CPU's (a Cascade Lake's fields). Where the platform's
+    choice depends on the vendor (``cpu.library_from_rows``: AMD cores up to Zen 4 keep the
+    panels at every row count), a test that relies on Intel's choice pins it, so that it
+    passes on whatever CPU CI has."""
+    from modserve.plugins.platforms import cpu
+
+    monkeypatch.setattr(cpu, "_cpuinfo", lambda: {"vendor_id": "GenuineIntel", "cpu family": "6"})
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """{arch: (path, hf_model)} for llama (tied, GQA), mistral (head_dim 32), qwen2 (qkv bias)."""

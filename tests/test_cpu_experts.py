@@ -350,14 +350,13 @@ def test_a_quantization_scheme_leaves_experts_and_routers_in_floats_and_says_so(
         ("cpu_attention", ["--rounds", "5"], "--extra-flags and --rounds go with --baseline-source, which is not given"),
     ],
 )
-def test_the_benchmarks_refuse_a_bad_argument_by_name(monkeypatch, capsys, script, argv, message):
+def test_the_benchmarks_refuse_a_bad_argument_by_name(monkeypatch, capsys, on_an_intel_cpu, script, argv, message):
     """Before building anything: exit 2, the flag named (an unknown implementation once ran as
     the loop over experts, or crashed on a missing engine). On an Intel CPU, where the avx2
     layers widen for oneDNN's product from 512 rows."""
     import importlib.util
     from pathlib import Path
 
-    monkeypatch.setattr(cpu, "_cpuinfo", lambda: {"vendor_id": "GenuineIntel", "cpu family": "6"})
     path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{script}.py"
     spec = importlib.util.spec_from_file_location(f"benchmark_{script}", path)
     module = importlib.util.module_from_spec(spec)

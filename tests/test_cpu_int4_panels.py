@@ -138,14 +138,13 @@ def test_an_int4_model_replays_its_decode_steps_with_the_eager_tokens(tmp_path, 
 
 @needs_avx2
 @pytest.mark.parametrize("options,library_from", [({}, 128), ({"graph_max_batch": 200}, 201), ({"decode_graphs": False}, 128)])
-def test_int4_layers_take_onednns_product_only_past_the_recorded_decode_batches(monkeypatch, options, library_from):
+def test_int4_layers_take_onednns_product_only_past_the_recorded_decode_batches(monkeypatch, on_an_intel_cpu, options, library_from):
     """A call list cannot replay oneDNN's product, and one such step would turn every decode list
     off: the platform moves a float32 int4 layer's switch to that product past its largest
     recorded decode batch, and below the switch the layer never widens to a plain matrix. (On an
     Intel CPU: AMD's up to Zen 4 keep the panels at every row count.)"""
     from modserve.plugins.platforms import cpu, cpu_avx2_linear
 
-    monkeypatch.setattr(cpu, "_cpuinfo", lambda: {"vendor_id": "GenuineIntel", "cpu family": "6"})
     platform = cpu.CPUPlatform(cpu.CPUConfig(quantization="int4", **options), None)
     torch.manual_seed(0)
     module = platform.linear("layers.0.mlp.down_proj", nn.Linear(256, 64))
