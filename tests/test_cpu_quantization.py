@@ -143,6 +143,55 @@ def test_w8a8_over_max_chunk_rows_and_one_row_with_bias(use_onednn):
     assert torch.equal(module(x[7:8]), layer.bias.detach()[None])
 
 
+class MatmulRouter(nn.Module):
+    """A router layer's logits without ``F.linear``."""
+
+    def __init__(self, gate: nn.Linear) -> None:
+        super().__init__()
+        self.weight, self.bias = gate.weight.detach(), gate.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x @ self.weight.t()
+        return y if self.bias is None else y + self.bias
+
+
+def test_float32_products_over_widened_codes_are_onednns_not_mkls(monkeypatch):
+    """Where no panel kernel takes a quantized layer (say ``linear_kernel: onednn``), its codes
+    are widened per call and multiplied in the rows' dtype: in float32 by oneDNN
+    (``cpu_linear.float32_product``), never ``F.linear``, MKL's vendor-dependent sgemm (on a Zen 4
+    1.2-2.0x oneDNN's time). The int8 and group-scaled layers and the looped int8 experts; the
+    same products as the dequantized weights' own."""
+    import torch.nn.functional as F
+    from test_cpu_experts import experts, tokens
+
+    from modserve.plugins.platforms import cpu_linear
+    from modserve.plugins.platforms.cpu_int8_experts import Int8LoopedExperts
+    from modserve.plugins.platforms.cpu_quant import Int8GroupLinear
+
+    torch.manual_seed(0)
+    layer = nn.Linear(256, 96, bias=True)
+    int8 = Int8WeightOnlyLinear(layer)
+    group = Int8GroupLinear(layer, torch.randint(-127, 128, (96, 256), dtype=torch.int8), torch.rand(96, 8) / 64, 32)
+    moe = experts(64, 4, 2, 32, torch.float32, seed=3)
+    looped = Int8LoopedExperts(moe)
+    looped.gate = MatmulRouter(moe.gate)  # the router is the model's float layer, not widened codes
+    x, tok = torch.randn(13, 256), tokens(9, 64, torch.float32, seed=5)
+    want = [
+        x @ (int8.qweight.float() * int8.scale[:, None]).t() + layer.bias,
+        x @ group.weight_as(torch.float32).t() + layer.bias,
+        looped(tok),
+    ]
+    calls = []
+    real = cpu_linear.float32_product
+    monkeypatch.setattr(cpu_linear, "float32_product", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(F, "linear", lambda *a, **k: pytest.fail("a float32 product took F.linear"))
+    got = [int8(x), group(x), looped(tok)]
+    monkeypatch.undo()
+    assert calls[:2] == [1, 1] and len(calls) > 2  # the experts: two products a picked expert
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_module_does_not_keep_the_float_weight(scheme):
     layer = nn.Linear(128, 64, bias=False)

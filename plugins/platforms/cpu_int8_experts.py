@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from modserve.core.contract.experts import ExpertMLP
 from modserve.plugins.models.moe import SparseMoE
+from modserve.plugins.platforms.cpu_linear import linear_product
 from modserve.plugins.platforms.cpu_quant import quantize_per_channel_int8
 
 
@@ -61,7 +62,7 @@ class Int8LoopedExperts(SparseMoE):
         return out
 
     def _product(self, rows: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return F.linear(rows.float(), codes.float()).mul_(scale).to(self.dtype)
+        return linear_product(rows.float(), codes.float()).mul_(scale).to(self.dtype)
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, top_k={self.top_k}, intermediate={self.intermediate}, int8"

@@ -85,7 +85,7 @@ from torch import nn
 
 from modserve.core.config import ConfigError
 from modserve.core.contract import NativeFunction
-from modserve.plugins.platforms.cpu_linear import _CHUNK_SIZES, _padded, row_chunks
+from modserve.plugins.platforms.cpu_linear import _CHUNK_SIZES, _padded, linear_product, row_chunks
 
 if TYPE_CHECKING:
     from modserve.core.models.gguf_quantized import TwoLevelScales
@@ -166,7 +166,8 @@ class Int8WeightOnlyLinear(QuantizedLinear):
     below ``DEQUANTIZE_FROM_ROWS`` bf16/fp16 rows, ``torch._weight_int8pack_mm``, which reads
     the int8 weights once (4 rows 43 us); from there on, and always in float32 (where that
     kernel takes a slow path: 246 us for one row), the weights are widened to the activations'
-    dtype for one ``F.linear`` and the channel scales multiply its output, ``(x @ q.T) * scale``
+    dtype for one product (:func:`~modserve.plugins.platforms.cpu_linear.linear_product`) and
+    the channel scales multiply its output, ``(x @ q.T) * scale``
     (bf16: 16 rows 149 us against 163, 64 rows 192 against 686, 256 rows 377 against 2750;
     float32: 1 row 93 us against 246, 64 rows 577 against 14429). The widened copy lives for
     one call: memory stays the int8 weights'.
@@ -202,7 +203,7 @@ class Int8WeightOnlyLinear(QuantizedLinear):
             return self._amx_product(rows, self.amx_packed, self._scale32, self._bias32, self.out_features)
         scale = self.scale if self.scale.dtype == rows.dtype else self.scale.to(rows.dtype)
         if rows.shape[0] >= DEQUANTIZE_FROM_ROWS or rows.dtype == torch.float32:
-            out = F.linear(rows, self.qweight.to(rows.dtype)).mul_(scale)  # int8 values are exact in bf16
+            out = linear_product(rows, self.qweight.to(rows.dtype)).mul_(scale)  # int8 values are exact in bf16
         else:
             out = torch._weight_int8pack_mm(rows.contiguous(), self.qweight, scale)
         return self.with_bias(out)
@@ -440,7 +441,7 @@ class Int8GroupLinear(QuantizedLinear):
     per output channel), and re-quantizing Q8_0 per channel would lose up to half a step of
     the row's coarsest group in every weight. So the weights are widened per call, in float32
     (``q * d``, the exact value llama.cpp's and gguf's dequantization give), cast to the
-    activations' dtype for one ``F.linear``: exact against the dequantized model, at the cost
+    activations' dtype for one product (``linear_product``): exact against the dequantized model, at the cost
     of one widening pass over the weight per call (the same trade as the int8 scheme's
     many-row path). The widened copy lives for one call; memory stays ``K + 2 K / 32`` bytes
     per output channel (a quarter of float32's, plus 6%)."""
@@ -471,7 +472,7 @@ class Int8GroupLinear(QuantizedLinear):
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         if self._panels is not None:
             return self._panel_product(rows)
-        return F.linear(rows, self.weight_as(rows.dtype), self.bias)
+        return linear_product(rows, self.weight_as(rows.dtype), self.bias)
 
     _panels: NativeFunction | None = None  # the panel kernel's entry, once use_panels took it
     _layout: GroupLayout | None = None  # how the group panels hold the layer
