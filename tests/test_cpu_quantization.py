@@ -159,7 +159,7 @@ def test_float32_products_over_widened_codes_are_onednns_not_mkls(monkeypatch):
     """Where no panel kernel takes a quantized layer (say ``linear_kernel: onednn``), its codes
     are widened per call and multiplied in the rows' dtype: in float32 by oneDNN
     (``cpu_linear.float32_product``), never ``F.linear``, MKL's vendor-dependent sgemm (on a Zen 4
-    1.2-2.0x oneDNN's time). The int8 and group-scaled layers and the looped int8 experts; the
+    1.0-2.0x oneDNN's time). The int8 and group-scaled layers and the looped int8 experts; the
     same products as the dequantized weights' own."""
     import torch.nn.functional as F
     from test_cpu_experts import experts, tokens

@@ -35,9 +35,9 @@ def linear_product(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     """``F.linear(rows, weight, bias)`` for rows ``[M, K]`` of the weight's dtype: float32 by
     :func:`float32_product` (oneDNN) where torch has oneDNN, else ``F.linear`` (bfloat16 and
     float16 products on the CPU are oneDNN's already). For the layers that widen quantized
-    weights per call where no panel kernel takes them (say under ``linear_kernel: onednn``): on
-    a Zen 4, MKL's sgemm took 1.2-2.0x oneDNN's time on the same plain weights at 1-1,024 rows,
-    SmolLM2's MLP shapes, but for [1 x 1,536] x [1,536 -> 576] (0.90x)."""
+    weights per call where no panel kernel takes them (say under ``linear_kernel: onednn``). On
+    a Zen 4, SmolLM2's MLP shapes at 1-1,024 rows, MKL's sgemm took 1.0-2.0x oneDNN's time on
+    the same plain weights (0.90x once: the down projection at one row)."""
     if rows.dtype == torch.float32 and rows.device.type == "cpu" and torch.backends.mkldnn.is_available():
         return float32_product(rows, weight, bias)
     return F.linear(rows, weight, bias)

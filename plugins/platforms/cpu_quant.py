@@ -441,9 +441,9 @@ class Int8GroupLinear(QuantizedLinear):
     per output channel), and re-quantizing Q8_0 per channel would lose up to half a step of
     the row's coarsest group in every weight. So the weights are widened per call, in float32
     (``q * d``, the exact value llama.cpp's and gguf's dequantization give), cast to the
-    activations' dtype for one product (``linear_product``): exact against the dequantized model, at the cost
-    of one widening pass over the weight per call (the same trade as the int8 scheme's
-    many-row path). The widened copy lives for one call; memory stays ``K + 2 K / 32`` bytes
+    activations' dtype for one product (``linear_product``): exact against the dequantized
+    model, at the cost of one widening pass over the weight per call (the same trade as the
+    int8 scheme's many-row path). The widened copy lives for one call; memory stays ``K + 2 K / 32`` bytes
     per output channel (a quarter of float32's, plus 6%)."""
 
     def __init__(self, layer: nn.Linear, q: torch.Tensor, scale: torch.Tensor, group: int = 32,
