@@ -33,8 +33,8 @@ def float32_product(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 def linear_product(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(rows, weight, bias)`` for rows ``[M, K]`` of the weight's dtype: float32 by
-    :func:`float32_product` (oneDNN) where torch has oneDNN, else ``F.linear`` (bfloat16 and
-    float16 products on the CPU are oneDNN's already). For the layers that widen quantized
+    :func:`float32_product` (oneDNN) where torch has oneDNN, else ``F.linear`` (other dtypes
+    keep torch's own dispatch). For the layers that widen quantized
     weights per call where no panel kernel takes them (say under ``linear_kernel: onednn``). On
     a Zen 4, SmolLM2's MLP shapes at 1-1,024 rows, MKL's sgemm took 1.0-2.0x oneDNN's time on
     the same plain weights (0.90x once: the down projection at one row)."""
