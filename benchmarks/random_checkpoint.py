@@ -4,8 +4,8 @@ models larger than SmolLM2 where none can be downloaded.
 Speed does not depend on the weights' values, and both servers load the same directory, so
 `MODEL_DIR=PATH benchmarks/compare.sh` compares them on that shape. The word-level tokenizer
 (`gpu_throughput.build_tokenizer`) gives every id text, so the client's streamed chunks, and its
-TTFT and TPOT, keep their meaning. The vocabulary stays SmolLM2's (49,152) unless `--vocab`
-says otherwise: the shapes are the layers'.
+TTFT and TPOT, keep their meaning. Each shape has its vocabulary size (`qwen2.5-0.5b-layers`
+SmolLM2's 49,152, so that only the layers differ from SmolLM2's); `--vocab` sets another.
 
     python benchmarks/random_checkpoint.py qwen2.5-0.5b-layers /tmp/q05
 """
