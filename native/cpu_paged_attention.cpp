@@ -41,7 +41,6 @@ constexpr int kMaxHeadDim = 256;
 constexpr int kMaxBlock = 256;
 constexpr int kTileRowHeads = 48;  // a tile's rows x query heads of its KV head, about: three 16-lane groups, which
                                    // key_scores / key_pv share each broadcast over (16 rows at SmolLM2's 3 heads a KV head)
-constexpr int kRowGroup = 8;  // row-heads whose scores are computed together, sharing each K load
 
 inline float load(const float* p, int i) { return p[i]; }
 inline float load(const uint16_t* p, int i) { return modserve::bf16_to_float(p[i]); }
@@ -334,7 +333,7 @@ struct ChunkAhead {
 // (-1 for the padding up to a whole number of L row-heads, which sees nothing).
 template <int L>
 struct TileWork {
-    int R, R_pad;  // row-heads (row-major: rh = i * G + g), padded to a multiple of L (and of kRowGroup)
+    int R, R_pad;  // row-heads (row-major: rh = i * G + g), padded to a multiple of L
     float* qs;     // [R_pad][D], pre-scaled
     float* acc;    // [R_pad][D]
     float* sbuf;   // [R_pad][L] a chunk's scores
@@ -394,9 +393,11 @@ struct TileWork {
 // The float32 tiles' vector (attend_tile_avx512, attend_tile_avx2): L lanes, a lane per
 // row-head in the products by key below, which take KT keys (or dimensions) a pass, so that
 // their 3 KT (AVX-512: 24 of 32 registers) or 2 KT (AVX2: 8 of 16) sums stay in registers.
+// Elem: what q, K, V and the weights hold per lane (a float; TileVecBf16: a pair of bfloat16).
 #if defined(__AVX512F__)
 struct TileVec {
     using V = __m512;
+    using Elem = float;
     static constexpr int L = 16, KT = 8, NG = 3;  // NG: groups of L row-heads a broadcast feeds at most
     static void transpose(V* r) { modserve::transpose16x16(r); }  // L x L
     template <typename T>
@@ -408,9 +409,29 @@ struct TileVec {
     static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
     static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
 };
+#if defined(__AVX512BF16__)
+// The bfloat16 tile's vector (attend_tile_bf16dot): each element a 32-bit word of two
+// bfloat16 (q's and K's dimension pairs, the weights' key pairs and V's values of one
+// dimension at a key pair), each product a vdpbf16ps summing both halves into a float32 lane.
+struct TileVecBf16 {
+    using V = __m512;
+    using Elem = uint32_t;
+    static constexpr int L = 16, KT = 8, NG = 3;
+    static V zero() { return _mm512_setzero_ps(); }
+    static V load(const float* p) { return _mm512_load_ps(p); }
+    static V load(const uint32_t* p) { return _mm512_castsi512_ps(_mm512_load_si512(p)); }
+    static void store(float* p, V v) { _mm512_store_ps(p, v); }
+    static V set1(uint32_t x) { return _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(x))); }
+    static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+    static V fma(V a, V b, V c) {
+        return _mm512_dpbf16_ps(c, modserve::as_bh(_mm512_castps_si512(a)), modserve::as_bh(_mm512_castps_si512(b)));
+    }
+};
+#endif
 #else
 struct TileVec {
     using V = __m256;
+    using Elem = float;
     static constexpr int L = 8, KT = 4, NG = 2;
     static void transpose(V* r) { modserve::transpose8x8(r); }
     template <typename T>
@@ -425,26 +446,25 @@ struct TileVec {
 #endif
 
 // A tile's scores by key for NG groups of L row-heads: out[g][t] (a vector, a lane per
-// row-head) = q . k_t, from q transposed (qT: each group's [D][L], groups D * L apart) and
-// a chunk's L K rows (kstride apart), KT keys a pass. Each K element is broadcast once for
-// the NG groups and each q vector feeds KT keys: at NG 3 with AVX-512 a d step is 11 loads
-// for 24 FMAs. By row-head (a K vector and a broadcast of q per FMA) the loads held it back,
-// and the scores then needed a transpose per L row-heads, K one per L dimensions.
-template <int NG, int D>
-inline void key_scores(const float* qT, const float* k, int64_t kstride, float* out) {
-    using T = TileVec;
+// row-head) = q . k_t, from q transposed (qT: each group's [N][L], groups N * L apart, N the
+// elements of a row) and a chunk's L K rows (kstride apart), KT keys a pass. Each K element is
+// broadcast once for the NG groups and each q vector feeds KT keys: at NG 3 with AVX-512 a d
+// step is 11 loads for 24 FMAs. By row-head (a K vector and a broadcast of q per FMA) the loads
+// held it back, and the scores then needed a transpose per L row-heads, K one per L dimensions.
+template <typename T, int NG, int N>
+inline void key_scores(const typename T::Elem* qT, const typename T::Elem* k, int64_t kstride, float* out) {
     for (int k0 = 0; k0 < T::L; k0 += T::KT) {
-        const float* kh = k + k0 * kstride;
+        const typename T::Elem* kh = k + k0 * kstride;
         typename T::V s[NG][T::KT];
 #pragma GCC unroll 3
         for (int g = 0; g < NG; ++g) {
 #pragma GCC unroll 8
             for (int t = 0; t < T::KT; ++t) s[g][t] = T::zero();
         }
-        for (int d = 0; d < D; ++d) {
+        for (int d = 0; d < N; ++d) {
             typename T::V q[NG];
 #pragma GCC unroll 3
-            for (int g = 0; g < NG; ++g) q[g] = T::load(qT + (g * D + d) * T::L);
+            for (int g = 0; g < NG; ++g) q[g] = T::load(qT + (g * N + d) * T::L);
 #pragma GCC unroll 8
             for (int t = 0; t < T::KT; ++t) {
                 const typename T::V kv = T::set1(kh[t * kstride + d]);
@@ -461,14 +481,13 @@ inline void key_scores(const float* qT, const float* k, int64_t kstride, float* 
 }
 
 // P.V for NG groups of L row-heads, by key as the scores: accT (each group's [D][L], a lane
-// per row-head) = accT * corr + sum over a chunk's L keys of p_t * v_t, with p by key (each
-// group's [L keys][L]) and the V rows vstride apart, KT dimensions a pass, so each V element
-// is broadcast once for the NG groups. By row-head (V vectors and a broadcast weight) it was
-// load-bound and ran at a quarter of the FMA rate. Keys a row may not see have weight 0 (and
-// finite V rows).
-template <int NG, int D>
-inline void key_pv(float* accT, const float* p, const float* corr, const float* v, int64_t vstride) {
-    using T = TileVec;
+// per row-head) = accT * corr + sum over a chunk's K weight rows (keys, or key pairs) of p_t *
+// v_t, with p by key (each group's [K][L]) and the V rows vstride apart, KT dimensions a pass,
+// so each V element is broadcast once for the NG groups. By row-head (V vectors and a
+// broadcast weight) it was load-bound and ran at a quarter of the FMA rate. Keys a row may not
+// see have weight 0 (and finite V rows).
+template <typename T, int NG, int D, int K>
+inline void key_pv(float* accT, const typename T::Elem* p, const float* corr, const typename T::Elem* v, int64_t vstride) {
     for (int d0 = 0; d0 < D; d0 += T::KT) {
         typename T::V a[NG][T::KT];
 #pragma GCC unroll 3
@@ -476,10 +495,10 @@ inline void key_pv(float* accT, const float* p, const float* corr, const float* 
 #pragma GCC unroll 8
             for (int i = 0; i < T::KT; ++i) a[g][i] = T::mul(T::load(accT + (g * D + d0 + i) * T::L), T::load(corr + T::L * g));
         }
-        for (int t = 0; t < T::L; ++t) {
+        for (int t = 0; t < K; ++t) {
             typename T::V pv[NG];
 #pragma GCC unroll 3
-            for (int g = 0; g < NG; ++g) pv[g] = T::load(p + (g * T::L + t) * T::L);
+            for (int g = 0; g < NG; ++g) pv[g] = T::load(p + (g * K + t) * T::L);
 #pragma GCC unroll 8
             for (int i = 0; i < T::KT; ++i) {
                 const typename T::V vb = T::set1(v[t * vstride + d0 + i]);
@@ -495,34 +514,34 @@ inline void key_pv(float* accT, const float* p, const float* corr, const float* 
     }
 }
 
-// A tile's chunk through both, for all its `groups` groups of L row-heads, up to TileVec::NG
-// groups a call: the scores into `sbuf` ([group][key][L]) ...
-template <int D>
-inline void tile_scores(int groups, const float* qT, const float* k, int64_t kstride, float* sbuf) {
-    constexpr int L = TileVec::L;
-    for (int g = 0; g < groups; g += TileVec::NG) {
-        const int ng = groups - g < TileVec::NG ? groups - g : TileVec::NG;
+// A tile's chunk through both, for all its `groups` groups of L row-heads, up to T::NG groups
+// a call: the scores into `sbuf` ([group][key][L]) ...
+template <typename T, int N>
+inline void tile_scores(int groups, const typename T::Elem* qT, const typename T::Elem* k, int64_t kstride, float* sbuf) {
+    for (int g = 0; g < groups; g += T::NG) {
+        const int ng = groups - g < T::NG ? groups - g : T::NG;
         if (ng == 3)
-            key_scores<3, D>(qT + g * D * L, k, kstride, sbuf + g * L * L);
+            key_scores<T, 3, N>(qT + g * N * T::L, k, kstride, sbuf + g * T::L * T::L);
         else if (ng == 2)
-            key_scores<2, D>(qT + g * D * L, k, kstride, sbuf + g * L * L);
+            key_scores<T, 2, N>(qT + g * N * T::L, k, kstride, sbuf + g * T::L * T::L);
         else
-            key_scores<1, D>(qT + g * D * L, k, kstride, sbuf + g * L * L);
+            key_scores<T, 1, N>(qT + g * N * T::L, k, kstride, sbuf + g * T::L * T::L);
     }
 }
 
-// ... and, once the softmax has made the weights `ptile` and rescales `corrs`, P.V into accT.
-template <int D>
-inline void tile_pv(int groups, float* accT, const float* ptile, const float* corrs, const float* v, int64_t vstride) {
-    constexpr int L = TileVec::L;
-    for (int g = 0; g < groups; g += TileVec::NG) {
-        const int ng = groups - g < TileVec::NG ? groups - g : TileVec::NG;
+// ... and, once the softmax has made the weights `ptile` ([group][K][L]) and rescales `corrs`,
+// P.V into accT.
+template <typename T, int D, int K>
+inline void tile_pv(int groups, float* accT, const typename T::Elem* ptile, const float* corrs, const typename T::Elem* v,
+                    int64_t vstride) {
+    for (int g = 0; g < groups; g += T::NG) {
+        const int ng = groups - g < T::NG ? groups - g : T::NG;
         if (ng == 3)
-            key_pv<3, D>(accT + g * D * L, ptile + g * L * L, corrs + g * L, v, vstride);
+            key_pv<T, 3, D, K>(accT + g * D * T::L, ptile + g * K * T::L, corrs + g * T::L, v, vstride);
         else if (ng == 2)
-            key_pv<2, D>(accT + g * D * L, ptile + g * L * L, corrs + g * L, v, vstride);
+            key_pv<T, 2, D, K>(accT + g * D * T::L, ptile + g * K * T::L, corrs + g * T::L, v, vstride);
         else
-            key_pv<1, D>(accT + g * D * L, ptile + g * L * L, corrs + g * L, v, vstride);
+            key_pv<T, 1, D, K>(accT + g * D * T::L, ptile + g * K * T::L, corrs + g * T::L, v, vstride);
     }
 }
 
@@ -1107,7 +1126,7 @@ void attend_tile_avx512(const QIO& io, const int64_t* rows, int n_rows, int32_t 
     for (int start = window_start(first_pos, window) / chunk * chunk; start < n_keys; start += chunk) {
         const int n = n_keys - start < chunk ? n_keys - start : chunk;
         const TileChunk<T, D> c(kc, vc, ks, vs, slot_of(table, start, bs), KVH, h, n, kt, vbuf);
-        tile_scores<D>(groups, qT, c.k, c.stride, sbuf);  // by key: up to 3 groups of 16 row-heads share each K broadcast
+        tile_scores<TileVec, D>(groups, qT, c.k, c.stride, sbuf);  // by key: up to 3 groups of 16 row-heads share each K broadcast
         for (int g0 = 0; g0 < R_pad; g0 += 16) {  // online softmax, 16 row-heads a vector
             __m512 st[16], m_new, corr;
             __mmask16 valid[16];
@@ -1128,7 +1147,7 @@ void attend_tile_avx512(const QIO& io, const int64_t* rows, int n_rows, int32_t 
             _mm512_store_ps(l + g0, _mm512_fmadd_ps(_mm512_load_ps(l + g0), corr, sum));
             _mm512_store_ps(corrs + g0, corr);
         }
-        tile_pv<D>(groups, acc, ptile, corrs, c.v, c.stride);  // by key, as the scores
+        tile_pv<TileVec, D, TileVec::L>(groups, acc, ptile, corrs, c.v, c.stride);  // by key, as the scores
     }
     float* out = qs;  // acc by row-head ([R_pad][D]), where q was
     tile_transpose<D>(groups, acc, out, false);
@@ -1138,46 +1157,53 @@ void attend_tile_avx512(const QIO& io, const int64_t* rows, int n_rows, int32_t 
 }
 
 #if defined(__AVX512BF16__)
-// attend_tile_avx512 for a bfloat16 model (q, out and cache in bfloat16), with vdpbf16ps:
-// q.k over pairs of dimensions (each chunk's K rows transposed as 32-bit pairs, two 16 x 16
-// transposes per 32 dimensions; q exact, the scale on the scores) and P.V over pairs of
-// keys (V interleaved pairwise as in attend_bf16dot, each row-head's weights rounded to
-// bfloat16 pairs). Half the FMA work of the float32 tile; accumulators in the interleaved
-// order of attend_bf16dot.
+// attend_tile_avx512 for a bfloat16 model (q, out and cache in bfloat16), with vdpbf16ps and
+// both products by key, as the float32 tile's (key_scores, key_pv over TileVecBf16): q.k over
+// pairs of dimensions, q transposed once per tile (16 row-heads' pairs a vector) against each
+// K pair broadcast from the cache row (exact for such q; the scale goes on the scores); P.V over
+// pairs of keys, each row-head's weights rounded to bfloat16 pairs (as torch's flash SDPA feeds
+// its second GEMM; l sums the rounded ones) against each dimension's pair of V values broadcast
+// from the chunk's V rows interleaved pairwise (as in attend_bf16dot, whose accumulator order
+// the tile keeps). Half the FMA work of the float32 tile. By row-head (a K vector and a
+// broadcast of q, a weight broadcast and V vectors) each vdpbf16ps waited on a load of its own:
+// 171-186 GFLOP/s on a Zen 4, 38-41 % of its bfloat16 peak.
 template <int D>
 void attend_tile_bf16dot(const QIO& io, const int64_t* rows, int n_rows, int32_t first_pos, const uint16_t* kc,
                          const uint16_t* vc, const int32_t* table, int KVH, int G, int bs, float scale, int h) {
     using modserve::exp512_nonpositive;
+    using T = TileVecBf16;
     constexpr int NB = D / 32;  // 32-element bfloat16 vectors per row
-    constexpr int NP = D / 2;  // dimension pairs
+    constexpr int NP = D / 2;  // dimension pairs (32-bit words) per row
     const int R = n_rows * G;  // row-heads, row-major: rh = i * G + g
-    const int R_pad = (R + 15) / 16 * 16;
+    const int R_pad = (R + 15) / 16 * 16, groups = R_pad / 16;
     const int64_t row_stride = static_cast<int64_t>(KVH) * D;
     static thread_local std::vector<float> work;
-    work.resize(static_cast<size_t>(R_pad) * (D + 16 + 16 + 4 + NP + 8) + NP * 16 + 8 * NB * 32 + 16);
-    float* acc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(work.data()) + 63) & ~uintptr_t{63});  // [R_pad][D]
-    float* sbuf = acc + R_pad * D;  // [R_pad][16] this chunk's scores
-    float* m = sbuf + R_pad * 16;  // [R_pad] running max
+    work.resize(static_cast<size_t>(R_pad) * (2 * D + NP + 16 + 8 + 4) + 16 * NP + 8 * D + 16);
+    float* acc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(work.data()) + 63) & ~uintptr_t{63});  // accT: [groups][D][16]
+    float* qrows = acc + R_pad * D;  // [R_pad][NP] q as bf16 pairs, then the accumulators by row-head ([R_pad][D])
+    uint32_t* qT = reinterpret_cast<uint32_t*>(qrows + R_pad * D);  // [groups][NP][16] q transposed
+    float* sbuf = reinterpret_cast<float*>(qT + R_pad * NP);  // [groups][16 keys][16] this chunk's scores
+    uint32_t* pp = reinterpret_cast<uint32_t*>(sbuf + R_pad * 16);  // [groups][8 key pairs][16] weights as bf16 pairs
+    float* m = reinterpret_cast<float*>(pp + R_pad * 8);  // [R_pad] running max
     float* l = m + R_pad;  // [R_pad] running sum of the (rounded) weights
     float* corrs = l + R_pad;  // [R_pad] this chunk's rescale
     int32_t* rpos = reinterpret_cast<int32_t*>(corrs + R_pad);  // [R_pad] each row-head's position
-    uint32_t* qp = reinterpret_cast<uint32_t*>(rpos + R_pad);  // [R_pad][NP] q as bf16 pairs
-    uint32_t* pp = qp + R_pad * NP;  // [R_pad / 16][8 key pairs][16 row-heads] weights as bf16 pairs
-    uint32_t* kt2 = pp + R_pad * 8;  // [NP][16 keys] K as bf16 pairs, transposed
-    uint16_t* vi = reinterpret_cast<uint16_t*>(kt2 + NP * 16);  // [8 pairs][NB][lo 32 | hi 32]
+    uint16_t* kbuf = reinterpret_cast<uint16_t*>(rpos + R_pad);  // [16][D] a short chunk's K rows, zeros past n
+    uint32_t* vi = reinterpret_cast<uint32_t*>(kbuf + 16 * D);  // [8 key pairs][NB][lo 16 | hi 16 words]: V interleaved pairwise
     const uint16_t* qbase = static_cast<const uint16_t*>(io.q);
     for (int rh = 0; rh < R_pad; ++rh) {
         if (rh < R) {
             const uint16_t* qr = qbase + rows[rh / G] * io.q_stride + static_cast<int64_t>(h * G + rh % G) * D;
-            std::memcpy(qp + rh * NP, qr, D * sizeof(uint16_t));
+            std::memcpy(qrows + rh * NP, qr, D * sizeof(uint16_t));
         } else {
-            std::memset(qp + rh * NP, 0, D * sizeof(uint16_t));
+            std::memset(qrows + rh * NP, 0, D * sizeof(uint16_t));
         }
-        for (int d = 0; d < D; ++d) acc[rh * D + d] = 0.f;
         m[rh] = -INFINITY;
         l[rh] = 0.f;
         rpos[rh] = rh < R ? first_pos + rh / G : -1;  // padding rows see nothing
     }
+    tile_transpose<NP>(groups, qrows, reinterpret_cast<float*>(qT), true);  // the words' bits, moved as floats
+    for (int i = 0; i < R_pad * D; ++i) acc[i] = 0.f;
     const __m512 vscale = _mm512_set1_ps(scale);
     const int n_keys = first_pos + n_rows;
     const int chunk = bs < 16 ? bs : 16;
@@ -1186,45 +1212,35 @@ void attend_tile_bf16dot(const QIO& io, const int64_t* rows, int n_rows, int32_t
         const int64_t offset = slot_of(table, start, bs) * row_stride + h * D;
         const uint16_t* kb = kc + offset;
         const uint16_t* vb = vc + offset;
-        for (int jj = 0; jj < NP / 16; ++jj) {  // K: 16 keys x 16 dimension pairs per transpose
-            __m512 blk[16];
+        int64_t kstride = row_stride;
+        if (n < 16) {  // the products read 16 K rows: a short chunk's, then zeros (their scores are masked)
             for (int t = 0; t < 16; ++t) {
-                blk[t] = t < n ? _mm512_castsi512_ps(_mm512_loadu_si512(kb + t * row_stride + 32 * jj)) : _mm512_setzero_ps();
-            }
-            modserve::transpose16x16(blk);
-            for (int p = 0; p < 16; ++p) _mm512_store_ps(reinterpret_cast<float*>(kt2 + (16 * jj + p) * 16), blk[p]);
-        }
-        const int pairs = (n + 1) / 2;
-        for (int u = 0; u < pairs; ++u) {  // V rows interleaved pairwise
-            for (int j = 0; j < NB; ++j) {
-                const __m512i a = _mm512_loadu_si512(vb + 2 * u * row_stride + 32 * j);
-                const __m512i b = 2 * u + 1 < n ? _mm512_loadu_si512(vb + (2 * u + 1) * row_stride + 32 * j) : _mm512_setzero_si512();
-                _mm512_store_si512(vi + (u * NB + j) * 64, _mm512_unpacklo_epi16(a, b));
-                _mm512_store_si512(vi + (u * NB + j) * 64 + 32, _mm512_unpackhi_epi16(a, b));
-            }
-        }
-        for (int g0 = 0; g0 < R_pad; g0 += kRowGroup) {  // scores: kRowGroup row-heads share each K load
-            __m512 s[kRowGroup];
-            for (int r = 0; r < kRowGroup; ++r) s[r] = _mm512_setzero_ps();
-            for (int p = 0; p < NP; ++p) {
-                const __m512bh kd = modserve::load_bh(kt2 + p * 16);
-                for (int r = 0; r < kRowGroup; ++r) {
-                    s[r] = _mm512_dpbf16_ps(s[r], modserve::as_bh(_mm512_set1_epi32(static_cast<int>(qp[(g0 + r) * NP + p]))), kd);
+                for (int j = 0; j < NB; ++j) {
+                    _mm512_storeu_si512(kbuf + t * D + 32 * j, t < n ? _mm512_loadu_si512(kb + t * row_stride + 32 * j) : _mm512_setzero_si512());
                 }
             }
-            for (int r = 0; r < kRowGroup; ++r) _mm512_store_ps(sbuf + (g0 + r) * 16, _mm512_mul_ps(s[r], vscale));
+            kb = kbuf, kstride = D;
         }
+        for (int u = 0; u < 8; ++u) {  // V rows interleaved pairwise (zeros past n: their weights are 0)
+            for (int j = 0; j < NB; ++j) {
+                const __m512i a = 2 * u < n ? _mm512_loadu_si512(vb + 2 * u * row_stride + 32 * j) : _mm512_setzero_si512();
+                const __m512i b = 2 * u + 1 < n ? _mm512_loadu_si512(vb + (2 * u + 1) * row_stride + 32 * j) : _mm512_setzero_si512();
+                _mm512_store_si512(vi + (u * NB + j) * 32, _mm512_unpacklo_epi16(a, b));
+                _mm512_store_si512(vi + (u * NB + j) * 32 + 16, _mm512_unpackhi_epi16(a, b));
+            }
+        }
+        tile_scores<T, NP>(groups, qT, reinterpret_cast<const uint32_t*>(kb), kstride / 2, sbuf);
         for (int g0 = 0; g0 < R_pad; g0 += 16) {  // online softmax, 16 row-heads a vector
             __m512 st[16], m_new, corr;
             __mmask16 valid[16];
-            tile_scores_by_key(sbuf + g0 * 16, rpos + g0, m + g0, start, n, st, valid, m_new, corr);
+            for (int t = 0; t < 16; ++t) st[t] = _mm512_mul_ps(_mm512_load_ps(sbuf + (g0 + t) * 16), vscale);  // key t's scores
+            tile_mask_and_max(st, rpos + g0, m + g0, start, n, valid, m_new, corr);
             __m512 sum = _mm512_setzero_ps();
             __m512i half[16];  // each key's weights for the 16 row-heads as bf16, widened to 32 bits
             for (int t = 0; t < 16; ++t) {
                 const __m512 p = _mm512_maskz_mov_ps(valid[t], exp512_nonpositive(_mm512_sub_ps(st[t], m_new)));
-                const __m256bh pb = _mm512_cvtneps_pbh(p);
-                sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(pb));  // l sums the weights P.V uses
-                half[t] = _mm512_cvtepu16_epi32((__m256i)pb);
+                half[t] = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p));
+                sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(half[t], 16)));  // l sums the weights P.V uses
             }
             for (int u = 0; u < 8; ++u) {
                 _mm512_store_si512(pp + (g0 / 16 * 8 + u) * 16, _mm512_or_si512(half[2 * u], _mm512_slli_epi32(half[2 * u + 1], 16)));
@@ -1233,23 +1249,12 @@ void attend_tile_bf16dot(const QIO& io, const int64_t* rows, int n_rows, int32_t
             _mm512_store_ps(l + g0, _mm512_fmadd_ps(_mm512_load_ps(l + g0), corr, sum));
             _mm512_store_ps(corrs + g0, corr);
         }
-        for (int rh = 0; rh < R; ++rh) {  // P.V over key pairs
-            const int visible = first_pos + rh / G - start + 1;
-            const int count = visible < n ? visible : n;
-            if (count <= 0) continue;
-            const uint32_t* pw = pp + (rh / 16) * 128 + rh % 16;  // key pair u's weights: pw[16 * u]
-            __m512 a[2 * NB];
-            const __m512 corr = _mm512_set1_ps(corrs[rh]);
-            for (int j = 0; j < 2 * NB; ++j) a[j] = _mm512_mul_ps(_mm512_load_ps(acc + rh * D + 16 * j), corr);
-            for (int u = 0; u < (count + 1) / 2; ++u) {
-                const __m512bh w = modserve::as_bh(_mm512_set1_epi32(static_cast<int>(pw[16 * u])));
-                for (int j = 0; j < 2 * NB; ++j) a[j] = _mm512_dpbf16_ps(a[j], w, modserve::load_bh(vi + u * NB * 64 + 32 * j));
-            }
-            for (int j = 0; j < 2 * NB; ++j) _mm512_store_ps(acc + rh * D + 16 * j, a[j]);
-        }
+        tile_pv<T, D, 8>(groups, acc, pp, corrs, vi, D);  // by key pair: D words a pair (vi's order)
     }
+    float* out = qrows;  // the accumulators by row-head, in vi's (put_interleaved's) order
+    tile_transpose<D>(groups, acc, out, false);
     for (int rh = 0; rh < R; ++rh) {
-        put_interleaved(io, rows[rh / G], static_cast<int64_t>(h * G + rh % G) * D, acc + rh * D, D, l[rh]);
+        put_interleaved(io, rows[rh / G], static_cast<int64_t>(h * G + rh % G) * D, out + rh * D, D, l[rh]);
     }
 }
 #endif  // __AVX512BF16__
@@ -1442,7 +1447,7 @@ void attend_tile_avx2(const QIO& io, const int64_t* rows, int n_rows, int32_t fi
     for (int start = window_start(first_pos, window) / chunk * chunk; start < n_keys; start += chunk) {
         const int n = n_keys - start < chunk ? n_keys - start : chunk;
         const TileChunk<T, D> c(kc, vc, ks, vs, slot_of(table, start, bs), KVH, h, n, kt, vbuf);
-        tile_scores<D>(groups, qT, c.k, c.stride, sbuf);  // by key: two groups of 8 row-heads share each K broadcast
+        tile_scores<TileVec, D>(groups, qT, c.k, c.stride, sbuf);  // by key: two groups of 8 row-heads share each K broadcast
         for (int g0 = 0; g0 < R_pad; g0 += 8) {  // online softmax, 8 row-heads a vector
             __m256 st[8], valid[8];
             for (int t = 0; t < 8; ++t) {  // st[t]: key t's scores across the 8 row-heads
@@ -1481,7 +1486,7 @@ void attend_tile_avx2(const QIO& io, const int64_t* rows, int n_rows, int32_t fi
             _mm256_store_ps(l + g0, _mm256_fmadd_ps(_mm256_load_ps(l + g0), corr, sum));
             _mm256_store_ps(corrs + g0, corr);
         }
-        tile_pv<D>(groups, acc, ptile, corrs, c.v, c.stride);  // by key, as the scores
+        tile_pv<TileVec, D, TileVec::L>(groups, acc, ptile, corrs, c.v, c.stride);  // by key, as the scores
     }
     float* out = qs;  // acc by row-head ([R_pad][D]), where q was
     tile_transpose<D>(groups, acc, out, false);
