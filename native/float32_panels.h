@@ -292,7 +292,9 @@ Block<W> rows_block(int r) { return rows_block_of<W, P>(r, std::make_integer_seq
 
 // Rows [c0, c1) times panels [g, g1), whose weights (bfloat16, codes or float32) are `group`, in
 // blocks of up to kRows rows; each call asks for its panels' share of the block's part of the
-// next_lines cache lines at next_w (the next group's weights). `gate`: a gated pair's gate sums.
+// next_lines cache lines at next_w (the next group's weights), a block's part in proportion to
+// its rows (as avx512_bf16_panels.h's: 13 rows, 12 + 1, 1.085x faster so than by halves on a
+// Zen 4). `gate`: a gated pair's gate sums.
 template <typename V>
 void group_blocks(const float* x, int64_t x_stride, int64_t c0, int64_t c1, const V* group, int64_t panel, int K,
                   const float* bias, const float* scale, int64_t g, int64_t g1, int64_t N, float* y, int64_t y_stride, bool gated,
@@ -302,7 +304,7 @@ void group_blocks(const float* x, int64_t x_stride, int64_t c0, int64_t c1, cons
         const int64_t m = c0 + b * kRows;
         const int rows = c1 - m < kRows ? static_cast<int>(c1 - m) : kRows;
         const Block<V> run = rows_block<V, 1>(rows), run_two = rows_block<V, 2>(rows);
-        const int64_t l0 = next_lines * b / blocks, l1 = next_lines * (b + 1) / blocks;
+        const int64_t l0 = next_lines * (m - c0) / (c1 - c0), l1 = next_lines * (m + rows - c0) / (c1 - c0);
         const float* xm = x + m * x_stride;
         for (int64_t p = g; p < g1;) {  // each call asks for its panels' part of the block's lines
             const int64_t take = kTwoPanelsFrom > 0 && rows >= kTwoPanelsFrom && p + 1 < g1 ? 2 : 1;
