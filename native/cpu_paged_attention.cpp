@@ -1092,15 +1092,6 @@ inline void tile_mask_and_max(__m512* st, const int32_t* rpos, const float* m, i
     }
 }
 
-// ... from scores by row-head (one vector of the chunk's 16 keys per row-head, at `scores`),
-// transposed into `st` first.
-inline void tile_scores_by_key(const float* scores, const int32_t* rpos, const float* m, int start, int n, __m512* st,
-                               __mmask16* valid, __m512& m_new, __m512& corr, int window = 0) {
-    for (int r = 0; r < 16; ++r) st[r] = _mm512_load_ps(scores + r * 16);
-    modserve::transpose16x16(st);
-    tile_mask_and_max(st, rpos, m, start, n, valid, m_new, corr, window);
-}
-
 // Causal attention for a tile: consecutive query rows of one sequence (about kTileRowHeads / G)
 // (a prefill chunk, speculative verify rows) against KV head h. q is transposed once per tile
 // (16 row-heads a vector); each 16-key chunk's scores then come by key (key_scores), the
