@@ -389,11 +389,14 @@ def test_the_attention_benchmark_times_int8_decode_against_a_baseline_source(mon
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    source = (root / "native" / "cpu_paged_attention.cpp").read_text()
-    assert "inv = _mm512_set1_ps(1.f / l);" in source and "const float inv = 1.f / l;" in source  # put_head's
-    doubled = tmp_path / "cpu_paged_attention.cpp"
-    doubled.write_text(source.replace("inv = _mm512_set1_ps(1.f / l);", "inv = _mm512_set1_ps(2.f / l);")
-                       .replace("const float inv = 1.f / l;", "const float inv = 2.f / l;"))
+    doubled = tmp_path / "cpu_paged_attention.cpp"  # its headers beside it, as `git archive REV native` leaves them
+    doubled.write_text((root / "native" / "cpu_paged_attention.cpp").read_text())
+    for header in (root / "native").glob("attention_*.h"):
+        (tmp_path / header.name).write_text(header.read_text())
+    rows = (root / "native" / "attention_rows.h").read_text()
+    assert "inv = _mm512_set1_ps(1.f / l);" in rows and "const float inv = 1.f / l;" in rows  # put_head's
+    (tmp_path / "attention_rows.h").write_text(rows.replace("inv = _mm512_set1_ps(1.f / l);", "inv = _mm512_set1_ps(2.f / l);")
+                                               .replace("const float inv = 1.f / l;", "const float inv = 2.f / l;"))
     spec = importlib.util.spec_from_file_location("benchmark_cpu_attention", root / "benchmarks" / "cpu_attention.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

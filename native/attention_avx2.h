@@ -1,0 +1,191 @@
+// Decode rows and tiles on a CPU with AVX2 and FMA but no AVX-512 (8 lanes).
+#pragma once
+
+#include "attention_tiles.h"
+
+namespace modserve::paged_attention {
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// attend() for head_dim D (a multiple of 8) on a CPU with AVX2 and FMA but no AVX-512: the
+// structure of attend_avx512 with 8 lanes, 8 cache rows (a chunk) at a time. A chunk's rows
+// for the item's KV heads are widened to float32 once (read in place when the cache is
+// float32); each query head takes its 8 scores as 8 partial vectors folded pairwise as they
+// come (4 live), a vector exp, and P.V with 8 accumulator vectors (64 elements of the head) in
+// registers at a time. q is read from L1 rather than held: 16 ymm registers do not hold a
+// 128-wide q beside the sums.
+template <typename T, int D>
+void attend_avx2(const QIO& io, int64_t token, const T* kc, const T* vc, const float* ks, const float* vs,
+                 const int32_t* table, int32_t pos, int KVH, int G, int bs, float scale, int h0, int h1, int window,
+                 float softcap, int from = 0, int to = -1, const Partial* part = nullptr) {
+    using modserve::load8;
+    constexpr int NV = D / 8;             // vectors per row
+    constexpr int W = NV < 8 ? NV : 8;    // accumulator vectors in registers at a time
+    const int nh = (h1 - h0) * G;
+    const int64_t row_stride = static_cast<int64_t>(KVH) * D;
+    const int heads = h1 - h0;
+    static thread_local std::vector<float> work;
+    work.resize(static_cast<size_t>(nh) * (2 * D + 2) + 2 * 8 * heads * D);
+    float* qs = work.data();  // [nh][D], pre-scaled
+    float* acc = qs + nh * D;  // [nh][D]
+    float* m = acc + nh * D;  // [nh] running max
+    float* l = m + nh;  // [nh] running sum of weights
+    float* kbuf = l + nh;  // [8][heads][D]: the item's K rows of an 8-token chunk, as float32
+    float* vbuf = kbuf + 8 * heads * D;  // [8][heads][D]
+    start_heads(io, token, h0 * G, nh, D, scale, qs, acc, m, l);
+    const int n_tokens = to < 0 ? pos + 1 : to;  // the end of this call's positions
+    const int chunk = bs < 8 ? bs : 8;  // block sizes are powers of two: a chunk never crosses a block
+    constexpr bool kThenIntoL2 = kZen && std::is_same_v<T, float>;
+    const int lo = window_start(pos, window);
+    const __m256i lane_ids = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int start = std::max(lo / chunk * chunk, from); start < n_tokens; start += chunk) {
+        const int n = n_tokens - start < chunk ? n_tokens - start : chunk;
+        const ChunkRows<T> c = chunk_rows(kc, vc, ks, vs, table, start, bs, KVH, row_stride);
+        const ChunkAhead next(kc, vc, table, start + chunk, n_tokens, chunk, bs, row_stride, h0, heads, D);
+        // On Zen cores a float32 cache's chunk after next too, into L2 (kZen, SegmentAhead's two asks)
+        const ChunkAhead then(kc, vc, table, kThenIntoL2 ? start + 2 * chunk : n_tokens, n_tokens, chunk, bs, row_stride, h0, heads, D);
+        const float* ksb = c.k_scale;
+        const float* vsb = c.v_scale;
+        // keys that exist (t < n) and are in the window (start + t >= lo), as all-ones lanes
+        const int first = lo > start ? lo - start : 0;
+        const __m256 valid = _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane_ids),
+                                                                   _mm256_cmpgt_epi32(lane_ids, _mm256_set1_epi32(first - 1))));
+        if constexpr (!std::is_same_v<T, float>) {  // widen the item's heads of each row in one sweep
+            for (int t = 0; t < n; ++t) {
+                for (int j = 0; j < heads * NV; ++j) {
+                    _mm256_storeu_ps(kbuf + (t * heads) * D + 8 * j, load8(c.k + t * row_stride + h0 * D + 8 * j));
+                    _mm256_storeu_ps(vbuf + (t * heads) * D + 8 * j, load8(c.v + t * row_stride + h0 * D + 8 * j));
+                }
+            }
+        }
+        for (int h = h0; h < h1; ++h) {
+            const float* kr;
+            const float* vr;
+            const int64_t stride = head_rows(c, kbuf, vbuf, h, h0, heads, D, row_stride, kr, vr);
+            __m256 kscale = _mm256_set1_ps(1.f), vscale = _mm256_set1_ps(1.f);
+            if (ksb) {
+                alignas(32) float k8[8] = {}, v8[8] = {};
+                for (int t = 0; t < n; ++t) k8[t] = ksb[t * KVH + h], v8[t] = vsb[t * KVH + h];
+                kscale = _mm256_load_ps(k8), vscale = _mm256_load_ps(v8);
+            }
+            for (int g = 0; g < G; ++g) {
+                const int i = (h - h0) * G + g;
+                next.fetch(i, nh);
+                if constexpr (kThenIntoL2) then.fetch<true>(i, nh);
+                const float* qi = qs + i * D;
+                constexpr int QR = NV <= 8 ? NV : 1;  // q vectors held in registers (head_dim 64: all)
+                __m256 qv[QR];
+                for (int j = 0; j < QR; ++j) qv[j] = _mm256_loadu_ps(qi + 8 * j);
+                const auto qvec = [&](int j) { return NV <= 8 ? qv[j < QR ? j : 0] : _mm256_loadu_ps(qi + 8 * j); };
+                const auto dot = [&](int t) {  // key t's products as 8 partial sums (0 past the chunk)
+                    if (t >= n) return _mm256_setzero_ps();
+                    __m256 s = _mm256_mul_ps(qvec(0), _mm256_loadu_ps(kr + t * stride));
+                    for (int j = 1; j < NV; ++j) s = _mm256_fmadd_ps(qvec(j), _mm256_loadu_ps(kr + t * stride + 8 * j), s);
+                    return s;
+                };
+                __m256 pairs[4];
+                for (int u = 0; u < 4; ++u) pairs[u] = _mm256_hadd_ps(dot(2 * u), dot(2 * u + 1));
+                __m256 scores = _mm256_mul_ps(modserve::transpose_sum8_from_pairs(pairs), kscale);
+                if (softcap > 0.f) {
+                    alignas(32) float x[8];
+                    _mm256_store_ps(x, scores);
+                    for (float& s : x) s = cap_score(s, softcap);
+                    scores = _mm256_load_ps(x);
+                }
+                scores = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), scores, valid);
+                const float bmax = std::fmax(m[i], modserve::hmax8(scores));
+                const float correction = exp_nonpositive(m[i] - bmax);  // ~0 on the first chunk (m = -inf)
+                const __m256 p = _mm256_and_ps(modserve::exp256_nonpositive(_mm256_sub_ps(scores, _mm256_set1_ps(bmax))), valid);
+                l[i] = l[i] * correction + modserve::hsum8(p);
+                m[i] = bmax;
+                const __m256 pv = _mm256_mul_ps(p, vscale);  // int8: the V rows' scales folded in
+                const __m256 corr = _mm256_set1_ps(correction);
+                for (int j0 = 0; j0 < NV; j0 += W) {
+                    __m256 a[W];
+                    for (int j = 0; j < W; ++j) a[j] = _mm256_mul_ps(_mm256_loadu_ps(acc + i * D + 8 * (j0 + j)), corr);
+                    for (int t = 0; t < n; ++t) {
+                        const __m256 pt = _mm256_permutevar8x32_ps(pv, _mm256_set1_epi32(t));  // lane t, in registers
+                        for (int j = 0; j < W; ++j) a[j] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vr + t * stride + 8 * (j0 + j)), a[j]);
+                    }
+                    for (int j = 0; j < W; ++j) _mm256_storeu_ps(acc + i * D + 8 * (j0 + j), a[j]);
+                }
+            }
+        }
+    }
+    if (!keep_part(part, nh, D, acc, m, l)) finish_heads(io, token, h0 * G, nh, D, acc, l);
+}
+
+// attend_tile_avx512 with 8 lanes, for CPUs with AVX2 and FMA but no AVX-512: the
+// consecutive query rows of a tile (one sequence's) against KV head h, 8 keys (a chunk) at a
+// time, both products by key (key_scores, key_pv: q transposed once per tile, 8 row-heads a
+// vector; K and V rows in place in a float32 cache, widened once otherwise); the online
+// softmax runs on 8 row-heads a vector, each vector one key across the 8 (the causal mask is
+// one compare of the row positions, maxima, exps and sums lane-wise). Before it, chunks
+// over 16 tokens went to SDPA's flash kernel on such CPUs.
+template <typename T, int D>
+void attend_tile_avx2(const QIO& io, const int64_t* rows, int n_rows, int32_t first_pos, const T* kc, const T* vc,
+                      const float* ks, const float* vs, const int32_t* table, int KVH, int G, int bs, float scale, int h,
+                      int window, float softcap) {
+    const TileWork<8> w(io, rows, n_rows, first_pos, G, h, D, scale);
+    const int R = w.R, R_pad = w.R_pad, groups = R_pad / 8;
+    float *qs = w.qs, *acc = w.acc, *sbuf = w.sbuf, *ptile = w.ptile, *m = w.m, *l = w.l, *corrs = w.corrs, *kt = w.kt, *vbuf = w.vbuf;
+    const int32_t* rpos = w.rpos;
+    static thread_local std::vector<float> q_work;  // qT: [groups][D][8]
+    q_work.resize(static_cast<size_t>(R_pad) * D + 8);
+    float* qT = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(q_work.data()) + 31) & ~uintptr_t{31});
+    tile_transpose<D>(groups, qs, qT, true);
+    const int n_keys = first_pos + n_rows;  // the last row sees keys 0 .. first_pos + n_rows - 1
+    const int chunk = bs < 8 ? bs : 8;
+    const __m256 neg_inf = _mm256_set1_ps(-INFINITY);
+    for (int start = window_start(first_pos, window) / chunk * chunk; start < n_keys; start += chunk) {
+        const int n = n_keys - start < chunk ? n_keys - start : chunk;
+        const TileChunk<T, D> c(kc, vc, ks, vs, slot_of(table, start, bs), KVH, h, n, kt, vbuf);
+        tile_scores<TileVec, D>(groups, qT, c.k, c.stride, sbuf);  // by key: two groups of 8 row-heads share each K broadcast
+        for (int g0 = 0; g0 < R_pad; g0 += 8) {  // online softmax, 8 row-heads a vector
+            __m256 st[8], valid[8];
+            for (int t = 0; t < 8; ++t) {  // st[t]: key t's scores across the 8 row-heads
+                st[t] = _mm256_mul_ps(_mm256_load_ps(sbuf + (g0 + t) * 8), _mm256_set1_ps(c.k_scale[t]));
+                if (softcap > 0.f) {
+                    alignas(32) float x[8];
+                    _mm256_store_ps(x, st[t]);
+                    for (float& v : x) v = cap_score(v, softcap);
+                    st[t] = _mm256_load_ps(x);
+                }
+            }
+            const __m256i pos = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rpos + g0));
+            __m256 rowmax = neg_inf;
+            for (int t = 0; t < 8; ++t) {
+                // the row sees key start + t: pos >= start + t, and pos < start + t + window
+                __m256i ok = _mm256_cmpgt_epi32(pos, _mm256_set1_epi32(start + t - 1));
+                if (window > 0) ok = _mm256_and_si256(ok, _mm256_cmpgt_epi32(_mm256_set1_epi32(start + t + window), pos));
+                valid[t] = t < n ? _mm256_castsi256_ps(ok) : _mm256_setzero_ps();
+                st[t] = _mm256_blendv_ps(neg_inf, st[t], valid[t]);
+                rowmax = _mm256_max_ps(rowmax, st[t]);
+            }
+            const __m256 m_old = _mm256_load_ps(m + g0);
+            const __m256 m_new = _mm256_max_ps(m_old, rowmax);
+            // a row that has seen no key yet keeps m = -inf: its rescale is 1, not exp(NaN)
+            const __m256 unseen = _mm256_cmp_ps(m_new, neg_inf, _CMP_EQ_OQ);
+            const __m256 corr = _mm256_blendv_ps(modserve::exp256_nonpositive(_mm256_sub_ps(m_old, m_new)),
+                                                 _mm256_set1_ps(1.f), unseen);
+            __m256 sum = _mm256_setzero_ps();
+            float* pt = ptile + g0 * 8;
+            for (int t = 0; t < 8; ++t) {
+                const __m256 p = _mm256_and_ps(valid[t], modserve::exp256_nonpositive(_mm256_sub_ps(st[t], m_new)));
+                sum = _mm256_add_ps(sum, p);
+                _mm256_store_ps(pt + t * 8, _mm256_mul_ps(p, _mm256_set1_ps(c.v_scale[t])));  // int8: V's scales folded in
+            }
+            _mm256_store_ps(m + g0, m_new);
+            _mm256_store_ps(l + g0, _mm256_fmadd_ps(_mm256_load_ps(l + g0), corr, sum));
+            _mm256_store_ps(corrs + g0, corr);
+        }
+        tile_pv<TileVec, D, TileVec::L>(groups, acc, ptile, corrs, c.v, c.stride);  // by key, as the scores
+    }
+    float* out = qs;  // acc by row-head ([R_pad][D]), where q was
+    tile_transpose<D>(groups, acc, out, false);
+    for (int rh = 0; rh < R; ++rh) {
+        put_head(io, rows[rh / G], static_cast<int64_t>(h * G + rh % G) * D, out + rh * D, D, l[rh]);
+    }
+}
+#endif  // AVX2 without AVX-512
+
+}  // namespace modserve::paged_attention

@@ -1,0 +1,206 @@
+// What every path of the CPU paged-attention kernel (cpu_paged_attention.cpp) shares: its
+// limits, where a step's query rows come from and its outputs go (QIO), a split row's partial
+// state, where a chunk of cache positions lies, and the asks for the next chunk's rows.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "avx2.h"
+#include "avx512.h"
+#include "bf16.h"
+#include "fast_exp.h"
+#include "prefetch.h"
+
+namespace modserve::paged_attention {
+
+constexpr int kMaxGroup = 64;  // query heads per KV head
+constexpr int kMaxHeadDim = 256;
+constexpr int kMaxBlock = 256;
+constexpr int kTileRowHeads = 48;  // a tile's rows x query heads of its KV head, about: three 16-lane groups, which
+                                   // key_scores / key_pv share each broadcast over (16 rows at SmolLM2's 3 heads a KV head)
+
+inline float load(const float* p, int i) { return p[i]; }
+inline float load(const uint16_t* p, int i) { return modserve::bf16_to_float(p[i]); }
+inline float load(const int8_t* p, int i) { return static_cast<float>(p[i]); }
+
+// Logit soft-capping of a scaled score (Gemma 2): cap * tanh(s / cap).
+inline float cap_score(float s, float cap) { return cap * std::tanh(s / cap); }
+
+// The first position a query at `pos` sees: pos - window + 1 within a window, else 0.
+inline int window_start(int32_t pos, int window) { return window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0; }
+
+// Where a step's query rows come from and its outputs go: [tokens, H, D] in the model's
+// dtype (float32 or bfloat16), any stride between tokens (q is a view into the qkv rows).
+// Read and written once per row and head, outside the inner loops.
+struct QIO {
+    const void* q;
+    void* out;
+    int64_t q_stride, out_stride;  // elements between tokens
+    bool bf16;
+    float q_at(int64_t token, int64_t i) const {  // i = head * D + d
+        return bf16 ? load(static_cast<const uint16_t*>(q) + token * q_stride, static_cast<int>(i))
+                    : static_cast<const float*>(q)[token * q_stride + i];
+    }
+    void put(int64_t token, int64_t i, float v) const {
+        if (bf16) {
+            static_cast<uint16_t*>(out)[token * out_stride + i] = modserve::float_to_bf16(v);
+        } else {
+            static_cast<float*>(out)[token * out_stride + i] = v;
+        }
+    }
+#if defined(__AVX2__)
+    __m256 q8(int64_t token, int64_t i) const {  // q_at() for elements i .. i + 7
+        return bf16 ? modserve::load8(static_cast<const uint16_t*>(q) + token * q_stride + i)
+                    : modserve::load8(static_cast<const float*>(q) + token * q_stride + i);
+    }
+#endif
+#if defined(__AVX512F__)
+    __m512 q16(int64_t token, int64_t i) const {  // q_at() for elements i .. i + 15
+        return bf16 ? modserve::load16(static_cast<const uint16_t*>(q) + token * q_stride + i)
+                    : modserve::load16(static_cast<const float*>(q) + token * q_stride + i);
+    }
+    void put16(int64_t token, int64_t i, __m512 v) const {  // put() for elements i .. i + 15
+        if (bf16) {
+            modserve::store16(static_cast<uint16_t*>(out) + token * out_stride + i, v);
+        } else {
+            modserve::store16(static_cast<float*>(out) + token * out_stride + i, v);
+        }
+    }
+#endif
+};
+
+// One part of a decode row split by positions (run() in cpu_paged_attention.cpp): its heads'
+// accumulators (the bfloat16-dot path's interleaved order), running maxima and sums, merged
+// with the row's other parts afterwards.
+struct Partial {
+    float* acc;  // [nh][D]
+    float* m;    // [nh]
+    float* l;    // [nh]
+};
+
+// A decode row's query heads [first, first + nh): q scaled into qs, accumulators zeroed,
+// running max -inf and running sum 0 (the online softmax's starting point).
+inline void start_heads(const QIO& io, int64_t token, int first, int nh, int D, float scale, float* qs, float* acc,
+                        float* m, float* l) {
+    for (int i = 0; i < nh; ++i) {
+        const int64_t qi = static_cast<int64_t>(first + i) * D;
+        for (int d = 0; d < D; ++d) qs[i * D + d] = io.q_at(token, qi + d) * scale;
+        for (int d = 0; d < D; ++d) acc[i * D + d] = 0.f;
+        m[i] = -INFINITY;
+        l[i] = 0.f;
+    }
+}
+
+// One head's output, elements [first, first + D) of the row: its accumulator over its sum of
+// weights. 16 lanes at a time where the build has AVX-512 and D is a multiple of 16 (the
+// same products, narrowed to bfloat16 by the same formula).
+inline void put_head(const QIO& io, int64_t token, int64_t first, const float* acc, int D, float l) {
+#if defined(__AVX512F__)
+    if (D % 16 == 0) {
+        const __m512 inv = _mm512_set1_ps(1.f / l);
+        for (int j = 0; j < D / 16; ++j) io.put16(token, first + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * j), inv));
+        return;
+    }
+#endif
+    const float inv = 1.f / l;
+    for (int d = 0; d < D; ++d) io.put(token, first + d, acc[d] * inv);
+}
+
+// ... and a decode row's outputs, query heads [first, first + nh).
+inline void finish_heads(const QIO& io, int64_t token, int first, int nh, int D, const float* acc, const float* l) {
+    for (int i = 0; i < nh; ++i) put_head(io, token, static_cast<int64_t>(first + i) * D, acc + i * D, D, l[i]);
+}
+
+// A part's end: its unnormalized state into `part` (true), or nothing to do (false: the
+// caller writes the outputs).
+inline bool keep_part(const Partial* part, int nh, int D, const float* acc, const float* m, const float* l) {
+    if (part == nullptr) return false;
+    std::memcpy(part->acc, acc, sizeof(float) * nh * D);
+    std::memcpy(part->m, m, sizeof(float) * nh);
+    std::memcpy(part->l, l, sizeof(float) * nh);
+    return true;
+}
+
+// Where the chunk of cache positions from `start` (within one block) lies: its first K and V
+// rows and their int8 scales (null for a float cache). The vector paths' chunk loops share it.
+template <typename T>
+struct ChunkRows {
+    const T* k;
+    const T* v;
+    const float* k_scale;
+    const float* v_scale;
+};
+
+// The cache row (slot: a row of the [blocks * bs] rows) holding position `start` of a sequence
+// with block table `table`.
+inline int64_t slot_of(const int32_t* table, int start, int bs) { return static_cast<int64_t>(table[start / bs]) * bs + start % bs; }
+
+template <typename T>
+inline ChunkRows<T> chunk_rows(const T* kc, const T* vc, const float* ks, const float* vs, const int32_t* table, int start,
+                               int bs, int KVH, int64_t row_stride) {
+    const int64_t slot = slot_of(table, start, bs);  // the chunk's first cache row
+    return {kc + slot * row_stride, vc + slot * row_stride, ks ? ks + slot * KVH : nullptr, vs ? vs + slot * KVH : nullptr};
+}
+
+// KV head h's rows of a chunk as float32, and the distance between them: in place in a float32
+// cache, else in the buffers the chunk was widened into ([rows][heads][D], heads from h0).
+template <typename T>
+inline int64_t head_rows(const ChunkRows<T>& c, const float* kbuf, const float* vbuf, int h, int h0, int heads, int D,
+                         int64_t row_stride, const float*& kr, const float*& vr) {
+    if constexpr (std::is_same_v<T, float>) {
+        kr = c.k + h * D, vr = c.v + h * D;
+        return row_stride;
+    } else {
+        kr = kbuf + (h - h0) * D, vr = vbuf + (h - h0) * D;
+        return static_cast<int64_t>(heads) * D;
+    }
+}
+
+// An AMD Zen core: its decode loops ask for more ahead, into L2 (SegmentAhead, ChunkAhead).
+#if defined(__znver1__) || defined(__znver2__) || defined(__znver3__) || defined(__znver4__) || defined(__znver5__)
+constexpr bool kZen = true;  // GCC names the core for -march=native (GCC 12 calls a Zen 4 znver3)
+#else
+constexpr bool kZen = false;
+#endif
+
+// The next chunk's K and V rows (the item's heads) asked for while this chunk computes, in
+// `parts` shares of whole rows, one per query head: without it the compute and the memory
+// stalls added up, and a burst of a whole chunk's lines at once measured nothing. One chunk
+// ahead, 64 rows x 450 positions of a float32 cache (30 layers, Zen 5): the AVX2 path
+// 1.7-1.8x faster (36-37 against 64-66 ms a step; 41-43 against 72-73 with scattered
+// blocks), the AVX-512 one 1.15-1.35x; two or three chunks ahead gained less. The AVX2 path
+// on a Zen core asks for a float32 cache's chunk after next as well, into L2 (fetch<true>):
+// on a Zen 4 built for AVX2, 1.41-1.55x faster at 4-64 rows; over bfloat16 and int8 caches
+// (whose widening bounds the loop) 0.95-0.99x, so they do not.
+struct ChunkAhead {
+    const char* k = nullptr;
+    const char* v = nullptr;
+    int64_t stride = 0;  // bytes between cache rows
+    int lines = 0;       // 64-byte lines of a row's heads
+    int rows = 0;        // K rows, then as many V rows
+    template <typename T>
+    ChunkAhead(const T* kc, const T* vc, const int32_t* table, int at, int n_tokens, int chunk, int bs,
+               int64_t row_stride, int h0, int heads, int D) {
+        if (at >= n_tokens) return;
+        const int64_t first = slot_of(table, at, bs) * row_stride + static_cast<int64_t>(h0) * D;
+        k = reinterpret_cast<const char*>(kc + first), v = reinterpret_cast<const char*>(vc + first);
+        stride = row_stride * static_cast<int64_t>(sizeof(T));
+        lines = static_cast<int>((static_cast<int64_t>(heads) * D * static_cast<int64_t>(sizeof(T)) + 63) / 64);
+        rows = std::min(chunk, n_tokens - at);
+    }
+    // Share `part` of `parts`, in whole rows (a division per line cost more than the line).
+    template <bool IntoL2 = false>
+    void fetch(int part, int parts) const {
+        for (int r = part * 2 * rows / parts; r < (part + 1) * 2 * rows / parts; ++r) {
+            const char* row = r < rows ? k + r * stride : v + (r - rows) * stride;
+            for (int x = 0; x < lines; ++x) modserve::prefetch_line<IntoL2>(row + 64 * x);
+        }
+    }
+};
+
+}  // namespace modserve::paged_attention
