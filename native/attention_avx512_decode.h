@@ -249,6 +249,24 @@ inline void put_interleaved(const QIO& io, int64_t token, int64_t first, const f
     }
 }
 
+// A chunk's V rows of one head (`v`, rows `stride` apart) interleaved pairwise for VDPBF16PS:
+// for key pair u (rows 2u and 2u + 1) and each 32-element vector j of the row, the two rows'
+// elements in unpacklo / unpackhi order, 64 at out + (u * NB + j) * 64. Rows from n on read as
+// zeros (their weights are 0). attend_bf16dot and the bfloat16 tile (attend_tile_bf16dot).
+template <int D>
+inline void interleave_pairs(const uint16_t* v, int64_t stride, int n, int pairs, uint16_t* out) {
+    constexpr int NB = D / 32;
+    for (int u = 0; u < pairs; ++u) {
+        for (int j = 0; j < NB; ++j) {
+            const __m512i a = 2 * u < n ? _mm512_loadu_si512(v + 2 * u * stride + 32 * j) : _mm512_setzero_si512();
+            const __m512i b = 2 * u + 1 < n ? _mm512_loadu_si512(v + (2 * u + 1) * stride + 32 * j) : _mm512_setzero_si512();
+            uint16_t* dst = out + (u * NB + j) * 64;
+            _mm512_storeu_si512(dst, _mm512_unpacklo_epi16(a, b));
+            _mm512_storeu_si512(dst + 32, _mm512_unpackhi_epi16(a, b));
+        }
+    }
+}
+
 // attend_avx512 for a bfloat16 model (q, out and cache in bfloat16), in segments of up to
 // kSegment positions, each in three sweeps: (1) the segment's scores, q.k straight from the
 // cache rows with vdpbf16ps (bf16 products summed in float32: exact for such q; the scale
@@ -328,16 +346,7 @@ void attend_bf16dot(const QIO& io, int64_t token, const uint16_t* kc, const uint
             const auto next = ahead.after_v(seg, seg_n, c, 1), then = ahead.after_v(seg, seg_n, c, 2);
             for (int hh = 0; hh < heads; ++hh) {
                 const int64_t col = static_cast<int64_t>(h0 + hh) * D;
-                for (int u = 0; u < pairs; ++u) {
-                    for (int j = 0; j < NB; ++j) {
-                        const __m512i a = _mm512_loadu_si512(vb + 2 * u * row_stride + col + 32 * j);
-                        const __m512i b = 2 * u + 1 < n ? _mm512_loadu_si512(vb + (2 * u + 1) * row_stride + col + 32 * j)
-                                                        : _mm512_setzero_si512();
-                        uint16_t* dst = vi + (u * NB + j) * 64;
-                        _mm512_storeu_si512(dst, _mm512_unpacklo_epi16(a, b));
-                        _mm512_storeu_si512(dst + 32, _mm512_unpackhi_epi16(a, b));
-                    }
-                }
+                interleave_pairs<D>(vb + col, row_stride, n, pairs, vi);
                 for (int g = 0; g < G; ++g) {
                     const int i = hh * G + g;
                     ahead.fetch_ahead<true>(next, then, i);

@@ -151,14 +151,7 @@ void attend_tile_bf16dot(const QIO& io, const int64_t* rows, int n_rows, int32_t
             }
             kb = kbuf, kstride = D;
         }
-        for (int u = 0; u < 8; ++u) {  // V rows interleaved pairwise (zeros past n: their weights are 0)
-            for (int j = 0; j < NB; ++j) {
-                const __m512i a = 2 * u < n ? _mm512_loadu_si512(vb + 2 * u * row_stride + 32 * j) : _mm512_setzero_si512();
-                const __m512i b = 2 * u + 1 < n ? _mm512_loadu_si512(vb + (2 * u + 1) * row_stride + 32 * j) : _mm512_setzero_si512();
-                _mm512_store_si512(vi + (u * NB + j) * 32, _mm512_unpacklo_epi16(a, b));
-                _mm512_store_si512(vi + (u * NB + j) * 32 + 16, _mm512_unpackhi_epi16(a, b));
-            }
-        }
+        interleave_pairs<D>(vb, row_stride, n, 8, reinterpret_cast<uint16_t*>(vi));  // all 8 key pairs (zeros past n)
         tile_scores<T, NP>(groups, qT, reinterpret_cast<const uint32_t*>(kb), kstride / 2, sbuf);
         for (int g0 = 0; g0 < R_pad; g0 += 16) {  // online softmax, 16 row-heads a vector
             __m512 st[16], m_new, corr;

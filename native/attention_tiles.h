@@ -92,16 +92,13 @@ struct TileVec {
 // The bfloat16 tile's vector (attend_tile_bf16dot): each element a 32-bit word of two
 // bfloat16 (q's and K's dimension pairs, the weights' key pairs and V's values of one
 // dimension at a key pair), each product a vdpbf16ps summing both halves into a float32 lane.
-struct TileVecBf16 {
-    using V = __m512;
+// The float32 vector's lanes, sums, loads and stores of float32 (the accumulators, scores and
+// rescales), with its own elements' load, broadcast and product.
+struct TileVecBf16 : TileVec {
     using Elem = uint32_t;
-    static constexpr int L = 16, KT = 8, NG = 3;
-    static V zero() { return _mm512_setzero_ps(); }
-    static V load(const float* p) { return _mm512_load_ps(p); }
+    using TileVec::load;
     static V load(const uint32_t* p) { return _mm512_castsi512_ps(_mm512_load_si512(p)); }
-    static void store(float* p, V v) { _mm512_store_ps(p, v); }
     static V set1(uint32_t x) { return _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(x))); }
-    static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
     static V fma(V a, V b, V c) {
         return _mm512_dpbf16_ps(c, modserve::as_bh(_mm512_castps_si512(a)), modserve::as_bh(_mm512_castps_si512(b)));
     }
