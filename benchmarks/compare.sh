@@ -149,7 +149,7 @@ cfg["model"]["dtype"] = dtype
 yaml.safe_dump(cfg, open(dst, "w"), sort_keys=False)
 EOF
 
-note "machine: $(nproc) CPUs ($(lscpu | sed -n 's/^Model name: *//p' | head -1), $(grep -q amx_bf16 /proc/cpuinfo && echo 'AMX bf16' || (grep -q avx512_bf16 /proc/cpuinfo && echo 'AVX-512 bf16' || echo 'no native bf16'))); dtype $DTYPE; server CPUs: ${SERVER_CPUS:-all}, client CPUs: ${CLIENT_CPUS:-all}"
+note "machine: $(nproc) CPUs, $("$PY" -c 'from modserve.plugins.platforms.cpu import describe_cpu; print(describe_cpu())'); dtype $DTYPE; server CPUs: ${SERVER_CPUS:-all}, client CPUs: ${CLIENT_CPUS:-all}"
 note "modserve $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?'), pipeline $(basename "$MODSERVE_CONFIG") with model.path $MODEL_PATH"
 
 # --- the peers: set up, and which of them serve online

@@ -26,7 +26,7 @@ import torch
 
 from modserve.bench.roofline import _measure_bandwidth
 from modserve.plugins.models.moe import SparseMoE
-from modserve.plugins.platforms.cpu import ISA_FLAGS, cpu_model_and_flags
+from modserve.plugins.platforms.cpu import describe_cpu
 from modserve.plugins.platforms.cpu_avx2_linear import Avx2Linear
 from modserve.plugins.platforms.cpu_avx512_linear import Avx512Linear
 from modserve.plugins.platforms.cpu_experts import PanelExperts
@@ -78,8 +78,7 @@ def main() -> None:
     if unknown := [i for i in impls if i not in IMPLS]:
         ap.error(f"--impls: unknown {', '.join(unknown)}; expected some of {', '.join(IMPLS)}")
     keep_freed_memory()
-    name, flags = cpu_model_and_flags()
-    print(f"CPU: {name} ({', '.join(f for f in ISA_FLAGS if f in flags)}), {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(f"CPU: {describe_cpu()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     dtype = getattr(torch, args.dtype)
     models, kernels = build(args.layers, dtype, impls)
     read = _measure_bandwidth(torch.device("cpu"), 1 << 30, 5)["read_gb_s"]  # as bench roofline measures it

@@ -46,7 +46,7 @@ from torch import nn
 
 from modserve.bench.roofline import held_weight_bytes
 from modserve.core.models.gguf_quantized import TwoLevelScales
-from modserve.plugins.platforms.cpu import ISA_FLAGS, cpu_model_and_flags, library_from_rows
+from modserve.plugins.platforms.cpu import describe_cpu, library_from_rows
 from modserve.plugins.platforms.cpu_amx_linear import AmxLinear
 from modserve.plugins.platforms.cpu_avx2_linear import INT4_LIBRARY_FROM_ROWS, LIBRARY_FROM_ROWS, PANELS_ONLY, Avx2Linear
 from modserve.plugins.platforms.cpu_avx2_linear import load_codes as avx2_linear_codes
@@ -253,8 +253,7 @@ def main() -> None:
     if unknown := [k for k in kernels if k not in KINDS]:
         ap.error(f"--kernels: unknown {', '.join(unknown)}; expected some of {', '.join(KINDS)}")
     keep_freed_memory()  # as the cpu platform does by default (reuse_freed_memory)
-    name, flags = cpu_model_and_flags()
-    print(f"{name} ({', '.join(f for f in ISA_FLAGS if f in flags)}), torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"{describe_cpu()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     built = {k: build(k) for k in kernels}
     weights = sum(n * k for n, k in SHAPES.values()) * LAYERS
     held = {k: held_weight_bytes(nn.ModuleList(m for group in built[k].values() for m in group)) for k in kernels}

