@@ -63,13 +63,13 @@ class DecodeGraphs(GraphBuckets):
         self.max_model_len = max_model_len
         n, width = self.sizes[-1], -(-max_model_len // kv.block_size)
         on = dict(device=device)
-        # laid out as StepBatch.tokens and .lens, so that a step loads each in one copy
-        self.tokens = torch.zeros(3, n, dtype=torch.int64, **on)
-        self.input_ids, self.positions, self.slots = self.tokens
-        self.lens = torch.zeros(3, n, dtype=torch.int32, **on)
-        self.seq_lens, self.context_lens, self.request_lens = self.lens
+        self.input_ids = torch.zeros(n, dtype=torch.int64, **on)
+        self.positions = torch.zeros(n, dtype=torch.int64, **on)
+        self.slots = torch.full((n,), -1, dtype=torch.int64, **on)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, **on)
+        self.context_lens = torch.zeros(n, dtype=torch.int32, **on)
+        self.request_lens = torch.ones(n, dtype=torch.int32, **on)
         self.block_tables = torch.zeros(n, width, dtype=torch.int32, **on)
-        self._pad(0, n)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, **on)
 
     def run(self, batch: StepBatch) -> torch.Tensor | None:
@@ -89,11 +89,14 @@ class DecodeGraphs(GraphBuckets):
     def _load(self, batch: StepBatch, rows: int) -> None:
         """Copy the step into the first ``rows`` rows; rows the last step used past them go back
         to padding."""
-        if batch.tokens is None or batch.lens is None:
-            raise ValueError("decode graphs load a StepBatch built by ModelRunner.prepare (tokens and lens set)")
-        self.tokens[:, :rows].copy_(batch.tokens)
-        self.lens[:, :rows].copy_(batch.lens)
-        self.block_tables[:rows, : batch.meta.block_tables.shape[1]].copy_(batch.meta.block_tables)
+        meta = batch.meta
+        self.input_ids[:rows].copy_(batch.input_ids)
+        self.positions[:rows].copy_(batch.positions)
+        self.slots[:rows].copy_(meta.slot_mapping)
+        self.seq_lens[:rows].copy_(meta.seq_lens)
+        self.context_lens[:rows].copy_(meta.context_lens)
+        self.request_lens[:rows].copy_(meta.seq_lens if meta.request_lens is None else meta.request_lens)
+        self.block_tables[:rows, : meta.block_tables.shape[1]].copy_(meta.block_tables)
         self._loaded_rows(rows)
 
     def _pad(self, start: int, end: int) -> None:

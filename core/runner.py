@@ -20,11 +20,6 @@ class StepBatch:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    # Where :meth:`ModelRunner.prepare` built them: ``[input_ids, positions, slot_mapping]`` as
-    # one int64 [3, T] tensor and ``[seq_lens, context_lens, request_lens]`` as one int32 [3, B]
-    # tensor, whose rows the fields above are. Graph replays load each in one copy.
-    tokens: torch.Tensor | None = None
-    lens: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -67,31 +62,29 @@ class ModelRunner:
             seq_lens.append(end)
             request_lens.append(req.num_tokens)
             tables.append(table)
-        # A tensor per dtype rather than per field: right after a forward every torch call runs
-        # on caches the weights have flushed, several times its warm time (docs/benchmark-results.md
-        # #2026-11-29-zen-4-two-batch-overlap-and-the-goals-table).
         dev = self.device
         width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev)
-        tokens = torch.tensor([input_ids, positions, slot_list], dtype=torch.int64, device=dev)
-        lens = torch.tensor([seq_lens, [s - q for s, q in zip(seq_lens, query_lens)], request_lens], dtype=torch.int32, device=dev)
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        pos = torch.tensor(positions, dtype=torch.int64)
+        slots = torch.tensor(slot_list, dtype=torch.int64)
         qsl = [0]
         for q in query_lens:
             qsl.append(qsl[-1] + q)
+        seq = torch.tensor(seq_lens, dtype=torch.int32)
         meta = AttentionMetadata(
             num_tokens=len(input_ids),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=lens[0],
-            context_lens=lens[1],
-            slot_mapping=tokens[2],
-            block_tables=block_tables,
+            seq_lens=seq.to(dev),
+            context_lens=(seq - torch.tensor(query_lens, dtype=torch.int32)).to(dev),
+            slot_mapping=slots.to(dev),
+            block_tables=block_tables.to(dev),
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
-            request_lens=lens[2],
+            request_lens=torch.tensor(request_lens, dtype=torch.int32, device=dev),
         )
-        return StepBatch(tokens[0], tokens[1], meta, tokens, lens)
+        return StepBatch(torch.tensor(input_ids, dtype=torch.int64, device=dev), pos.to(dev), meta)
 
     @torch.inference_mode()
     def capture_graphs(self) -> str | None:
@@ -113,7 +106,5 @@ class ModelRunner:
             hidden = self.pieces.run(batch) if self.pieces is not None else None
         if hidden is None:
             hidden = self.model(batch.input_ids, batch.positions, self.kv.layer_caches(), batch.meta)
-        if len(logits_rows) == hidden.shape[0] and all(r == i for i, r in enumerate(logits_rows)):
-            return self.model.compute_logits(hidden)  # every row, in order (a decode step)
         rows = torch.tensor(logits_rows, dtype=torch.int64, device=hidden.device)
         return self.model.compute_logits(hidden[rows])
