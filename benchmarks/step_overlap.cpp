@@ -29,7 +29,7 @@
 #define C 13
 #endif
 
-// A linear's stream: `lines` weight lines from p, `fmas` FMAs each, the stream asked for 4 KB
+// A linear's stream: `lines` weight lines from p, Fmas FMAs each, the stream asked for 4 KB
 // ahead; with `ask`, also asks for those lines (another phase's), spread over the stream.
 template <int Fmas>
 long stream_weights(const char* p, size_t lines, const std::vector<const char*>* ask = nullptr) {
