@@ -1,4 +1,5 @@
-// Decode rows and tiles on a CPU with AVX2 and FMA but no AVX-512 (8 lanes).
+// Decode rows on a CPU with AVX2 and FMA but no AVX-512 (8 lanes); its tiles take attend_tile
+// (attention_tiles.h) at that width.
 #pragma once
 
 #include "attention_tiles.h"
@@ -114,78 +115,6 @@ void attend_avx2(const QIO& io, int64_t token, const T* kc, const T* vc, const f
     if (!keep_part(part, nh, D, acc, m, l)) finish_heads(io, token, h0 * G, nh, D, acc, l);
 }
 
-// attend_tile_avx512 with 8 lanes, for CPUs with AVX2 and FMA but no AVX-512: the
-// consecutive query rows of a tile (one sequence's) against KV head h, 8 keys (a chunk) at a
-// time, both products by key (key_scores, key_pv: q transposed once per tile, 8 row-heads a
-// vector; K and V rows in place in a float32 cache, widened once otherwise); the online
-// softmax runs on 8 row-heads a vector, each vector one key across the 8 (the causal mask is
-// one compare of the row positions, maxima, exps and sums lane-wise). Before it, chunks
-// over 16 tokens went to SDPA's flash kernel on such CPUs.
-template <typename T, int D>
-void attend_tile_avx2(const QIO& io, const int64_t* rows, int n_rows, int32_t first_pos, const T* kc, const T* vc,
-                      const float* ks, const float* vs, const int32_t* table, int KVH, int G, int bs, float scale, int h,
-                      int window, float softcap) {
-    const TileWork<8> w(io, rows, n_rows, first_pos, G, h, D, scale);
-    const int R = w.R, R_pad = w.R_pad, groups = R_pad / 8;
-    float *qs = w.qs, *acc = w.acc, *sbuf = w.sbuf, *ptile = w.ptile, *m = w.m, *l = w.l, *corrs = w.corrs, *kt = w.kt, *vbuf = w.vbuf;
-    const int32_t* rpos = w.rpos;
-    static thread_local std::vector<float> q_work;  // qT: [groups][D][8]
-    q_work.resize(static_cast<size_t>(R_pad) * D + 8);
-    float* qT = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(q_work.data()) + 31) & ~uintptr_t{31});
-    tile_transpose<D>(groups, qs, qT, true);
-    const int n_keys = first_pos + n_rows;  // the last row sees keys 0 .. first_pos + n_rows - 1
-    const int chunk = bs < 8 ? bs : 8;
-    const __m256 neg_inf = _mm256_set1_ps(-INFINITY);
-    for (int start = window_start(first_pos, window) / chunk * chunk; start < n_keys; start += chunk) {
-        const int n = n_keys - start < chunk ? n_keys - start : chunk;
-        const TileChunk<T, D> c(kc, vc, ks, vs, slot_of(table, start, bs), KVH, h, n, kt, vbuf);
-        tile_scores<TileVec, D>(groups, qT, c.k, c.stride, sbuf);  // by key: two groups of 8 row-heads share each K broadcast
-        for (int g0 = 0; g0 < R_pad; g0 += 8) {  // online softmax, 8 row-heads a vector
-            __m256 st[8], valid[8];
-            for (int t = 0; t < 8; ++t) {  // st[t]: key t's scores across the 8 row-heads
-                st[t] = _mm256_mul_ps(_mm256_load_ps(sbuf + (g0 + t) * 8), _mm256_set1_ps(c.k_scale[t]));
-                if (softcap > 0.f) {
-                    alignas(32) float x[8];
-                    _mm256_store_ps(x, st[t]);
-                    for (float& v : x) v = cap_score(v, softcap);
-                    st[t] = _mm256_load_ps(x);
-                }
-            }
-            const __m256i pos = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rpos + g0));
-            __m256 rowmax = neg_inf;
-            for (int t = 0; t < 8; ++t) {
-                // the row sees key start + t: pos >= start + t, and pos < start + t + window
-                __m256i ok = _mm256_cmpgt_epi32(pos, _mm256_set1_epi32(start + t - 1));
-                if (window > 0) ok = _mm256_and_si256(ok, _mm256_cmpgt_epi32(_mm256_set1_epi32(start + t + window), pos));
-                valid[t] = t < n ? _mm256_castsi256_ps(ok) : _mm256_setzero_ps();
-                st[t] = _mm256_blendv_ps(neg_inf, st[t], valid[t]);
-                rowmax = _mm256_max_ps(rowmax, st[t]);
-            }
-            const __m256 m_old = _mm256_load_ps(m + g0);
-            const __m256 m_new = _mm256_max_ps(m_old, rowmax);
-            // a row that has seen no key yet keeps m = -inf: its rescale is 1, not exp(NaN)
-            const __m256 unseen = _mm256_cmp_ps(m_new, neg_inf, _CMP_EQ_OQ);
-            const __m256 corr = _mm256_blendv_ps(modserve::exp256_nonpositive(_mm256_sub_ps(m_old, m_new)),
-                                                 _mm256_set1_ps(1.f), unseen);
-            __m256 sum = _mm256_setzero_ps();
-            float* pt = ptile + g0 * 8;
-            for (int t = 0; t < 8; ++t) {
-                const __m256 p = _mm256_and_ps(valid[t], modserve::exp256_nonpositive(_mm256_sub_ps(st[t], m_new)));
-                sum = _mm256_add_ps(sum, p);
-                _mm256_store_ps(pt + t * 8, _mm256_mul_ps(p, _mm256_set1_ps(c.v_scale[t])));  // int8: V's scales folded in
-            }
-            _mm256_store_ps(m + g0, m_new);
-            _mm256_store_ps(l + g0, _mm256_fmadd_ps(_mm256_load_ps(l + g0), corr, sum));
-            _mm256_store_ps(corrs + g0, corr);
-        }
-        tile_pv<TileVec, D, TileVec::L>(groups, acc, ptile, corrs, c.v, c.stride);  // by key, as the scores
-    }
-    float* out = qs;  // acc by row-head ([R_pad][D]), where q was
-    tile_transpose<D>(groups, acc, out, false);
-    for (int rh = 0; rh < R; ++rh) {
-        put_head(io, rows[rh / G], static_cast<int64_t>(h * G + rh % G) * D, out + rh * D, D, l[rh]);
-    }
-}
 #endif  // AVX2 without AVX-512
 
 }  // namespace modserve::paged_attention

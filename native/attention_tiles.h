@@ -1,6 +1,8 @@
-// A prefill tile's working memory and its products by key (query rows x heads in the vector
-// lanes), which the AVX-512 tiles (attention_avx512_tiles.h) and the AVX2 ones
-// (attention_avx2.h) share: each K and V element broadcast once against 16 (8) row-heads.
+// The prefill tiles (query rows x heads in the vector lanes): their working memory, products by
+// key (each K and V element broadcast once against 16 (8) row-heads) and online softmax, over
+// TileVec, the vector of the build's width (AVX-512: 16 lanes, AVX2: 8). attend_tile is the
+// float32 tile of either width; the bfloat16 model's tile (attention_avx512_tiles.h) shares
+// the rest.
 #pragma once
 
 #include "attention_rows.h"
@@ -87,6 +89,21 @@ struct TileVec {
     static V set1(float x) { return _mm512_set1_ps(x); }
     static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
     static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+    // the online softmax's (tile_mask_and_max, attend_tile): lane masks and row positions
+    using M = __mmask16;
+    using I = __m512i;
+    static I positions(const int32_t* p) { return _mm512_loadu_si512(p); }
+    static M at_least(I a, int x) { return _mm512_cmpge_epi32_mask(a, _mm512_set1_epi32(x)); }
+    static M below(I a, int x) { return _mm512_cmplt_epi32_mask(a, _mm512_set1_epi32(x)); }
+    static M both(M a, M b) { return a & b; }
+    static M none() { return 0; }
+    static M is_neg_inf(V a) { return _mm512_cmp_ps_mask(a, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ); }
+    static V where(M m, V yes, V no) { return _mm512_mask_blend_ps(m, no, yes); }
+    static V keep(M m, V a) { return _mm512_maskz_mov_ps(m, a); }
+    static V add(V a, V b) { return _mm512_add_ps(a, b); }
+    static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+    static V max(V a, V b) { return _mm512_max_ps(a, b); }
+    static V exp_nonpositive(V a) { return modserve::exp512_nonpositive(a); }
 };
 #if defined(__AVX512BF16__)
 // The bfloat16 tile's vector (attend_tile_bf16dot): each element a 32-bit word of two
@@ -118,6 +135,20 @@ struct TileVec {
     static V set1(float x) { return _mm256_set1_ps(x); }
     static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
     static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+    using M = __m256;  // all-ones lanes
+    using I = __m256i;
+    static I positions(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+    static M at_least(I a, int x) { return _mm256_castsi256_ps(_mm256_cmpgt_epi32(a, _mm256_set1_epi32(x - 1))); }
+    static M below(I a, int x) { return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(x), a)); }
+    static M both(M a, M b) { return _mm256_and_ps(a, b); }
+    static M none() { return _mm256_setzero_ps(); }
+    static M is_neg_inf(V a) { return _mm256_cmp_ps(a, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ); }
+    static V where(M m, V yes, V no) { return _mm256_blendv_ps(no, yes, m); }
+    static V keep(M m, V a) { return _mm256_and_ps(m, a); }
+    static V add(V a, V b) { return _mm256_add_ps(a, b); }
+    static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+    static V max(V a, V b) { return _mm256_max_ps(a, b); }
+    static V exp_nonpositive(V a) { return modserve::exp256_nonpositive(a); }
 };
 #endif
 
@@ -270,6 +301,97 @@ struct TileChunk {
         k = kbuf, v = vbuf, stride = D;
     }
 };
+
+// cap_score() on a vector's lanes.
+template <typename TV>
+inline typename TV::V cap_lanes(typename TV::V s, float cap) {
+    alignas(64) float x[TV::L];
+    TV::store(x, s);
+    for (float& v : x) v = cap_score(v, cap);
+    return TV::load(x);
+}
+
+// The tiles' online softmax, first half, for L row-heads: `st` holds their scores by key (one
+// vector per key of the chunk, a lane per row-head), masked here to the keys each row may see
+// (key t exists, t < n, its position start + t is at most the row's, `rpos`, and within the
+// window); `m_new` is the running max advanced over them (rows that see no key here keep
+// theirs), `corr` the rescale of what was accumulated under the old max (~0 on the first
+// chunk; 1 for a row that has seen no key yet, whose max is still -inf, not exp(NaN)).
+template <typename TV>
+inline void tile_mask_and_max(typename TV::V* st, const int32_t* rpos, const float* m, int start, int n,
+                              typename TV::M* valid, typename TV::V& m_new, typename TV::V& corr, int window = 0) {
+    using V = typename TV::V;
+    const typename TV::I pos = TV::positions(rpos);
+    const V neg_inf = TV::set1(-INFINITY);
+    V rowmax = neg_inf;
+    for (int t = 0; t < TV::L; ++t) {
+        valid[t] = t < n ? TV::at_least(pos, start + t) : TV::none();
+        if (window > 0) valid[t] = TV::both(valid[t], TV::below(pos, start + t + window));  // in the window
+        st[t] = TV::where(valid[t], st[t], neg_inf);
+        rowmax = TV::max(rowmax, st[t]);
+    }
+    const V m_old = TV::load(m);
+    m_new = TV::max(m_old, rowmax);
+    corr = TV::where(TV::is_neg_inf(m_new), TV::set1(1.f), TV::exp_nonpositive(TV::sub(m_old, m_new)));
+}
+
+// Causal attention for a tile: consecutive query rows of one sequence (about kTileRowHeads / G)
+// (a prefill chunk, speculative verify rows) against KV head h, with AVX-512 (L = 16 lanes) or
+// AVX2 and FMA (L = 8). q is transposed once per tile (L row-heads a vector); each L-key
+// chunk's scores then come by key (key_scores), the layout the online softmax wants, from K
+// rows read in place in a float32 cache (widened once into kt otherwise, or where the chunk is
+// short). The online softmax runs on L row-heads at a time, each vector one key across the L
+// (the causal mask is one compare of the row positions, the maxima, exps and sums are
+// lane-wise: no scalar chains). P.V reads V rows in place too (widened once otherwise). Before
+// the AVX2 width, chunks over 16 tokens went to SDPA's flash kernel on AVX2-only CPUs.
+template <typename T, int D>
+void attend_tile(const QIO& io, const int64_t* rows, int n_rows, int32_t first_pos, const T* kc, const T* vc, const float* ks,
+                 const float* vs, const int32_t* table, int KVH, int G, int bs, float scale, int h, int window, float softcap) {
+    using TV = TileVec;
+    using V = TV::V;
+    constexpr int L = TV::L;
+    const TileWork<L> w(io, rows, n_rows, first_pos, G, h, D, scale);
+    const int R = w.R, R_pad = w.R_pad, groups = R_pad / L;
+    float *qs = w.qs, *acc = w.acc, *sbuf = w.sbuf, *ptile = w.ptile, *m = w.m, *l = w.l, *corrs = w.corrs, *kt = w.kt, *vbuf = w.vbuf;
+    const int32_t* rpos = w.rpos;
+    static thread_local std::vector<float> q_work;  // qT: [groups][D][L], each group of L row-heads' q transposed
+    q_work.resize(static_cast<size_t>(R_pad) * D + 16);
+    float* qT = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(q_work.data()) + 63) & ~uintptr_t{63});
+    tile_transpose<D>(groups, qs, qT, true);
+    const int n_keys = first_pos + n_rows;  // the last row sees keys 0 .. first_pos + n_rows - 1
+    const int chunk = bs < L ? bs : L;
+    for (int start = window_start(first_pos, window) / chunk * chunk; start < n_keys; start += chunk) {
+        const int n = n_keys - start < chunk ? n_keys - start : chunk;
+        const TileChunk<T, D> c(kc, vc, ks, vs, slot_of(table, start, bs), KVH, h, n, kt, vbuf);
+        tile_scores<TV, D>(groups, qT, c.k, c.stride, sbuf);  // by key: up to NG groups of L row-heads share each K broadcast
+        for (int g0 = 0; g0 < R_pad; g0 += L) {  // online softmax, L row-heads a vector
+            V st[L], m_new, corr;
+            typename TV::M valid[L];
+            for (int t = 0; t < L; ++t) {
+                st[t] = TV::load(sbuf + (g0 + t) * L);  // group g0 / L's key t
+                st[t] = TV::mul(st[t], TV::set1(c.k_scale[t]));  // 1 without an int8 cache
+                if (softcap > 0.f) st[t] = cap_lanes<TV>(st[t], softcap);
+            }
+            tile_mask_and_max<TV>(st, rpos + g0, m + g0, start, n, valid, m_new, corr, window);
+            V sum = TV::zero();
+            float* pt = ptile + g0 * L;
+            for (int t = 0; t < L; ++t) {
+                const V p = TV::keep(valid[t], TV::exp_nonpositive(TV::sub(st[t], m_new)));
+                sum = TV::add(sum, p);
+                TV::store(pt + t * L, TV::mul(p, TV::set1(c.v_scale[t])));  // int8: V's scales folded in
+            }
+            TV::store(m + g0, m_new);
+            TV::store(l + g0, TV::fma(TV::load(l + g0), corr, sum));
+            TV::store(corrs + g0, corr);
+        }
+        tile_pv<TV, D, L>(groups, acc, ptile, corrs, c.v, c.stride);  // by key, as the scores
+    }
+    float* out = qs;  // acc by row-head ([R_pad][D]), where q was
+    tile_transpose<D>(groups, acc, out, false);
+    for (int rh = 0; rh < R; ++rh) {
+        put_head(io, rows[rh / G], static_cast<int64_t>(h * G + rh % G) * D, out + rh * D, D, l[rh]);
+    }
+}
 #endif
 
 }  // namespace modserve::paged_attention

@@ -12,7 +12,7 @@
 // rows, speculative verify rows and chunks with cached context all use the same loop.
 // Those are the portable loops; with AVX-512 (head_dim 64 or 128) decode rows and tiles of
 // consecutive rows take the AVX-512 paths (docs/cpu_attention.md), and with AVX2 and FMA
-// but no AVX-512, decode rows take attend_avx2 and tiles attend_tile_avx2.
+// but no AVX-512, decode rows take attend_avx2 and tiles attend_tile at 8 lanes.
 //
 // Per layer (Gemma, Mistral): a sliding window `window` > 0 limits the token at position p to
 // positions > p - window (the loops start at the window's first chunk and mask the rest), and
@@ -20,8 +20,8 @@
 // the softmax. The bfloat16-dot variants take neither: such layers use the float32 paths.
 //
 // The paths, one header each: attention_rows.h (what they share), attention_portable.h,
-// attention_avx512_decode.h, attention_tiles.h (the tiles' products by key),
-// attention_avx512_tiles.h, attention_avx2.h. This file deals a step's rows out to them (run)
+// attention_avx512_decode.h, attention_tiles.h (the float32 tiles, either width),
+// attention_avx512_tiles.h (the bfloat16 tile), attention_avx2.h. This file deals a step's rows out to them (run)
 // and holds the entry points.
 
 #include "attention_avx2.h"
@@ -169,8 +169,8 @@ void run(const QIO& io, const void* k_cache, const void* v_cache, const float* k
                     }
                 }
 #endif
-                attend_tile_avx512<T, FixedD>(io, rows + i, it.count, row_pos[i], kc, vc, k_scale, v_scale, table, KVH,
-                                              H / KVH, bs, scale, it.h0, window, softcap);
+                attend_tile<T, FixedD>(io, rows + i, it.count, row_pos[i], kc, vc, k_scale, v_scale, table, KVH, H / KVH, bs,
+                                       scale, it.h0, window, softcap);
             } else {
 #if defined(__AVX512BF16__)
                 if constexpr (std::is_same_v<T, uint16_t>) {
@@ -195,8 +195,8 @@ void run(const QIO& io, const void* k_cache, const void* v_cache, const float* k
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
         if constexpr (FixedD > 0) {
             if (it.count > 1) {
-                attend_tile_avx2<T, FixedD>(io, rows + i, it.count, row_pos[i], kc, vc, k_scale, v_scale, table, KVH,
-                                            H / KVH, bs, scale, it.h0, window, softcap);
+                attend_tile<T, FixedD>(io, rows + i, it.count, row_pos[i], kc, vc, k_scale, v_scale, table, KVH, H / KVH, bs,
+                                       scale, it.h0, window, softcap);
             } else {
                 attend_avx2<T, FixedD>(io, rows[i], kc, vc, k_scale, v_scale, table, row_pos[i], KVH, H / KVH, bs, scale,
                                        it.h0, it.h1, window, softcap, it.from, it.to, part);
