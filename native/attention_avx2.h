@@ -18,21 +18,13 @@ template <typename T, int D>
 void attend_avx2(const QIO& io, int64_t token, const T* kc, const T* vc, const float* ks, const float* vs,
                  const int32_t* table, int32_t pos, int KVH, int G, int bs, float scale, int h0, int h1, int window,
                  float softcap, int from = 0, int to = -1, const Partial* part = nullptr) {
-    using modserve::load8;
     constexpr int NV = D / 8;             // vectors per row
     constexpr int W = NV < 8 ? NV : 8;    // accumulator vectors in registers at a time
-    const int nh = (h1 - h0) * G;
-    const int64_t row_stride = static_cast<int64_t>(KVH) * D;
     const int heads = h1 - h0;
-    static thread_local std::vector<float> work;
-    work.resize(static_cast<size_t>(nh) * (2 * D + 2) + 2 * 8 * heads * D);
-    float* qs = work.data();  // [nh][D], pre-scaled
-    float* acc = qs + nh * D;  // [nh][D]
-    float* m = acc + nh * D;  // [nh] running max
-    float* l = m + nh;  // [nh] running sum of weights
-    float* kbuf = l + nh;  // [8][heads][D]: the item's K rows of an 8-token chunk, as float32
-    float* vbuf = kbuf + 8 * heads * D;  // [8][heads][D]
-    start_heads(io, token, h0 * G, nh, D, scale, qs, acc, m, l);
+    const int nh = heads * G;
+    const int64_t row_stride = static_cast<int64_t>(KVH) * D;
+    const RowWork<8> w(io, token, h0, heads, G, D, scale);
+    float *qs = w.qs, *acc = w.acc, *m = w.m, *l = w.l;
     const int n_tokens = to < 0 ? pos + 1 : to;  // the end of this call's positions
     const int chunk = bs < 8 ? bs : 8;  // block sizes are powers of two: a chunk never crosses a block
     constexpr bool kThenIntoL2 = kZen && std::is_same_v<T, float>;
@@ -50,18 +42,11 @@ void attend_avx2(const QIO& io, int64_t token, const T* kc, const T* vc, const f
         const int first = lo > start ? lo - start : 0;
         const __m256 valid = _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane_ids),
                                                                    _mm256_cmpgt_epi32(lane_ids, _mm256_set1_epi32(first - 1))));
-        if constexpr (!std::is_same_v<T, float>) {  // widen the item's heads of each row in one sweep
-            for (int t = 0; t < n; ++t) {
-                for (int j = 0; j < heads * NV; ++j) {
-                    _mm256_storeu_ps(kbuf + (t * heads) * D + 8 * j, load8(c.k + t * row_stride + h0 * D + 8 * j));
-                    _mm256_storeu_ps(vbuf + (t * heads) * D + 8 * j, load8(c.v + t * row_stride + h0 * D + 8 * j));
-                }
-            }
-        }
+        w.widen(c, n, h0, heads, D, row_stride);
         for (int h = h0; h < h1; ++h) {
             const float* kr;
             const float* vr;
-            const int64_t stride = head_rows(c, kbuf, vbuf, h, h0, heads, D, row_stride, kr, vr);
+            const int64_t stride = head_rows(c, w.kbuf, w.vbuf, h, h0, heads, D, row_stride, kr, vr);
             __m256 kscale = _mm256_set1_ps(1.f), vscale = _mm256_set1_ps(1.f);
             if (ksb) {
                 alignas(32) float k8[8] = {}, v8[8] = {};

@@ -47,20 +47,12 @@ void attend_avx512(const QIO& io, int64_t token, const T* kc, const T* vc, const
                    const int32_t* table, int32_t pos, int KVH, int G, int bs, float scale, int h0, int h1,
                    int window, float softcap, int from = 0, int to = -1, const Partial* part = nullptr) {
     using modserve::exp512_nonpositive;
-    using modserve::load16;
     constexpr int NV = D / 16;  // vectors per row
-    const int nh = (h1 - h0) * G;
-    const int64_t row_stride = static_cast<int64_t>(KVH) * D;
     const int heads = h1 - h0;
-    static thread_local std::vector<float> work;
-    work.resize(static_cast<size_t>(nh) * (2 * D + 2) + 2 * 16 * heads * D);
-    float* qs = work.data();  // [nh][D], pre-scaled
-    float* acc = qs + nh * D;  // [nh][D]
-    float* m = acc + nh * D;  // [nh] running max
-    float* l = m + nh;  // [nh] running sum of weights
-    float* kbuf = l + nh;  // [16][heads][D]: the item's K rows of a 16-token chunk, as float32
-    float* vbuf = kbuf + 16 * heads * D;  // [16][heads][D]
-    start_heads(io, token, h0 * G, nh, D, scale, qs, acc, m, l);
+    const int nh = heads * G;
+    const int64_t row_stride = static_cast<int64_t>(KVH) * D;
+    const RowWork<16> w(io, token, h0, heads, G, D, scale);
+    float *qs = w.qs, *acc = w.acc, *m = w.m, *l = w.l;
     const int n_tokens = to < 0 ? pos + 1 : to;  // the end of this call's positions
     const int chunk = bs < 16 ? bs : 16;  // block sizes are powers of two: a chunk never crosses a block
     const int lo = window_start(pos, window);
@@ -72,18 +64,11 @@ void attend_avx512(const QIO& io, int64_t token, const T* kc, const T* vc, const
         const float* vsb = c.v_scale;
         // keys that exist (t < n) and are in the window (start + t >= lo)
         const __mmask16 valid = static_cast<__mmask16>(((1u << n) - 1u) & ~((1u << (lo > start ? lo - start : 0)) - 1u));
-        if constexpr (!std::is_same_v<T, float>) {  // widen the item's heads of each row in one sweep
-            for (int t = 0; t < n; ++t) {
-                for (int j = 0; j < heads * NV; ++j) {
-                    _mm512_storeu_ps(kbuf + (t * heads) * D + 16 * j, load16(c.k + t * row_stride + h0 * D + 16 * j));
-                    _mm512_storeu_ps(vbuf + (t * heads) * D + 16 * j, load16(c.v + t * row_stride + h0 * D + 16 * j));
-                }
-            }
-        }
+        w.widen(c, n, h0, heads, D, row_stride);
         for (int h = h0; h < h1; ++h) {
             const float* kr;
             const float* vr;
-            const int64_t stride = head_rows(c, kbuf, vbuf, h, h0, heads, D, row_stride, kr, vr);
+            const int64_t stride = head_rows(c, w.kbuf, w.vbuf, h, h0, heads, D, row_stride, kr, vr);
             __m512 kscale = _mm512_set1_ps(1.f), vscale = _mm512_set1_ps(1.f);
             if (ksb) {
                 alignas(64) float k16[16] = {}, v16[16] = {};

@@ -161,6 +161,49 @@ inline int64_t head_rows(const ChunkRows<T>& c, const float* kbuf, const float* 
     }
 }
 
+// A vector decode row's working memory (attend_avx512, attend_avx2: L keys a chunk, the build's
+// vector width), its query heads started (start_heads), and the buffers a bfloat16 or int8
+// chunk's K and V rows of the item's heads are widened into, once for all their query heads
+// (a float32 cache's are read in place: head_rows).
+template <int L>
+struct RowWork {
+    float* qs;    // [nh][D], pre-scaled
+    float* acc;   // [nh][D]
+    float* m;     // [nh] running max
+    float* l;     // [nh] running sum of weights
+    float* kbuf;  // [L][heads][D]: the item's K rows of a chunk, as float32
+    float* vbuf;  // [L][heads][D]
+    RowWork(const QIO& io, int64_t token, int h0, int heads, int G, int D, float scale) {
+        static thread_local std::vector<float> work;
+        const int nh = heads * G;
+        work.resize(static_cast<size_t>(nh) * (2 * D + 2) + 2 * L * heads * D);
+        qs = work.data(), acc = qs + nh * D, m = acc + nh * D, l = m + nh, kbuf = l + nh, vbuf = kbuf + L * heads * D;
+        start_heads(io, token, h0 * G, nh, D, scale, qs, acc, m, l);
+    }
+    // A chunk's n rows of the item's heads as float32 into kbuf and vbuf, in one sweep (nothing
+    // to do over a float32 cache).
+    template <typename T>
+    void widen(const ChunkRows<T>& c, int n, int h0, int heads, int D, int64_t row_stride) const {
+        if constexpr (!std::is_same_v<T, float>) {
+            for (int t = 0; t < n; ++t) {
+                for (int j = 0; j < heads * D / L; ++j) {
+                    widen_lanes(kbuf + (t * heads) * D + L * j, c.k + t * row_stride + h0 * D + L * j);
+                    widen_lanes(vbuf + (t * heads) * D + L * j, c.v + t * row_stride + h0 * D + L * j);
+                }
+            }
+        }
+    }
+    template <typename T>
+    static void widen_lanes(float* to, const T* from) {
+#if defined(__AVX512F__)
+        if constexpr (L == 16) _mm512_storeu_ps(to, modserve::load16(from));
+#endif
+#if defined(__AVX2__)
+        if constexpr (L == 8) _mm256_storeu_ps(to, modserve::load8(from));
+#endif
+    }
+};
+
 // An AMD Zen core: its decode loops ask for more ahead, into L2 (SegmentAhead, ChunkAhead).
 #if defined(__znver1__) || defined(__znver2__) || defined(__znver3__) || defined(__znver4__) || defined(__znver5__)
 constexpr bool kZen = true;  // GCC names the core for -march=native (GCC 12 calls a Zen 4 znver3)
