@@ -84,6 +84,19 @@ def _cdf(ax, values: np.ndarray, label: str) -> None:
         ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=label)
 
 
+def _save(plt, fig, axes, path: str, from_zero: bool) -> str:
+    """Grid and legend on each of ``axes`` (y from 0 where ``from_zero``), then ``fig`` to ``path``."""
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        if from_zero:
+            ax.set_ylim(bottom=0)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _distribution(plt, runs, metric: str, title: str, path: str, names=None) -> str:
     fig, (hist, cdf) = plt.subplots(1, 2, figsize=(11, 4))
     for i, run in enumerate(runs):
@@ -94,13 +107,7 @@ def _distribution(plt, runs, metric: str, title: str, path: str, names=None) -> 
         _cdf(cdf, vals, name)
     hist.set(xlabel=f"{title} (ms)", ylabel="count", title=f"{title} histogram")
     cdf.set(xlabel=f"{title} (ms)", ylabel="fraction of samples", title=f"{title} CDF", ylim=(0, 1.01))
-    for ax in (hist, cdf):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, (hist, cdf), path, from_zero=False)
 
 
 def plot_runs(runs: list[dict[str, Any]], out_dir: str) -> list[str]:
@@ -136,14 +143,7 @@ def plot_compare(systems: dict[str, list[dict[str, Any]]], out_dir: str, distrib
     _ticks((tok, req), any_runs, key)
     tok.set(xlabel=axis, ylabel="output tokens/s", title="Output token throughput")
     req.set(xlabel=axis, ylabel="requests/s", title="Request throughput")
-    for ax in (tok, req):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        ax.set_ylim(bottom=0)
-    fig.tight_layout()
-    written.append(os.path.join(out_dir, "throughput.png"))
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
+    written.append(_save(plt, fig, (tok, req), os.path.join(out_dir, "throughput.png"), from_zero=True))
 
     fig, axes = plt.subplots(1, 4, figsize=(16, 4))
     for ax, metric in zip(axes, ("ttft", "tpot", "itl", "e2el")):
@@ -153,13 +153,7 @@ def plot_compare(systems: dict[str, list[dict[str, Any]]], out_dir: str, distrib
                     marker="o", label=name)
         ax.set(xlabel=axis, ylabel="ms", title=f"{tail.upper()} {metric.upper()}")
         _ticks((ax,), any_runs, key)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        ax.set_ylim(bottom=0)
-    fig.tight_layout()
-    written.append(os.path.join(out_dir, "latency_tail.png"))
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
+    written.append(_save(plt, fig, axes, os.path.join(out_dir, "latency_tail.png"), from_zero=True))
 
     if distributions:
         for x in sorted({_x(r, key) for r in any_runs}):
