@@ -410,3 +410,32 @@ def test_the_attention_benchmark_times_int8_decode_against_a_baseline_source(mon
     assert all(float(line.rsplit("max |diff| ", 1)[1]) > 0.01 for line in ab), out
     # the kernel over int8 codes against SDPA over their dequantized values, both in float32
     assert "prefill, 8 chunks x 256 tokens, one layer, torch.int8" in out
+
+
+def test_the_identity_benchmark_passes_the_same_source_and_names_the_cases_a_changed_one_differs_on(capsys, tmp_path):
+    """benchmarks/cpu_attention_identity.py: a copy of this tree's kernel is bit-identical on every
+    case (exit 0); with put_head's division changed, every case differs, each named (exit 1)."""
+    import importlib.util
+    from pathlib import Path
+
+    from modserve.plugins.platforms.cpu import cpu_model_and_flags
+
+    if "avx2" not in cpu_model_and_flags()[1]:
+        pytest.skip("the AVX2 build needs a CPU with AVX2")
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("benchmark_identity", root / "benchmarks" / "cpu_attention_identity.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for name, change in (("same", lambda text: text), ("changed", lambda text: text.replace("const float inv = 1.f / l;", "const float inv = 2.f / l;"))):
+        folder = tmp_path / name  # the source with its headers beside it, as `git archive REV native` leaves them
+        folder.mkdir()
+        for path in [root / "native" / "cpu_paged_attention.cpp", *(root / "native").glob("attention_*.h")]:
+            (folder / path.name).write_text(change(path.read_text()) if path.name == "attention_rows.h" else path.read_text())
+        code = module.main(["--baseline-source", str(folder / "cpu_paged_attention.cpp"), "--builds", "avx2", "--quick"])
+        out = capsys.readouterr().out
+        if name == "same":
+            assert code == 0 and "240 of 240 cases bit-identical" in out and "differs" not in out, out
+        else:
+            assert code == 1 and "0 of 240 cases bit-identical" in out, out
+            assert out.count("differs: avx2 build,") == 240, out
+            assert "differs: avx2 build, torch.int8 cache, torch.bfloat16 q, head_dim 64, 4 query heads a KV head, blocks of 16, window 37, softcap 30.0, tiles, 2 threads" in out
