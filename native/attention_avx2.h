@@ -71,12 +71,7 @@ void attend_avx2(const QIO& io, int64_t token, const T* kc, const T* vc, const f
                 __m256 pairs[4];
                 for (int u = 0; u < 4; ++u) pairs[u] = _mm256_hadd_ps(dot(2 * u), dot(2 * u + 1));
                 __m256 scores = _mm256_mul_ps(modserve::transpose_sum8_from_pairs(pairs), kscale);
-                if (softcap > 0.f) {
-                    alignas(32) float x[8];
-                    _mm256_store_ps(x, scores);
-                    for (float& s : x) s = cap_score(s, softcap);
-                    scores = _mm256_load_ps(x);
-                }
+                if (softcap > 0.f) scores = cap_lanes(scores, softcap);
                 scores = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), scores, valid);
                 const float bmax = std::fmax(m[i], modserve::hmax8(scores));
                 const float correction = exp_nonpositive(m[i] - bmax);  // ~0 on the first chunk (m = -inf)

@@ -31,6 +31,16 @@ inline float load(const int8_t* p, int i) { return static_cast<float>(p[i]); }
 // Logit soft-capping of a scaled score (Gemma 2): cap * tanh(s / cap).
 inline float cap_score(float s, float cap) { return cap * std::tanh(s / cap); }
 
+// cap_score() on each float lane of a vector V (__m256, __m512): the vector paths' soft-cap.
+template <typename V>
+inline V cap_lanes(V s, float cap) {
+    float x[sizeof(V) / sizeof(float)];
+    std::memcpy(x, &s, sizeof s);
+    for (float& v : x) v = cap_score(v, cap);
+    std::memcpy(&s, x, sizeof s);
+    return s;
+}
+
 // The first position a query at `pos` sees: pos - window + 1 within a window, else 0.
 inline int window_start(int32_t pos, int window) { return window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0; }
 

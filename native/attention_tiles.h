@@ -302,15 +302,6 @@ struct TileChunk {
     }
 };
 
-// cap_score() on a vector's lanes.
-template <typename TV>
-inline typename TV::V cap_lanes(typename TV::V s, float cap) {
-    alignas(64) float x[TV::L];
-    TV::store(x, s);
-    for (float& v : x) v = cap_score(v, cap);
-    return TV::load(x);
-}
-
 // The tiles' online softmax, first half, for L row-heads: `st` holds their scores by key (one
 // vector per key of the chunk, a lane per row-head), masked here to the keys each row may see
 // (key t exists, t < n, its position start + t is at most the row's, `rpos`, and within the
@@ -370,7 +361,7 @@ void attend_tile(const QIO& io, const int64_t* rows, int n_rows, int32_t first_p
             for (int t = 0; t < L; ++t) {
                 st[t] = TV::load(sbuf + (g0 + t) * L);  // group g0 / L's key t
                 st[t] = TV::mul(st[t], TV::set1(c.k_scale[t]));  // 1 without an int8 cache
-                if (softcap > 0.f) st[t] = cap_lanes<TV>(st[t], softcap);
+                if (softcap > 0.f) st[t] = cap_lanes(st[t], softcap);
             }
             tile_mask_and_max<TV>(st, rpos + g0, m + g0, start, n, valid, m_new, corr, window);
             V sum = TV::zero();
