@@ -439,3 +439,23 @@ def test_the_identity_benchmark_passes_the_same_source_and_names_the_cases_a_cha
             assert code == 1 and "0 of 240 cases bit-identical" in out, out
             assert out.count("differs: avx2 build,") == 240, out
             assert "differs: avx2 build, torch.int8 cache, torch.bfloat16 q, head_dim 64, 4 query heads a KV head, blocks of 16, window 37, softcap 30.0, tiles, 2 threads" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--baseline-source", "/nonexistent/cpu_paged_attention.cpp"], "--baseline-source: no such file: /nonexistent/cpu_paged_attention.cpp"),
+    (["--builds", "avx512,sse"], "--builds: expected some of avx512, avx2, got 'avx512,sse'"),
+    (["--builds", ","], "--builds: expected some of avx512, avx2, got ','"),
+])
+def test_the_identity_benchmark_names_the_bad_option(capsys, args, message):
+    """A missing source or an unknown build is refused before anything is built, naming the option."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("benchmark_identity", root / "benchmarks" / "cpu_attention_identity.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    source = ["--baseline-source", str(root / "native" / "cpu_paged_attention.cpp")]
+    with pytest.raises(SystemExit) as exit_:
+        module.main((source if "--baseline-source" not in args else []) + args)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
