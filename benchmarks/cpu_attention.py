@@ -32,7 +32,7 @@ from modserve.core.kv_quant import quantize_per_token_head
 from modserve.native.build import compile_and_load
 from modserve.plugins.attention import cpu_kernel_build as kernel
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # SmolLM2-135M
+HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M
 
 
 def timed(fn, repeats: int) -> float:
@@ -77,9 +77,10 @@ def report_alternated(args, old: list[float], new: list[float], diff: float, wha
 
 
 def decode(args, dtype: torch.dtype) -> None:
-    blocks_per_seq = -(-args.context // BLOCK)
+    block = args.block_size
+    blocks_per_seq = -(-args.context // block)
     caches = [
-        tuple(cache(torch.empty(args.batch * blocks_per_seq + 64, BLOCK, KV_HEADS, HEAD_DIM).uniform_(-2, 2), dtype)
+        tuple(cache(torch.empty(args.batch * blocks_per_seq + 64, block, KV_HEADS, HEAD_DIM).uniform_(-2, 2), dtype)
               for _ in "kv")
         for _ in range(args.layers)
     ]
@@ -129,9 +130,10 @@ def decode(args, dtype: torch.dtype) -> None:
 
 
 def prefill(args, dtype: torch.dtype, length: int, chunks: int) -> None:
-    nb = -(-length // BLOCK)
-    k_cache, k_scale = cache(torch.randn(chunks * nb, BLOCK, KV_HEADS, HEAD_DIM), dtype)
-    v_cache, v_scale = cache(torch.randn(chunks * nb, BLOCK, KV_HEADS, HEAD_DIM), dtype)
+    block = args.block_size
+    nb = -(-length // block)
+    k_cache, k_scale = cache(torch.randn(chunks * nb, block, KV_HEADS, HEAD_DIM), dtype)
+    v_cache, v_scale = cache(torch.randn(chunks * nb, block, KV_HEADS, HEAD_DIM), dtype)
     model_dtype = torch.float32 if dtype == torch.int8 else dtype
     if dtype == torch.int8:  # what SDPA reads: the dequantized values, in the model's dtype
         k_values, v_values = k_cache.float() * k_scale[..., None], v_cache.float() * v_scale[..., None]
@@ -180,6 +182,8 @@ def main() -> None:
     p.add_argument("--context", type=int, default=300)
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--block-size", type=int, default=16, help="tokens a cache block: a power of two up to 256 (the "
+                   "kernel's kMaxBlock)")
     p.add_argument("--scattered", action="store_true", help="decode: each sequence's blocks in random cache order, as a "
                    "long-running engine leaves them (default: consecutive)")
     p.add_argument("--avx2-prefill", action="store_true", help="prefill: also the AVX2 build's tiles (an AVX-512 CPU "
@@ -193,6 +197,8 @@ def main() -> None:
         p.error("--extra-flags and --rounds go with --baseline-source, which is not given")
     if args.baseline_source is not None and not Path(args.baseline_source).is_file():
         p.error(f"--baseline-source: no such file: {args.baseline_source}")
+    if args.block_size < 1 or args.block_size > 256 or args.block_size & (args.block_size - 1):
+        p.error(f"--block-size: expected a power of two from 1 to 256, got {args.block_size}")
     if args.rounds is not None and args.rounds < 1:
         p.error(f"--rounds: expected a whole number >= 1, got {args.rounds}")
     args.extra_flags, args.rounds = args.extra_flags or "", args.rounds or 15

@@ -348,6 +348,7 @@ def test_a_quantization_scheme_leaves_experts_and_routers_in_floats_and_says_so(
         ("cpu_attention", ["--baseline-source", "/nonexistent/old.cpp"], "--baseline-source: no such file: /nonexistent/old.cpp"),
         ("cpu_attention", ["--baseline-source", __file__, "--rounds", "0"], "--rounds: expected a whole number >= 1, got 0"),
         ("cpu_attention", ["--rounds", "5"], "--extra-flags and --rounds go with --baseline-source, which is not given"),
+        ("cpu_attention", ["--block-size", "24"], "--block-size: expected a power of two from 1 to 256, got 24"),
     ],
 )
 def test_the_benchmarks_refuse_a_bad_argument_by_name(monkeypatch, capsys, on_an_intel_cpu, script, argv, message):
