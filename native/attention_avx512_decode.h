@@ -119,22 +119,31 @@ void attend_avx512(const QIO& io, int64_t token, const T* kc, const T* vc, const
 constexpr int kSegment = 256;  // positions a decode row's segment sweeps take at a time (attend_bf16dot, attend_segments)
 
 // What a decode row's segment sweeps read next, asked for ahead: the two chunks after the
-// current one (their rows' lines for the item's heads), in nh shares of whole rows, one share
-// per step of the current sweep, so that the lines arrive while this chunk and the next
-// compute (the hardware prefetchers stop at each scattered block). Two ahead rather than one:
-// over scattered blocks, 0.88x the time at 64 rows x 450 positions, 0.81x at 16 rows, 0.93x
-// at one (the bfloat16-dot path). Shares of whole rows: integer divisions per line cost more
-// than the lines. The scores sweep reads its K chunks, then the P.V sweep the segment's V
-// chunks, then the next segment's K chunks. Two asks (fetch_ahead<true>): both chunks every
-// step, the next one into L1 and the one after into L2 only (prefetch_line<true>), so each line
-// twice; on a Zen 4 (AMD EPYC family 25) at 43 rows x 320 positions, attend_bf16dot took 0.70x
-// the time of asking for both into L1 (both into L2: 0.71x; only the one after next, into L2:
-// 0.79x; into L1: 1.09x), attend_segments 0.64x (float32 cache) and 0.71x (bfloat16) the time
-// of one ask, but 1.06x over an int8 cache. One ask (fetch_ahead<false>): only the chunk after
-// next, into L1, each line once, which on Cascade Lake took 0.87-0.95x the time of asking for
-// both into L1 (float32, int8 and bfloat16 caches, blocks in order or scattered).
-// attend_bf16dot always asks twice (AVX512_BF16 CPUs: Zen 4 / 5 and the AMX Xeons);
-// attend_segments asks twice on Zen cores (kZen) over float32 and bfloat16 caches, else once.
+// current one (their rows' lines for the item's heads), while this chunk and the next compute
+// (the hardware prefetchers stop at each scattered block). Two ahead rather than one: over
+// scattered blocks, 0.88x the time at 64 rows x 450 positions, 0.81x at 16 rows, 0.93x at one
+// (the bfloat16-dot path). The scores sweep reads its K chunks, then the P.V sweep the
+// segment's V chunks, then the next segment's K chunks.
+//
+// Two asks (asks<true>): the next chunk into L1 and the one after into L2 only
+// (prefetch_line<true>), so each line twice; on a Zen 4 (AMD EPYC family 25) at 43 rows x 320
+// positions, attend_bf16dot took 0.70x the time of asking for both into L1 (both into L2:
+// 0.71x; only the one after next, into L2: 0.79x; into L1: 1.09x), attend_segments 0.64x
+// (float32 cache) and 0.71x (bfloat16) the time of one ask, but 1.06x over an int8 cache. One
+// ask (asks<false>): only the chunk after next, into L1, each line once, which on Cascade Lake
+// took 0.87-0.95x the time of asking for both into L1 (float32, int8 and bfloat16 caches,
+// blocks in order or scattered). attend_bf16dot always asks twice (AVX512_BF16 CPUs: Zen 4 / 5
+// and the AMX Xeons); attend_segments asks twice on Zen cores (kZen) over float32 and bfloat16
+// caches, else once.
+//
+// A chunk's asks are spread over the current chunk's steps (Asks::step): a few lines at each
+// query head, or, over a float32 cache, at each key (attend_segments' kAskByKey). In bursts of
+// a ninth of a chunk (each query head's share), the asks over a float32 cache filled the miss
+// buffers and stalled the loop at the prefetch instructions: a third of the samples in a
+// profile (Zen 4, 64 rows x 300 positions, blocks scattered). Asked at each key, the same lines
+// took 0.90x the time there, 0.77x with blocks in order, 0.95x at one row x 1,000 positions
+// (2 threads, 30 layers' caches). Over bfloat16 and int8 caches, whose loops spend longer per
+// key on widening, asking at each key took 1.02-1.19x the time; they ask at each query head.
 template <typename T>
 struct SegmentAhead {
     struct Rows {
@@ -144,12 +153,12 @@ struct SegmentAhead {
     const T* kc;
     const T* vc;
     const int32_t* table;
-    int bs, chunk, n_tokens, nh, lines_per_row;
+    int bs, chunk, n_tokens, lines_per_row;
     int64_t row_stride, first;  // elements between cache rows; the item's first element of a row
 
-    SegmentAhead(const T* kc, const T* vc, const int32_t* table, int bs, int chunk, int n_tokens, int nh, int h0, int heads,
-                 int D, int64_t row_stride)
-        : kc(kc), vc(vc), table(table), bs(bs), chunk(chunk), n_tokens(n_tokens), nh(nh),
+    SegmentAhead(const T* kc, const T* vc, const int32_t* table, int bs, int chunk, int n_tokens, int h0, int heads, int D,
+                 int64_t row_stride)
+        : kc(kc), vc(vc), table(table), bs(bs), chunk(chunk), n_tokens(n_tokens),
           lines_per_row(static_cast<int>(heads * D * sizeof(T) / 64)), row_stride(row_stride), first(static_cast<int64_t>(h0) * D) {}
     const T* rows_at(const T* cache, int start) const { return cache + slot_of(table, start, bs) * row_stride; }
     Rows at(const T* cache, int start) const {
@@ -166,23 +175,45 @@ struct SegmentAhead {
         const int a = c + k * chunk;
         return a < seg_n ? at(vc, seg + a) : at(kc, seg + kSegment + a - seg_n);
     }
-    template <bool IntoL2 = false>
-    void fetch_share(const Rows& r, int share) const {
-        for (int t = share * r.rows / nh; t < (share + 1) * r.rows / nh; ++t) {
-            const char* row = r.base + t * row_stride * static_cast<int64_t>(sizeof(T));
-            for (int x = 0; x < lines_per_row; ++x) modserve::prefetch_line<IntoL2>(row + 64 * x);
+    // A chunk's lines (r's rows, each lines_per_row lines), asked for a few at a time.
+    template <bool IntoL2>
+    struct Lines {
+        const char* row;
+        int rows_left, line, per_row;
+        int64_t row_bytes;
+        int count() const { return rows_left * per_row; }
+        void ask(int k) {
+            for (; k > 0 && rows_left > 0; --k) {
+                modserve::prefetch_line<IntoL2>(row + 64 * line);
+                if (++line == per_row) line = 0, row += row_bytes, --rows_left;
+            }
         }
-    }
-    // Share `share` of a step's asks, given the chunk after the current one (next) and the one
-    // after that (then): two asks or one (above).
+    };
+    // One chunk's asks, given the chunk after the current one (next) and the one after that
+    // (then), spread over the current chunk's `steps` key steps: step() at each, rest() after
+    // the chunk. Two asks or one (above).
     template <bool TwoAsks>
-    void fetch_ahead(const Rows& next, const Rows& then, int share) const {
-        if constexpr (TwoAsks) {
-            fetch_share(next, share);
-            fetch_share<true>(then, share);
-        } else {
-            fetch_share(then, share);
+    struct Asks {
+        Lines<false> l1;  // two asks: the next chunk; one ask: the chunk after next
+        Lines<true> l2;   // two asks: the chunk after next, into L2 only
+        int per;  // lines a step, of each
+        void step() {
+            l1.ask(per);
+            if constexpr (TwoAsks) l2.ask(per);
         }
+        void rest() {
+            l1.ask(l1.count());
+            if constexpr (TwoAsks) l2.ask(l2.count());
+        }
+    };
+    template <bool TwoAsks>
+    Asks<TwoAsks> asks(const Rows& next, const Rows& then, int steps) const {
+        const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(T));
+        const Rows& first = TwoAsks ? next : then;
+        const Lines<false> l1{first.base, first.rows, 0, lines_per_row, row_bytes};
+        const Lines<true> l2{then.base, TwoAsks ? then.rows : 0, 0, lines_per_row, row_bytes};
+        const int most = std::max(l1.count(), l2.count());
+        return {l1, l2, (most + steps - 1) / std::max(steps, 1)};
     }
 };
 
@@ -289,15 +320,15 @@ void attend_bf16dot(const QIO& io, int64_t token, const uint16_t* kc, const uint
     const __m512 vscale = _mm512_set1_ps(scale);
     const int n_tokens = to < 0 ? pos + 1 : to;  // the end of this call's positions
     const int chunk = bs < 16 ? bs : 16;
-    const SegmentAhead<uint16_t> ahead(kc, vc, table, bs, chunk, n_tokens, nh, h0, heads, D, row_stride);
+    const SegmentAhead<uint16_t> ahead(kc, vc, table, bs, chunk, n_tokens, h0, heads, D, row_stride);
     for (int seg = from; seg < n_tokens; seg += kSegment) {
         const int seg_n = std::min(kSegment, n_tokens - seg);
         for (int c = 0; c < seg_n; c += chunk) {  // (1) scores
             const int n = std::min(chunk, seg_n - c);
             const uint16_t* kb = ahead.rows_at(kc, seg + c);
-            const auto next = ahead.after_k(seg, seg_n, c, 1), then = ahead.after_k(seg, seg_n, c, 2);
+            auto asks = ahead.template asks<true>(ahead.after_k(seg, seg_n, c, 1), ahead.after_k(seg, seg_n, c, 2), nh);
             for (int i = 0; i < nh; ++i) {
-                ahead.fetch_ahead<true>(next, then, i);
+                asks.step();
                 const uint16_t* kh = kb + static_cast<int64_t>(h0 + i / G) * D;
                 __m512bh qv[NB];
                 for (int j = 0; j < NB; ++j) qv[j] = modserve::load_bh(qb + i * D + 32 * j);
@@ -308,6 +339,7 @@ void attend_bf16dot(const QIO& io, int64_t token, const uint16_t* kc, const uint
                 });
                 _mm512_storeu_ps(s + i * kRow + c, _mm512_mul_ps(scores, vscale));
             }
+            asks.rest();
         }
         for (int i = 0; i < nh; ++i) {  // (2) max, weights, sum
             segment_weights(s + i * kRow, seg_n, m[i], l[i], acc + i * D, D, [&](int k, __m512 w) {
@@ -320,13 +352,13 @@ void attend_bf16dot(const QIO& io, int64_t token, const uint16_t* kc, const uint
             const int n = std::min(chunk, seg_n - c);
             const int pairs = (n + 1) / 2;
             const uint16_t* vb = ahead.rows_at(vc, seg + c);
-            const auto next = ahead.after_v(seg, seg_n, c, 1), then = ahead.after_v(seg, seg_n, c, 2);
+            auto asks = ahead.template asks<true>(ahead.after_v(seg, seg_n, c, 1), ahead.after_v(seg, seg_n, c, 2), nh);
             for (int hh = 0; hh < heads; ++hh) {
                 const int64_t col = static_cast<int64_t>(h0 + hh) * D;
                 interleave_pairs<D>(vb + col, row_stride, n, pairs, vi);
                 for (int g = 0; g < G; ++g) {
                     const int i = hh * G + g;
-                    ahead.fetch_ahead<true>(next, then, i);
+                    asks.step();
                     int32_t w2[8];  // the chunk's weights, a pair of keys per element
                     std::memcpy(w2, p + i * kRow + c, sizeof w2);
                     __m512 a[2 * NB];
@@ -339,6 +371,7 @@ void attend_bf16dot(const QIO& io, int64_t token, const uint16_t* kc, const uint
                     for (int j = 0; j < 2 * NB; ++j) _mm512_storeu_ps(acc + i * D + 16 * j, a[j]);
                 }
             }
+            asks.rest();
         }
     }
     if (keep_part(part, nh, D, acc, m, l)) return;
@@ -397,22 +430,25 @@ void attend_segments(const QIO& io, int64_t token, const T* kc, const T* vc, con
     start_heads(io, token, h0 * G, nh, D, scale, qs, acc, m, l);
     const int n_tokens = to < 0 ? pos + 1 : to;  // the end of this call's positions
     const int chunk = bs < 16 ? bs : 16;
-    const SegmentAhead<T> ahead(kc, vc, table, bs, chunk, n_tokens, nh, h0, heads, D, row_stride);
+    const SegmentAhead<T> ahead(kc, vc, table, bs, chunk, n_tokens, h0, heads, D, row_stride);
     constexpr bool kTwoAsks = kZen && !std::is_same_v<T, int8_t>;  // SegmentAhead
+    constexpr bool kAskByKey = std::is_same_v<T, float>;  // SegmentAhead::Asks
     for (int seg = from; seg < n_tokens; seg += kSegment) {
         const int seg_n = std::min(kSegment, n_tokens - seg);
         for (int c = 0; c < seg_n; c += chunk) {  // (1) scores
             const int n = std::min(chunk, seg_n - c);
             const ChunkRows<T> rows = chunk_rows(kc, vc, ks, vs, table, seg + c, bs, KVH, row_stride);
-            const auto next = ahead.after_k(seg, seg_n, c, 1), then = ahead.after_k(seg, seg_n, c, 2);
+            auto asks = ahead.template asks<kTwoAsks>(ahead.after_k(seg, seg_n, c, 1), ahead.after_k(seg, seg_n, c, 2),
+                                                      kAskByKey ? nh * n : nh);
             for (int i = 0; i < nh; ++i) {
-                ahead.template fetch_ahead<kTwoAsks>(next, then, i);
+                if constexpr (!kAskByKey) asks.step();
                 const int h = h0 + i / G;
                 int64_t kstride;
                 const float* kh = head_rows16<T, D>(rows.k + static_cast<int64_t>(h) * D, row_stride, n, i % G == 0, kbuf, kstride);
                 __m512 qv[NV];
                 for (int j = 0; j < NV; ++j) qv[j] = _mm512_loadu_ps(qs + i * D + 16 * j);
                 __m512 scores = chunk_scores(n, [&](int t) {
+                    if constexpr (kAskByKey) asks.step();
                     __m512 dot = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kh + t * kstride));
                     for (int j = 1; j < NV; ++j) dot = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(kh + t * kstride + 16 * j), dot);
                     return dot;
@@ -424,6 +460,7 @@ void attend_segments(const QIO& io, int64_t token, const T* kc, const T* vc, con
                 }
                 _mm512_storeu_ps(s + i * kRow + c, scores);
             }
+            asks.rest();
         }
         for (int i = 0; i < nh; ++i) {  // (2) max, weights (over the scores), sum
             float* si = s + i * kRow;
@@ -435,9 +472,10 @@ void attend_segments(const QIO& io, int64_t token, const T* kc, const T* vc, con
         for (int c = 0; c < seg_n; c += chunk) {  // (3) P.V
             const int n = std::min(chunk, seg_n - c);
             const ChunkRows<T> rows = chunk_rows(kc, vc, ks, vs, table, seg + c, bs, KVH, row_stride);
-            const auto next = ahead.after_v(seg, seg_n, c, 1), then = ahead.after_v(seg, seg_n, c, 2);
+            auto asks = ahead.template asks<kTwoAsks>(ahead.after_v(seg, seg_n, c, 1), ahead.after_v(seg, seg_n, c, 2),
+                                                      kAskByKey ? nh * (n / 2) : nh);
             for (int i = 0; i < nh; ++i) {
-                ahead.template fetch_ahead<kTwoAsks>(next, then, i);
+                if constexpr (!kAskByKey) asks.step();
                 const int h = h0 + i / G;
                 int64_t vstride;
                 const float* vh = head_rows16<T, D>(rows.v + static_cast<int64_t>(h) * D, row_stride, n, i % G == 0, vbuf, vstride);
@@ -449,6 +487,7 @@ void attend_segments(const QIO& io, int64_t token, const T* kc, const T* vc, con
                 for (int j = 0; j < NV; ++j) a[j] = _mm512_loadu_ps(acc + i * D + 16 * j), b[j] = _mm512_setzero_ps();
                 int t = 0;
                 for (; t + 1 < n; t += 2) {
+                    if constexpr (kAskByKey) asks.step();
                     const __m512 p0 = _mm512_set1_ps(p[t]), p1 = _mm512_set1_ps(p[t + 1]);
                     for (int j = 0; j < NV; ++j) {
                         a[j] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(vh + t * vstride + 16 * j), a[j]);
@@ -461,6 +500,7 @@ void attend_segments(const QIO& io, int64_t token, const T* kc, const T* vc, con
                 }
                 for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + i * D + 16 * j, _mm512_add_ps(a[j], b[j]));
             }
+            asks.rest();
         }
     }
     if (!keep_part(part, nh, D, acc, m, l)) finish_heads(io, token, h0 * G, nh, D, acc, l);
