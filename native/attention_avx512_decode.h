@@ -137,7 +137,8 @@ constexpr int kSegment = 256;  // positions a decode row's segment sweeps take a
 // caches, else once.
 //
 // A chunk's asks are spread over the current chunk's steps (Asks::step): a few lines at each
-// query head, or, over a float32 cache, at each key (attend_segments' kAskByKey). In bursts of
+// query head, or, over a float32 cache on a Zen core, at each key (attend_segments' kAskByKey;
+// not measured on other cores, which ask at each query head as they did in shares of rows). In bursts of
 // a ninth of a chunk (each query head's share), the asks over a float32 cache filled the miss
 // buffers and stalled the loop at the prefetch instructions: a third of the samples in a
 // profile (Zen 4, 64 rows x 300 positions, blocks scattered). Asked at each key, the same lines
@@ -432,7 +433,7 @@ void attend_segments(const QIO& io, int64_t token, const T* kc, const T* vc, con
     const int chunk = bs < 16 ? bs : 16;
     const SegmentAhead<T> ahead(kc, vc, table, bs, chunk, n_tokens, h0, heads, D, row_stride);
     constexpr bool kTwoAsks = kZen && !std::is_same_v<T, int8_t>;  // SegmentAhead
-    constexpr bool kAskByKey = std::is_same_v<T, float>;  // SegmentAhead::Asks
+    constexpr bool kAskByKey = kZen && std::is_same_v<T, float>;  // SegmentAhead::Asks
     for (int seg = from; seg < n_tokens; seg += kSegment) {
         const int seg_n = std::min(kSegment, n_tokens - seg);
         for (int c = 0; c < seg_n; c += chunk) {  // (1) scores
