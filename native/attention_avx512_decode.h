@@ -136,15 +136,16 @@ constexpr int kSegment = 256;  // positions a decode row's segment sweeps take a
 // and the AMX Xeons); attend_segments asks twice on Zen cores (kZen) over float32 and bfloat16
 // caches, else once.
 //
-// A chunk's asks are spread over the current chunk's steps (Asks::step): a few lines at each
-// query head, or, over a float32 cache on a Zen core, at each key (attend_segments' kAskByKey;
-// not measured on other cores, which ask at each query head as they did in shares of rows). In bursts of
-// a ninth of a chunk (each query head's share), the asks over a float32 cache filled the miss
-// buffers and stalled the loop at the prefetch instructions: a third of the samples in a
-// profile (Zen 4, 64 rows x 300 positions, blocks scattered). Asked at each key, the same lines
-// took 0.90x the time there, 0.77x with blocks in order, 0.95x at one row x 1,000 positions
-// (2 threads, 30 layers' caches). Over bfloat16 and int8 caches, whose loops spend longer per
-// key on widening, asking at each key took 1.02-1.19x the time; they ask at each query head.
+// A chunk's asks are spread over the steps of the current chunk's sweep (Asks::step): a few
+// lines at each query head, or, over a float32 cache on a Zen core, at each key
+// (attend_segments' kAskByKey; other cores were not measured, and ask at each query head as
+// their shares of rows did). In bursts of a ninth of a chunk (each query head's share), the
+// asks over a float32 cache filled the miss buffers and stalled the loop at the prefetch
+// instructions: a third of the samples in a profile (Zen 4, 64 rows x 300 positions, blocks
+// scattered). Asked at each key, the same lines took 0.90x the time there, 0.77x with blocks
+// in order, 0.95x at one row x 1,000 positions (2 threads, 30 layers' caches). Over bfloat16
+// and int8 caches, whose loops spend longer per key on widening, asking at each key took
+// 1.02-1.19x the time; they ask at each query head.
 template <typename T>
 struct SegmentAhead {
     struct Rows {
@@ -191,8 +192,8 @@ struct SegmentAhead {
         }
     };
     // One chunk's asks, given the chunk after the current one (next) and the one after that
-    // (then), spread over the current chunk's `steps` key steps: step() at each, rest() after
-    // the chunk. Two asks or one (above).
+    // (then), spread over `steps` steps of the current chunk's sweep: step() at each, rest()
+    // after the chunk. Two asks or one (above).
     template <bool TwoAsks>
     struct Asks {
         Lines<false> l1;  // two asks: the next chunk; one ask: the chunk after next
@@ -210,8 +211,8 @@ struct SegmentAhead {
     template <bool TwoAsks>
     Asks<TwoAsks> asks(const Rows& next, const Rows& then, int steps) const {
         const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(T));
-        const Rows& first = TwoAsks ? next : then;
-        const Lines<false> l1{first.base, first.rows, 0, lines_per_row, row_bytes};
+        const Rows& into_l1 = TwoAsks ? next : then;
+        const Lines<false> l1{into_l1.base, into_l1.rows, 0, lines_per_row, row_bytes};
         const Lines<true> l2{then.base, TwoAsks ? then.rows : 0, 0, lines_per_row, row_bytes};
         const int most = std::max(l1.count(), l2.count());
         return {l1, l2, (most + steps - 1) / std::max(steps, 1)};
