@@ -5,7 +5,7 @@ comes from memory, not from L3, as in the engine), the standard build and the AV
 (``-mno-avx512f``) against the portable one (``-mno-avx512f -mno-avx2``). Prefill: causal chunks read from the paged cache, the
 kernel against SDPA's flash kernel on the same inputs (an int8 cache: on its dequantized values). Prints times and ratios.
 
-    python benchmarks/cpu_attention.py [--dtype bfloat16|float32|int8] [--batch 64] [--context 300]
+    python benchmarks/cpu_attention.py [--dtype bfloat16|float32|int8] [--batch 64] [--context 300] [--block-size 16]
 
 ``--dtype int8`` is a float32 model over an int8 cache with a scale per token and head (``kv_cache: {kv_dtype: int8}``).
 ``--baseline-source FILE`` also builds another version of the kernel's source (say ``git archive
