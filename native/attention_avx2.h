@@ -33,9 +33,10 @@ void attend_avx2(const QIO& io, int64_t token, const T* kc, const T* vc, const f
     for (int start = std::max(lo / chunk * chunk, from); start < n_tokens; start += chunk) {
         const int n = n_tokens - start < chunk ? n_tokens - start : chunk;
         const ChunkRows<T> c = chunk_rows(kc, vc, ks, vs, table, start, bs, KVH, row_stride);
-        const ChunkAhead next(kc, vc, table, start + chunk, n_tokens, chunk, bs, row_stride, h0, heads, D);
+        ChunkAhead<> next(kc, vc, table, start + chunk, n_tokens, chunk, bs, row_stride, h0, heads, D, nh);
         // On Zen cores a float32 cache's chunk after next too, into L2 (kZen, SegmentAhead's two asks)
-        const ChunkAhead then(kc, vc, table, kThenIntoL2 ? start + 2 * chunk : n_tokens, n_tokens, chunk, bs, row_stride, h0, heads, D);
+        ChunkAhead<true> then(kc, vc, table, kThenIntoL2 ? start + 2 * chunk : n_tokens, n_tokens, chunk, bs, row_stride, h0,
+                              heads, D, nh);
         const float* ksb = c.k_scale;
         const float* vsb = c.v_scale;
         // keys that exist (t < n) and are in the window (start + t >= lo), as all-ones lanes
@@ -55,8 +56,8 @@ void attend_avx2(const QIO& io, int64_t token, const T* kc, const T* vc, const f
             }
             for (int g = 0; g < G; ++g) {
                 const int i = (h - h0) * G + g;
-                next.fetch(i, nh);
-                if constexpr (kThenIntoL2) then.fetch<true>(i, nh);
+                next.step();
+                if constexpr (kThenIntoL2) then.step();
                 const float* qi = qs + i * D;
                 constexpr int QR = NV <= 8 ? NV : 1;  // q vectors held in registers (head_dim 64: all)
                 __m256 qv[QR];
@@ -76,7 +77,7 @@ void attend_avx2(const QIO& io, int64_t token, const T* kc, const T* vc, const f
                 const float bmax = std::fmax(m[i], modserve::hmax8(scores));
                 const float correction = exp_nonpositive(m[i] - bmax);  // ~0 on the first chunk (m = -inf)
                 const __m256 p = _mm256_and_ps(modserve::exp256_nonpositive(_mm256_sub_ps(scores, _mm256_set1_ps(bmax))), valid);
-                l[i] = l[i] * correction + modserve::hsum8(p);
+                l[i] = std::fma(l[i], correction, modserve::hsum8(p));  // fused, as GCC had contracted it
                 m[i] = bmax;
                 const __m256 pv = _mm256_mul_ps(p, vscale);  // int8: the V rows' scales folded in
                 const __m256 corr = _mm256_set1_ps(correction);

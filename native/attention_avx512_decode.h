@@ -31,8 +31,8 @@ inline __m512 chunk_scores(int n, const Dot& dot) {
 // vectors and one transpose-sum (no horizontal sum per score), a vector exp, and P.V with
 // its accumulators in registers. At SmolLM2's decode shape (64 rows x ~300 tokens, bf16,
 // 30 layers' caches) it takes 25-27 ms a step where the portable loops take 39-42.
-// The next chunk's rows are fetched in shares while this one computes (ChunkAhead; an
-// earlier trial measured nothing because GCC had dropped its _mm_prefetch calls).
+// The next chunk's rows are asked for while this one computes, a few lines at each query head
+// (ChunkAhead; an earlier trial measured nothing because GCC had dropped its _mm_prefetch calls).
 // attend_bf16dot below serves a bfloat16 model's rows over a bfloat16 cache.
 template <typename T, int D>
 void attend_avx512(const QIO& io, int64_t token, const T* kc, const T* vc, const float* ks, const float* vs,
@@ -51,7 +51,7 @@ void attend_avx512(const QIO& io, int64_t token, const T* kc, const T* vc, const
     for (int start = std::max(lo / chunk * chunk, from); start < n_tokens; start += chunk) {
         const int n = n_tokens - start < chunk ? n_tokens - start : chunk;
         const ChunkRows<T> c = chunk_rows(kc, vc, ks, vs, table, start, bs, KVH, row_stride);
-        const ChunkAhead next(kc, vc, table, start + chunk, n_tokens, chunk, bs, row_stride, h0, heads, D);
+        ChunkAhead<> next(kc, vc, table, start + chunk, n_tokens, chunk, bs, row_stride, h0, heads, D, nh);
         const float* ksb = c.k_scale;
         const float* vsb = c.v_scale;
         // keys that exist (t < n) and are in the window (start + t >= lo)
@@ -69,7 +69,7 @@ void attend_avx512(const QIO& io, int64_t token, const T* kc, const T* vc, const
             }
             for (int g = 0; g < G; ++g) {
                 const int i = (h - h0) * G + g;
-                next.fetch(i, nh);
+                next.step();
                 __m512 qv[NV];
                 for (int j = 0; j < NV; ++j) qv[j] = _mm512_loadu_ps(qs + i * D + 16 * j);
                 __m512 scores = chunk_scores(n, [&](int t) {
@@ -83,7 +83,7 @@ void attend_avx512(const QIO& io, int64_t token, const T* kc, const T* vc, const
                 const float bmax = std::fmax(m[i], _mm512_reduce_max_ps(scores));
                 const float correction = exp_nonpositive(m[i] - bmax);  // ~0 on the first chunk (m = -inf)
                 const __m512 p = _mm512_maskz_mov_ps(valid, exp512_nonpositive(_mm512_sub_ps(scores, _mm512_set1_ps(bmax))));
-                l[i] = l[i] * correction + _mm512_reduce_add_ps(p);
+                l[i] = std::fma(l[i], correction, _mm512_reduce_add_ps(p));  // fused, as GCC had contracted it
                 m[i] = bmax;
                 const __m512 pv = _mm512_mul_ps(p, vscale);  // int8: the V rows' scales folded in
                 // lane t broadcast in registers (a scalar reload of a just-stored vector would
@@ -136,7 +136,7 @@ constexpr int kSegment = 256;  // positions a decode row's segment sweeps take a
 // and the AMX Xeons); attend_segments asks twice on Zen cores (kZen) over float32 and bfloat16
 // caches, else once.
 //
-// A chunk's asks are spread over the steps of the current chunk's sweep (Asks::step): a few
+// A chunk's asks are spread over the steps of the current chunk's sweep (Asks::step, AheadLines): a few
 // lines at each query head, or, over a float32 cache on a Zen core, at each key
 // (attend_segments' kAskByKey; other cores were not measured, and ask at each query head as
 // their shares of rows did). In bursts of a ninth of a chunk (each query head's share), the
@@ -161,7 +161,7 @@ struct SegmentAhead {
     SegmentAhead(const T* kc, const T* vc, const int32_t* table, int bs, int chunk, int n_tokens, int h0, int heads, int D,
                  int64_t row_stride)
         : kc(kc), vc(vc), table(table), bs(bs), chunk(chunk), n_tokens(n_tokens),
-          lines_per_row(static_cast<int>(heads * D * sizeof(T) / 64)), row_stride(row_stride), first(static_cast<int64_t>(h0) * D) {}
+          lines_per_row(lines_of_heads<T>(heads, D)), row_stride(row_stride), first(static_cast<int64_t>(h0) * D) {}
     const T* rows_at(const T* cache, int start) const { return cache + slot_of(table, start, bs) * row_stride; }
     Rows at(const T* cache, int start) const {
         if (start >= n_tokens) return {nullptr, 0};
@@ -177,27 +177,13 @@ struct SegmentAhead {
         const int a = c + k * chunk;
         return a < seg_n ? at(vc, seg + a) : at(kc, seg + kSegment + a - seg_n);
     }
-    // A chunk's lines (r's rows, each lines_per_row lines), asked for a few at a time.
-    template <bool IntoL2>
-    struct Lines {
-        const char* row;
-        int rows_left, line, per_row;
-        int64_t row_bytes;
-        int count() const { return rows_left * per_row; }
-        void ask(int k) {
-            for (; k > 0 && rows_left > 0; --k) {
-                modserve::prefetch_line<IntoL2>(row + 64 * line);
-                if (++line == per_row) line = 0, row += row_bytes, --rows_left;
-            }
-        }
-    };
     // One chunk's asks, given the chunk after the current one (next) and the one after that
     // (then), spread over `steps` steps of the current chunk's sweep: step() at each, rest()
     // after the chunk. Two asks or one (above).
     template <bool TwoAsks>
     struct Asks {
-        Lines<false> l1;  // two asks: the next chunk; one ask: the chunk after next
-        Lines<true> l2;   // two asks: the chunk after next, into L2 only
+        AheadLines<false> l1;  // two asks: the next chunk; one ask: the chunk after next
+        AheadLines<true> l2;   // two asks: the chunk after next, into L2 only
         int per;  // lines a step, of each
         void step() {
             l1.ask(per);
@@ -212,8 +198,8 @@ struct SegmentAhead {
     Asks<TwoAsks> asks(const Rows& next, const Rows& then, int steps) const {
         const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(T));
         const Rows& into_l1 = TwoAsks ? next : then;
-        const Lines<false> l1{into_l1.base, into_l1.rows, 0, lines_per_row, row_bytes};
-        const Lines<true> l2{then.base, TwoAsks ? then.rows : 0, 0, lines_per_row, row_bytes};
+        const AheadLines<false> l1{into_l1.base, into_l1.rows, 0, lines_per_row, row_bytes};
+        const AheadLines<true> l2{then.base, TwoAsks ? then.rows : 0, 0, lines_per_row, row_bytes};
         const int most = std::max(l1.count(), l2.count());
         return {l1, l2, (most + steps - 1) / std::max(steps, 1)};
     }

@@ -221,39 +221,63 @@ constexpr bool kZen = true;  // GCC names the core for -march=native (GCC 12 cal
 constexpr bool kZen = false;
 #endif
 
-// The next chunk's K and V rows (the item's heads) asked for while this chunk computes, in
-// `parts` shares of whole rows, one per query head: without it the compute and the memory
-// stalls added up, and a burst of a whole chunk's lines at once measured nothing. One chunk
-// ahead, 64 rows x 450 positions of a float32 cache (30 layers, Zen 5): the AVX2 path
-// 1.7-1.8x faster (36-37 against 64-66 ms a step; 41-43 against 72-73 with scattered
-// blocks), the AVX-512 one 1.15-1.35x; two or three chunks ahead gained less. The AVX2 path
-// on a Zen core asks for a float32 cache's chunk after next as well, into L2 (fetch<true>):
-// on a Zen 4 built for AVX2, 1.41-1.55x faster at 4-64 rows; over bfloat16 and int8 caches
-// (whose widening bounds the loop) 0.95-0.99x, so they do not.
+// Rows ahead of a decode loop, asked for a few 64-byte lines at a time (ask): `rows` cache
+// rows from `row`, `row_bytes` apart, each `per_row` lines (the item's heads). A cursor, so a
+// chunk's asks spread over the steps of the loop's work on the current one, with no
+// divisions: asked in one burst, a chunk's lines filled the miss buffers and stalled the loop
+// at the prefetch instructions (SegmentAhead). IntoL2: prefetch_line<true>.
+template <bool IntoL2>
+struct AheadLines {
+    const char* row = nullptr;
+    int rows = 0, line = 0, per_row = 0;
+    int64_t row_bytes = 0;
+    int count() const { return rows * per_row; }
+    // Asks for up to k lines; returns how many of the k were left (no rows left)
+    int ask(int k) {
+        for (; k > 0 && rows > 0; --k) {
+            modserve::prefetch_line<IntoL2>(row + 64 * line);
+            if (++line == per_row) line = 0, row += row_bytes, --rows;
+        }
+        return k;
+    }
+};
+
+// 64-byte lines of a cache row's `heads` heads of D elements of T (a partial line counts)
+template <typename T>
+inline int lines_of_heads(int heads, int D) {
+    return static_cast<int>((static_cast<int64_t>(heads) * D * static_cast<int64_t>(sizeof(T)) + 63) / 64);
+}
+
+// The chunk at `at` (its K rows, then its V rows, for the item's heads), asked for while the
+// current chunk computes, over `steps` steps of its work (step(), one a query head): without
+// it the compute and the memory stalls added up, and a burst of a whole chunk's lines at once
+// measured nothing. One chunk ahead, 64 rows x 450 positions of a float32 cache (30 layers,
+// Zen 5): the AVX2 path 1.7-1.8x faster (36-37 against 64-66 ms a step; 41-43 against 72-73
+// with scattered blocks), the AVX-512 one 1.15-1.35x; two or three chunks ahead gained less.
+// The AVX2 path on a Zen core asks for a float32 cache's chunk after next as well, into L2
+// (ChunkAhead<true>): on a Zen 4 built for AVX2, 1.41-1.55x faster at 4-64 rows; over bfloat16
+// and int8 caches (whose widening bounds the loop) 0.95-0.99x, so they do not. Asking at each
+// key rather than each query head (as SegmentAhead does over a float32 cache on Zen cores)
+// took 1.04-1.47x the time on the AVX2 path. The cursor replaced shares of whole rows (two
+// divisions a query head): on a Zen 4, the AVX2 build over a float32 cache 0.86x the time at 64
+// and 16 rows x 300 positions, blocks scattered; bfloat16 0.95-1.00x, int8 level.
+template <bool IntoL2 = false>
 struct ChunkAhead {
-    const char* k = nullptr;
-    const char* v = nullptr;
-    int64_t stride = 0;  // bytes between cache rows
-    int lines = 0;       // 64-byte lines of a row's heads
-    int rows = 0;        // K rows, then as many V rows
+    AheadLines<IntoL2> k, v;
+    int per = 0;  // lines a step
     template <typename T>
     ChunkAhead(const T* kc, const T* vc, const int32_t* table, int at, int n_tokens, int chunk, int bs,
-               int64_t row_stride, int h0, int heads, int D) {
+               int64_t row_stride, int h0, int heads, int D, int steps) {
         if (at >= n_tokens) return;
         const int64_t first = slot_of(table, at, bs) * row_stride + static_cast<int64_t>(h0) * D;
-        k = reinterpret_cast<const char*>(kc + first), v = reinterpret_cast<const char*>(vc + first);
-        stride = row_stride * static_cast<int64_t>(sizeof(T));
-        lines = static_cast<int>((static_cast<int64_t>(heads) * D * static_cast<int64_t>(sizeof(T)) + 63) / 64);
-        rows = std::min(chunk, n_tokens - at);
+        const int rows = std::min(chunk, n_tokens - at);
+        const int per_row = lines_of_heads<T>(heads, D);
+        const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(T));
+        k = {reinterpret_cast<const char*>(kc + first), rows, 0, per_row, row_bytes};
+        v = {reinterpret_cast<const char*>(vc + first), rows, 0, per_row, row_bytes};
+        per = (2 * rows * per_row + steps - 1) / std::max(steps, 1);
     }
-    // Share `part` of `parts`, in whole rows (a division per line cost more than the line).
-    template <bool IntoL2 = false>
-    void fetch(int part, int parts) const {
-        for (int r = part * 2 * rows / parts; r < (part + 1) * 2 * rows / parts; ++r) {
-            const char* row = r < rows ? k + r * stride : v + (r - rows) * stride;
-            for (int x = 0; x < lines; ++x) modserve::prefetch_line<IntoL2>(row + 64 * x);
-        }
-    }
+    void step() { v.ask(k.ask(per)); }
 };
 
 }  // namespace modserve::paged_attention
