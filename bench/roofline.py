@@ -475,7 +475,11 @@ def run_engine(args, resolved, llm, machine: dict[str, Any]) -> dict[str, Any]:
         c.registry.pm.unregister(account)
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     lengths = [(r.prompt_len, r.output_len) for r in requests]
-    report = engine_report(account, spec, machine, dtype, wall, out_tokens, args, c.model_name, lengths)
+    # measured again once the run is over: a shared host's bandwidth drifts (a VM's read rate moved
+    # between 35.6 and 51.2 GB/s from one run to the next), so the decode steps' share gets both ends
+    before = machine["bandwidth"]
+    after = _measure_bandwidth(c.device, before["bytes"], before["repeats"])["read_gb_s"]
+    report = engine_report(account, spec, machine, dtype, wall, out_tokens, args, c.model_name, lengths, after)
     report["forward_parts"] = None if parts is None else forward_parts.report(
         parts, account.times["model"], wall, out_tokens, account.linear_flops, report["peak_flops_per_s"])
     replayed = "not timed: decode steps replay as graphs, which no timer sees (device.decode_graphs: false times them)"
@@ -488,10 +492,11 @@ def run_engine(args, resolved, llm, machine: dict[str, Any]) -> dict[str, Any]:
 
 def engine_report(
     account: _StepAccount, spec, machine, dtype: str, wall: float, out_tokens: int, args, model_name: str,
-    lengths: list[tuple[int, int]],
+    lengths: list[tuple[int, int]], read_gb_s_after: float | None = None,
 ) -> dict[str, Any]:
     """The engine figures from one run's accounting and the machine's measured limits;
-    ``lengths``: each request's ``(prompt tokens, output tokens)``."""
+    ``lengths``: each request's ``(prompt tokens, output tokens)``; ``read_gb_s_after``: the read
+    bandwidth measured again after the run (the decode steps' share of it too)."""
     flops = sum(model_flops(spec, prompt, output) for prompt, output in lengths)
     asked = sum(output for _, output in lengths)
     peak = machine["dtypes"][dtype]["peak_flops_per_s"]
@@ -530,6 +535,8 @@ def engine_report(
             "kv_bytes_per_step": d["kv_bytes"] / d["steps"],
             "achieved_gb_s": achieved_bw / 1e9,
             "bandwidth_share": achieved_bw / read_bw,
+            "read_gb_s_after": read_gb_s_after,
+            "bandwidth_share_after": None if read_gb_s_after is None else achieved_bw / (read_gb_s_after * 1e9),
             "achieved_flops_per_s": achieved,
             "arithmetic_intensity": ai,
             "machine_balance": peak / read_bw,
@@ -597,8 +604,10 @@ def print_engine(e: dict[str, Any]) -> None:
         moved = _si(d["weight_bytes_per_step"] + d["kv_bytes_per_step"], "B")
         row("  bytes moved per step", f"≈ {moved}",
             f"(weights {_si(d['weight_bytes_per_step'], 'B')} + KV read {_si(d['kv_bytes_per_step'], 'B')})")
+        after = "" if d.get("read_gb_s_after") is None else (
+            f" ({100 * d['bandwidth_share_after']:.0f} % of the {d['read_gb_s_after']:.1f} GB/s measured after the run)")
         row("  achieved bandwidth", f"≈ {d['achieved_gb_s']:.2f} GB/s",
-            f"= {100 * d['bandwidth_share']:.0f} % of the measured read bandwidth")
+            f"= {100 * d['bandwidth_share']:.0f} % of the measured read bandwidth{after}")
         row("  arithmetic intensity", f"≈ {d['arithmetic_intensity']:.1f} FLOP/B",
             f"vs machine balance {d['machine_balance']:.1f} FLOP/B (peak / read bandwidth): {d['bound']}-bound")
         row("  achieved compute", _si(d["achieved_flops_per_s"], "FLOP/s"),

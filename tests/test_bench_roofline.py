@@ -113,6 +113,10 @@ def test_engine_part_on_a_tiny_model(tiny_dir, tiny_config, tmp_path, capsys):
     assert d["steps"] > 0 and 1 <= d["mean_batch"] <= 4
     assert d["bytes"] > d["steps"] * weight_bytes(spec, 4)  # weights every step, plus the KV read
     assert d["arithmetic_intensity"] > 0 and d["achieved_gb_s"] > 0
+    # the read bandwidth measured again after the run, and the decode steps' share of it
+    assert d["read_gb_s_after"] > 0
+    assert d["bandwidth_share_after"] == pytest.approx(d["achieved_gb_s"] / d["read_gb_s_after"])
+    assert f"of the {d['read_gb_s_after']:.1f} GB/s measured after the run" in printed
     assert e["notes"] == []
     # the forward by part: every linear and attention call of every timed step was seen
     p, steps = e["forward_parts"], e["counts"]["steps"]
