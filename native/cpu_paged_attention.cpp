@@ -116,6 +116,9 @@ void run(const QIO& io, const void* k_cache, const void* v_cache, const float* k
     std::sort(tiles.begin(), tiles.end(), [&](const Item& a, const Item& b) {
         return row_pos[a.first] + a.count > row_pos[b.first] + b.count;
     });
+    // lone rows too, the most positions first (the items are dealt out dynamically: a long row
+    // dealt last kept one thread busy after the others were done)
+    std::stable_sort(singles.begin(), singles.end(), [&](const Item& a, const Item& b) { return row_pos[a.first] > row_pos[b.first]; });
     std::vector<Item> items;
     for (const Item& t : tiles) {
         for (int h = 0; h < KVH; ++h) items.push_back({t.first, t.count, h, h + 1});
