@@ -298,18 +298,23 @@ def _time_linear(m: int, n: int, k: int, dtype, device, repeats: int) -> float:
     return best
 
 
+def _read_gb_s(src, device, repeats: int) -> float:
+    """The rate ``src.sum()`` reads ``src`` at, best of ``repeats``."""
+    return src.numel() * src.element_size() / _best_time(lambda: src.sum(), device, repeats, budget_s=2.0) / 1e9
+
+
 def _measure_bandwidth(device, nbytes: int, repeats: int) -> dict[str, Any]:
     import torch
 
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     dst = torch.zeros_like(src)  # preallocated and touched: the copy measures memory, not page faults
-    read = _best_time(lambda: src.sum(), device, repeats, budget_s=2.0)
+    read_gb_s = _read_gb_s(src, device, repeats)
     copy = _best_time(lambda: dst.copy_(src), device, repeats, budget_s=2.0)
     size = src.numel() * 4
     return {
         "bytes": size,
         "repeats": repeats,
-        "read_gb_s": size / read / 1e9,
+        "read_gb_s": read_gb_s,
         "copy_gb_s": 2 * size / copy / 1e9,  # read + write
     }
 
@@ -443,6 +448,8 @@ def build_engine(args, resolved):
 
 def run_engine(args, resolved, llm, machine: dict[str, Any]) -> dict[str, Any]:
     """Run the workload on the engine and account for every step."""
+    import torch
+
     from modserve import SamplingParams
     from modserve.bench.throughput import greedy_params, make_prompts, make_requests
 
@@ -478,7 +485,7 @@ def run_engine(args, resolved, llm, machine: dict[str, Any]) -> dict[str, Any]:
     # measured again once the run is over: a shared host's bandwidth drifts (a VM's read rate moved
     # between 35.6 and 51.2 GB/s from one run to the next), so the decode steps' share gets both ends
     before = machine["bandwidth"]
-    after = _measure_bandwidth(c.device, before["bytes"], before["repeats"])["read_gb_s"]
+    after = _read_gb_s(torch.ones(before["bytes"] // 4, dtype=torch.float32, device=c.device), c.device, before["repeats"])
     report = engine_report(account, spec, machine, dtype, wall, out_tokens, args, c.model_name, lengths, after)
     report["forward_parts"] = None if parts is None else forward_parts.report(
         parts, account.times["model"], wall, out_tokens, account.linear_flops, report["peak_flops_per_s"])
