@@ -136,10 +136,10 @@ constexpr int kSegment = 256;  // positions a decode row's segment sweeps take a
 // and the AMX Xeons); attend_segments asks twice on Zen cores (kZen) over float32 and bfloat16
 // caches, else once.
 //
-// A chunk's asks are spread over the steps of the current chunk's sweep (Asks::step, AheadLines): a few
-// lines at each query head, or, over a float32 cache on a Zen core, at each key
-// (attend_segments' kAskByKey; other cores were not measured, and ask at each query head as
-// their shares of rows did). In bursts of a ninth of a chunk (each query head's share), the
+// A chunk's asks are spread over the steps of the current chunk's sweep (Asks::step, walking
+// AheadLines): a few lines at each query head, or, over a float32 cache on a Zen core, at each
+// key (attend_segments' kAskByKey; other cores were not measured, and ask at each query head
+// as their shares of rows did). In bursts of a ninth of a chunk (each query head's share), the
 // asks over a float32 cache filled the miss buffers and stalled the loop at the prefetch
 // instructions: a third of the samples in a profile (Zen 4, 64 rows x 300 positions, blocks
 // scattered). Asked at each key, the same lines took 0.90x the time there, 0.77x with blocks
@@ -200,8 +200,7 @@ struct SegmentAhead {
         const Rows& into_l1 = TwoAsks ? next : then;
         const AheadLines<false> l1{into_l1.base, into_l1.rows, 0, lines_per_row, row_bytes};
         const AheadLines<true> l2{then.base, TwoAsks ? then.rows : 0, 0, lines_per_row, row_bytes};
-        const int most = std::max(l1.count(), l2.count());
-        return {l1, l2, (most + steps - 1) / std::max(steps, 1)};
+        return {l1, l2, lines_a_step(std::max(l1.count(), l2.count()), steps)};
     }
 };
 

@@ -248,6 +248,9 @@ inline int lines_of_heads(int heads, int D) {
     return static_cast<int>((static_cast<int64_t>(heads) * D * static_cast<int64_t>(sizeof(T)) + 63) / 64);
 }
 
+// Lines to ask for at each of `steps` steps so that `lines` are asked for by the last
+inline int lines_a_step(int lines, int steps) { return (lines + steps - 1) / std::max(steps, 1); }
+
 // The chunk at `at` (its K rows, then its V rows, for the item's heads), asked for while the
 // current chunk computes, over `steps` steps of its work (step(), one a query head): without
 // it the compute and the memory stalls added up, and a burst of a whole chunk's lines at once
@@ -275,7 +278,7 @@ struct ChunkAhead {
         const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(T));
         k = {reinterpret_cast<const char*>(kc + first), rows, 0, per_row, row_bytes};
         v = {reinterpret_cast<const char*>(vc + first), rows, 0, per_row, row_bytes};
-        per = (2 * rows * per_row + steps - 1) / std::max(steps, 1);
+        per = lines_a_step(2 * rows * per_row, steps);
     }
     void step() { v.ask(k.ask(per)); }
 };
