@@ -52,7 +52,13 @@ void block(const uint16_t* x, int64_t x_stride, const W* w, int64_t panel, int K
         for (int64_t i = k * per_pair; i < (k + 1) * per_pair && i < ahead_lines; ++i) modserve::prefetch_line<true>(ahead + 64 * i);
         __m512bh wv[P];
 #pragma GCC unroll 8
-        for (int p = 0; p < P; ++p) wv[p] = pair_weights(w + p * panel + k * 32);
+        for (int p = 0; p < P; ++p) {
+            wv[p] = pair_weights(w + p * panel + k * 32);
+            // Held in a register: GCC 12 otherwise loaded them again for every row of some blocks
+            // (Zen 4, one group in L2: three rows by four panels 121-183 -> 233 GFLOP/s a core,
+            // gated two and three rows 178 and 174 -> 211 and 218).
+            asm("" : "+v"(wv[p]));
+        }
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
             int32_t pair;
@@ -125,21 +131,26 @@ inline void widen_codes(const int8_t* w, int64_t n, uint16_t* out) {
     for (int64_t i = 0; i < n; i += 32) _mm512_storeu_si512(out + i, reinterpret_cast<__m512i>(pair_weights(w + i)));
 }
 
+// The rows of the next block when `left` remain: six, but the last seven as four and three, not
+// six and one, whose four sums each wait on the last VDPBF16PS (Zen 4, one group in L2: a one-row
+// block 114 GFLOP/s a core, three to six rows 213-234; SmolLM2's layers, 7 and 13 rows 1.13x and
+// 1.08x faster from L3).
+inline int block_rows(int64_t left) { return left == kRows + 1 ? 4 : left < kRows ? static_cast<int>(left) : kRows; }
+
 // Rows [c0, c1) times the np panels from panel p, whose weights (codes or bfloat16) are `group`,
 // in blocks of up to kRows rows; each block asks for its share of the next_lines cache lines at
 // next_w (the next group's weights) into L2 only: asked for into L1 as well, they took L1's miss
 // buffers from the block's own loads (Zen 4, 2-16 rows: 0.79-0.90x the time into L2 only). A
-// block's share is in proportion to its rows: with a third each, the one-row block of 13 rows
-// (6 + 6 + 1) had a third of the lines to ask for in a tenth of the time (Zen 4, SmolLM2's
+// block's share is in proportion to its rows: with a third each, the one-row block 13 rows then
+// made (6 + 6 + 1) had a third of the lines to ask for in a tenth of the time (Zen 4, SmolLM2's
 // layers: 13 and 14 rows 1.07-1.10x faster by rows, 7-64 rows otherwise within the noise).
 template <typename V>
 void group_blocks(const uint16_t* x, int64_t x_stride, int64_t c0, int64_t c1, const V* group, int64_t panel, int K,
                   const float* bias, const float* scale, int64_t p, int np, int64_t N, uint16_t* y, int64_t y_stride,
                   bool gated, const char* next_w, int64_t next_lines) {
-    const int64_t rows = c1 - c0, blocks = (rows + kRows - 1) / kRows;
-    for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t m = c0 + b * kRows;
-        const int nr = c1 - m < kRows ? static_cast<int>(c1 - m) : kRows;
+    const int64_t rows = c1 - c0;
+    for (int64_t m = c0, nr; m < c1; m += nr) {
+        nr = block_rows(c1 - m);
         const int64_t l0 = next_lines * (m - c0) / rows, l1 = next_lines * (m + nr - c0) / rows;
         const Block<V> run = gated ? pick<V, true>(nr, np) : pick<V, false>(nr, np);
         run(x + m * x_stride, x_stride, group, panel, K, bias, scale, p * 16, N, y + m * y_stride, y_stride, next_w + 64 * l0,
