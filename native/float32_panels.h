@@ -235,8 +235,12 @@ void block(const float* x, int64_t x_stride, const W* w, int64_t panel, int K, c
         else
             pair_step<R, P, true>(x, x_stride, w, panel, k, acc, acc);
     };
+    // Blocks of up to five rows (all of the AVX2 build's) ask into L2 only, as the AVX512_BF16
+    // panels do: with AVX2 (benchmarks/emulate_avx2.sh on a Zen 4) 5-16 rows 1.12-1.21x faster
+    // than into L1, 32 rows 1.04x; the AVX-512 build's 5 rows 1.09x, its 12-row blocks level or
+    // slower (13 rows 0.97x), so they keep asking into L1.
     for (int k = 0; k < asking; ++k) {
-        for (int64_t i = k * per_pair; i < (k + 1) * per_pair && i < ahead_lines; ++i) modserve::prefetch_line(ahead + 64 * i);
+        for (int64_t i = k * per_pair; i < (k + 1) * per_pair && i < ahead_lines; ++i) modserve::prefetch_line<(R <= 5)>(ahead + 64 * i);
         step(k);
     }
     for (int k = asking; k < pairs; ++k) step(k);  // no scalar work beside the FMAs where none asks (12-16% at 64-256 rows, Cascade Lake)
