@@ -85,9 +85,9 @@ def test_module_equals_its_dequantized_product_and_stays_near_float(scheme, dtyp
         assert torch.equal(module.qweight, quantize_per_channel_int8(layer.weight)[0])
         w_deq = module.qweight.float() * module.scale.float()[:, None]
     elif scheme.startswith("w8a8"):
+        if scheme == "w8a8" and not onednn_int8_available():
+            pytest.skip("no exact oneDNN int8 here")
         module = W8A8Linear(layer, use_onednn=scheme == "w8a8")
-        if scheme == "w8a8" and not module.onednn:
-            pytest.skip("no oneDNN int8 here")
         q, scale = quantize_per_channel_int8(layer.weight)
         assert torch.equal(module.scale, scale)
         w_deq = q.float() * scale[:, None]
@@ -126,6 +126,20 @@ def test_activation_quantization_is_per_row_and_exact_for_zero_rows():
     q, s = quantize_rows_int8(x)
     assert q.tolist() == [[64, -127, 32], [0, 0, 0], [127, 64, -32]]  # 63.5 and 31.75 round to 64, 32
     assert s.flatten().tolist() == pytest.approx([2 / 127, 0.0, 100 / 127], rel=1e-6, abs=1e-30)
+
+
+def test_w8a8s_default_kernel_sums_products_that_would_saturate_int16_exactly():
+    """Rows and weights of +-127 (their codes): oneDNN without VNNI sums u8 x s8 pairs in int16
+    and saturated (2,040 for 258,064 on an AVX2-only Zen 3), so such CPUs must not take it."""
+    layer = nn.Linear(64, 32, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.where(torch.arange(64) % 3 == 0, -1.0, 1.0).expand(32, 64))
+    module = W8A8Linear(layer)
+    x = torch.where(torch.arange(64) % 5 == 0, -2.0, 2.0).expand(4, 64).contiguous()
+    q, s = quantize_rows_int8(x)
+    qw, sw = quantize_per_channel_int8(layer.weight)
+    assert int(q.abs().max()) == 127 and int(qw.abs().max()) == 127
+    assert _rel_err(module(x), (q.float() @ qw.float().t()) * s * sw) <= 1e-6
 
 
 @pytest.mark.parametrize("use_onednn", _w8a8_kernels())

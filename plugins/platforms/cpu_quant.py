@@ -211,16 +211,20 @@ class Int8WeightOnlyLinear(QuantizedLinear):
 
 @functools.cache
 def onednn_int8_available() -> bool:
-    """Whether this torch build and CPU run oneDNN's int8 linear (x86 with mkldnn; probed once)."""
+    """Whether this torch build and CPU run oneDNN's int8 linear exactly (x86 with mkldnn;
+    probed once). Without AVX512_VNNI or AVX-VNNI, oneDNN sums pairs of u8 x s8 products in
+    int16, which saturates: on an AVX2-only Zen 3, rows of 127 times weights of 127 over 16
+    inputs gave 2,040 instead of 258,064. The probe multiplies exactly such values, so those
+    CPUs take ``torch._int_mm`` (exact int32 sums)."""
     if not torch.backends.mkldnn.is_available():
         return False
     try:
-        packed = torch.ops.onednn.qlinear_prepack(torch.ones(16, 16, dtype=torch.int8), None)
-        out = torch.ops.onednn.qlinear_pointwise.default(torch.ones(4, 16, dtype=torch.int8), 1.0, 0, packed, torch.ones(16), torch.zeros(16, dtype=torch.long),
-                       None, 1.0, 0, torch.float32, "none", [], "")
+        packed = torch.ops.onednn.qlinear_prepack(torch.full((16, 16), 127, dtype=torch.int8), None)
+        out = torch.ops.onednn.qlinear_pointwise.default(torch.full((4, 16), 127, dtype=torch.int8), 1.0, 0, packed, torch.ones(16),
+                                                         torch.zeros(16, dtype=torch.long), None, 1.0, 0, torch.float32, "none", [], "")
     except (RuntimeError, AttributeError, NotImplementedError):
         return False
-    return bool((out == 16).all())
+    return bool((out == 16 * 127 * 127).all())
 
 
 class W8A8Linear(QuantizedLinear):
