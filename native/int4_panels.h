@@ -17,7 +17,7 @@
 
 namespace modserve {
 
-// int4 weights in torch's CPU packing (_convert_weight_to_int4pack_for_cpu: for each block of
+// int4 weights in torch's AVX-512 CPU packing, which cpu_int4_packing.py writes on every CPU (for each block of
 // 64 outputs, [K][32] bytes, byte j holding output j in its low nibble and output j + 32 in its
 // high one) with torch's scales_and_zeros ([K/group][N][2] bfloat16: w = (q - 8) s + z),
 // widened into the packed bfloat16 panels (cpu_panel_linear.py's pack) for 16-output panels

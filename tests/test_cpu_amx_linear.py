@@ -81,7 +81,7 @@ def _int4_codes(module, n: int, k: int) -> torch.Tensor:
     """The 4-bit codes torch packed, read back through its own kernel on the identity."""
     eye = torch.eye(k, dtype=torch.float32)
     ones = torch.stack([torch.ones(k // module.group_size, n), torch.zeros(k // module.group_size, n)], -1)
-    return torch._weight_int4pack_mm_for_cpu(eye, module.packed, module.group_size, ones).t() + 8  # (q - 8) * 1 + 0
+    return torch._weight_int4pack_mm_for_cpu(eye, module.torch_packed(), module.group_size, ones).t() + 8  # (q - 8) * 1 + 0
 
 
 @needs_amx

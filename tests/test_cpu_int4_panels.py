@@ -49,7 +49,7 @@ def test_the_widened_product_equals_the_bfloat16_panels_on_the_widened_weights(k
     with torch_threads(threads):
         got = int4_product(x, module.packed, module.scales_and_zeros, group)
     assert torch.equal(got, Avx512Linear(reference)(x))
-    want = torch._weight_int4pack_mm_for_cpu(x, module.packed, group, module.scales_and_zeros)  # torch's own kernel
+    want = torch._weight_int4pack_mm_for_cpu(x, module.torch_packed(), group, module.scales_and_zeros)  # torch's own kernel
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
@@ -93,7 +93,7 @@ def test_the_float32_product_equals_torchs_int4_kernel(k, n, rows, group, build)
     layer = nn.Linear(k, n)
     module = Int4WeightOnlyLinear(layer, group)
     x = torch.randn(rows, k)
-    want = torch._weight_int4pack_mm_for_cpu(x, module.packed, group, module.scales_and_zeros) + layer.bias
+    want = torch._weight_int4pack_mm_for_cpu(x, module.torch_packed(), group, module.scales_and_zeros) + layer.bias
     got = int4_product(x, module.packed, module.scales_and_zeros, group, layer.bias.detach(), build)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     wide = torch.full((rows, n + 64), float("nan"))
@@ -154,6 +154,6 @@ def test_int4_layers_take_onednns_product_only_past_the_recorded_decode_batches(
     monkeypatch.setattr(cpu_avx2_linear, "int4_widened", lambda *a, **k: widened.append(1) or real(*a, **k))
     for rows in (library_from - 1, library_from):
         x = torch.randn(rows, 256)
-        want = torch._weight_int4pack_mm_for_cpu(x, module.packed, module.group_size, module.scales_and_zeros.float()) + module._bias32
+        want = torch._weight_int4pack_mm_for_cpu(x, module.torch_packed(), module.group_size, module.scales_and_zeros.float()) + module._bias32
         torch.testing.assert_close(module(x), want, rtol=1e-5, atol=1e-5)
     assert widened == [1]  # only at library_from rows

@@ -65,8 +65,8 @@ def _scratch(elements: int) -> torch.Tensor:
 
 
 def int4_product(rows: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int) -> torch.Tensor:
-    """``rows @ W.T`` in bfloat16 for int4 ``W`` held as torch's CPU int4 kernel holds it
-    (``packed`` from ``_convert_weight_to_int4pack_for_cpu``, ``[N, K/2]`` uint8, N a multiple
+    """``rows @ W.T`` in bfloat16 for int4 ``W`` held as torch's CPU int4 kernel holds it on AVX-512
+    (``packed`` from :func:`~modserve.plugins.platforms.cpu_int4_packing.pack_int4`, ``[N, K/2]`` uint8, N a multiple
     of 64; ``scales_and_zeros`` ``[K/group, N, 2]`` bfloat16; K and the group multiples of 32):
     each thread widens its share of the weights to bfloat16 tiles in a scratch buffer and runs
     the AMX product on them while they sit in its cache. For many rows, where torch's int4

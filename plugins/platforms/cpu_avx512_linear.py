@@ -47,8 +47,8 @@ def load_int4() -> NativeFunction:
 
 def int4_product(rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor | FileScales, group: int,
                  bias: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``rows @ W.T + bias`` in bfloat16 for int4 ``W`` held as torch's CPU int4 kernel holds it
-    (``packed`` from ``_convert_weight_to_int4pack_for_cpu``, ``[N, K/2]`` uint8, N a multiple
+    """``rows @ W.T + bias`` in bfloat16 for int4 ``W`` held as torch's CPU int4 kernel holds it on AVX-512
+    (``packed`` from :func:`~modserve.plugins.platforms.cpu_int4_packing.pack_int4`, ``[N, K/2]`` uint8, N a multiple
     of 64; ``scales`` torch's ``scales_and_zeros`` ``[K/group, N, 2]`` bfloat16, or a GGUF
     layer's own (:class:`FileScales`: ``q s + m``, exact); K and the group multiples of 32;
     ``bias`` ``[N]`` float32 or None), one native call (``native/int4_panels.h``): below 8 rows

@@ -85,6 +85,7 @@ from torch import nn
 
 from modserve.core.config import ConfigError
 from modserve.core.contract import NativeFunction
+from modserve.plugins.platforms.cpu_int4_packing import for_torch, pack_int4
 from modserve.plugins.platforms.cpu_linear import _CHUNK_SIZES, _padded, linear_product, row_chunks
 
 if TYPE_CHECKING:
@@ -319,7 +320,8 @@ class Int4WeightOnlyLinear(QuantizedLinear):
     """``y = x @ W.T + b`` with ``W[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n]`` for
     ``g = k // group_size``: torch's CPU int4 kernel's own format (``scales_and_zeros`` is
     ``[K/g, N, 2]`` in the activations' dtype, ``zero = minimum + 8 * scale``), the 4-bit
-    values packed two per byte by ``_convert_weight_to_int4pack_for_cpu``.
+    values packed two per byte as ``_convert_weight_to_int4pack_for_cpu`` packs them on an
+    AVX-512 CPU, on every CPU (:mod:`~modserve.plugins.platforms.cpu_int4_packing`).
 
     That kernel is a matrix-vector product per row: the fastest at one row, 5-18x slower than
     bfloat16 from 16 rows on. With ``amx`` (set by the platform where its bfloat16 linears run
@@ -361,7 +363,7 @@ class Int4WeightOnlyLinear(QuantizedLinear):
     def _store(self, layer: nn.Linear, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, group_size: int,
                dtype: torch.dtype) -> None:
         self.group_size = group_size
-        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q, 1), False)  # [N, K/2] uint8
+        self.register_buffer("packed", pack_int4(q), False)  # [N, K/2] uint8, the native kernels' layout on every CPU
         scales_and_zeros = torch.stack([scale, lo + 8.0 * scale], dim=-1).transpose(0, 1).contiguous()
         self.register_buffer("scales_and_zeros", scales_and_zeros.to(dtype), False)
         self.register_buffer("_bias32", None if layer.bias is None else layer.bias.detach().float().contiguous(), False)  # panels
@@ -403,7 +405,16 @@ class Int4WeightOnlyLinear(QuantizedLinear):
             return self.with_bias(int4_product(rows, self.packed, sz, self.group_size))
         if self.panels and rows.dtype == self.scales_and_zeros.dtype in PANEL_DTYPES and self.out_features % 64 == 0:
             return self._panel_product(rows)
-        return self.with_bias(torch._weight_int4pack_mm_for_cpu(rows.contiguous(), self.packed, self.group_size, sz))
+        return self.with_bias(torch._weight_int4pack_mm_for_cpu(rows.contiguous(), self.torch_packed(), self.group_size, sz))
+
+    _torch_copy: torch.Tensor | None = None  # packed in torch's layout, where this CPU's differs (torch_packed)
+
+    def torch_packed(self) -> torch.Tensor:
+        """The weights as torch's int4 product reads them on this CPU: :attr:`packed` itself,
+        or (AVX2-only CPUs, whose torch packs in blocks of 32) a copy made on the first call."""
+        if self._torch_copy is None:
+            self._torch_copy = for_torch(self.packed)
+        return self._torch_copy
 
     def product_into(self, rows: torch.Tensor, out: torch.Tensor) -> None:
         if not self.records or rows.dtype != self.scales_dtype:
