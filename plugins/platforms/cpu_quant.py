@@ -411,7 +411,9 @@ class Int4WeightOnlyLinear(QuantizedLinear):
 
     def torch_packed(self) -> torch.Tensor:
         """The weights as torch's int4 product reads them on this CPU: :attr:`packed` itself,
-        or (AVX2-only CPUs, whose torch packs in blocks of 32) a copy made on the first call."""
+        or (AVX2-only CPUs, whose torch packs in blocks of 32) a copy made on the first call.
+        A layer whose calls all take torch's product there (a bfloat16 model on an AVX2-only
+        CPU, where no native bfloat16 kernel runs) so holds both: half its bfloat16 bytes."""
         if self._torch_copy is None:
             self._torch_copy = for_torch(self.packed)
         return self._torch_copy
